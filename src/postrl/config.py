@@ -1,0 +1,443 @@
+"""Run configuration: pydantic models of every section, YAML loading and dotted CLI overrides.
+
+Names follow the MindSpeed-RL / verl guides so users can carry their settings over. Every field has
+a docstring-like `description`. Values left as None are derived in one place, right after parsing
+(`Config._derive`): `algorithm.name: dapo` switches on DAPO's defaults (clip-higher 0.28,
+token-mean, overlong buffer, filter_groups, no KL), and every DAPO piece also works alone under GRPO.
+
+`load_config` reports every problem at once (what, why, how to fix) as a `UserError`.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from postrl.errors import UserError
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=False, protected_namespaces=())
+
+
+# --------------------------------------------------------------------------------------------- model
+class ModelConfig(Section):
+    path: str = Field(
+        description="Hugging Face model directory or hub id (e.g. Qwen/Qwen2.5-7B-Instruct), or "
+        "'builtin:tiny-qwen2' for the built-in tiny model (built locally and cached)."
+    )
+    tokenizer_path: str | None = Field(None, description="Tokenizer/processor location; defaults to `path`.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Parameter dtype for training and rollout (float32 on CPU)."
+    )
+    trust_remote_code: bool = Field(False, description="Passed to from_pretrained; keep false unless you trust the repo.")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    freeze_vision_tower: bool = Field(True, description="VLMs: keep the vision encoder frozen during RL.")
+    tiny: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Overrides of the tiny model factory (hidden_size, num_layers, vocab_size, seed, ...) "
+        "when path is 'builtin:tiny-qwen2'.",
+    )
+
+
+# ---------------------------------------------------------------------------------------------- data
+class BuiltinTaskConfig(Section):
+    """Knobs of the built-in synthetic arithmetic word problems (`builtin:arithmetic:<split>`)."""
+
+    train_size: int = Field(20000, ge=1, description="Number of training problems.")
+    val_size: int = Field(500, ge=1, description="Number of held-out problems (disjoint from training).")
+    max_value: int = Field(60, ge=2, description="Operands are drawn from 1..max_value.")
+    min_operands: int = Field(2, ge=2, description="Fewest numbers in a problem.")
+    max_operands: int = Field(3, ge=2, description="Most numbers in a problem.")
+    subtraction: bool = Field(True, description="Allow 'gives away' steps (subtraction, never below zero).")
+    seed: int = Field(1234, description="Seed of the problem generator.")
+
+
+class DataConfig(Section):
+    train_files: list[str] = Field(
+        default_factory=lambda: ["builtin:arithmetic:train"],
+        description="Parquet/JSONL files in the verl schema, or 'builtin:arithmetic:train'.",
+    )
+    val_files: list[str] = Field(
+        default_factory=lambda: ["builtin:arithmetic:val"], description="Held-out files for validation."
+    )
+    prompt_key: str = Field("prompt", description="Column holding the chat messages (or a plain string).")
+    answer_key: str = Field("reward_model.ground_truth", description="Dotted path of the ground truth in a row.")
+    response_key: str = Field("extra_info.solution", description="Dotted path of the reference response (SFT).")
+    image_key: str = Field("images", description="Column holding images (vision-language data).")
+    max_prompt_length: int = Field(512, ge=1, description="Prompts longer than this (tokens) are dropped.")
+    filter_overlong_prompts: bool = Field(True, description="Drop overlong prompts (else: error).")
+    shuffle: bool = Field(True, description="Shuffle the training prompts every epoch.")
+    seed: int = Field(0, description="Seed of the shuffle.")
+    builtin: BuiltinTaskConfig = Field(default_factory=BuiltinTaskConfig, description="Built-in task knobs.")
+
+
+# ------------------------------------------------------------------------------------------- rollout
+class RolloutConfig(Section):
+    engine: Literal["auto", "hf", "vllm"] = Field(
+        "auto", description="Rollout engine: vllm when it imports and supports the model (auto), else hf."
+    )
+    n_samples_per_prompt: int = Field(8, ge=2, description="Completions per prompt (the GRPO group size, >= 2).")
+    max_tokens: int = Field(256, ge=1, description="Maximum response tokens (the guides' rollout_max_tokens).")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature; log-probs use the same scaling.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: int = Field(-1, description="Top-k sampling; -1 disables.")
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM on GPU: fraction of memory it may use.")
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism.")
+    kv_cache_space_gb: float = Field(1.0, gt=0, description="vLLM on CPU: KV cache size (VLLM_CPU_KVCACHE_SPACE).")
+    max_num_seqs: int = Field(256, ge=1, description="vLLM: sequences in flight.")
+    enable_sleep_mode: bool = Field(True, description="vLLM on GPU: sleep the engine during the policy update.")
+
+
+# ----------------------------------------------------------------------------------------- algorithm
+class KLConfig(Section):
+    coef: float = Field(0.0, ge=0, description="Weight of the KL-to-reference loss; 0 = no reference model.")
+    estimator: Literal["k1", "k2", "k3", "abs", "low_var_kl"] = Field(
+        "k3", description="KL estimator (k3 = low_var_kl of the guides)."
+    )
+
+
+class OverlongBufferConfig(Section):
+    enable: bool | None = Field(None, description="DAPO overlong reward shaping (default: on for dapo).")
+    len: int = Field(64, ge=1, description="Buffer length B: penalty starts at max_tokens - B.")
+    penalty_factor: float = Field(1.0, ge=0, description="Penalty at max_tokens.")
+
+
+class FilterGroupsConfig(Section):
+    enable: bool | None = Field(None, description="DAPO dynamic sampling (default: on for dapo).")
+    metric: str = Field("acc", description="Raw verifier metric whose zero-std groups are dropped.")
+    max_num_gen_batches: int = Field(
+        10, description="Give up after this many generation batches per step; <= 0 means no limit."
+    )
+
+
+class AlgorithmConfig(Section):
+    name: Literal["grpo", "dapo"] = Field("grpo", description="grpo or dapo; dapo only changes defaults.")
+    norm_adv_by_std: bool = Field(True, description="Divide advantages by the group std (false: Dr. GRPO).")
+    epsilon: float = Field(1e-6, gt=0, description="Added to the group std.")
+    kl: KLConfig = Field(default_factory=KLConfig, description="KL loss to the reference model.")
+    entropy_coef: float = Field(0.0, description="Entropy bonus weight (subtracted from the loss).")
+    clip_ratio_low: float = Field(0.2, gt=0, lt=1, description="eps_low: ratio clipped below at 1 - eps_low.")
+    clip_ratio_high: float | None = Field(
+        None, gt=0, description="eps_high: ratio clipped above at 1 + eps_high (default 0.28 dapo, else 0.2)."
+    )
+    clip_ratio_c: float | None = Field(3.0, gt=1, description="Dual-clip constant c (> 1) for A < 0; null disables.")
+    loss_agg_mode: Literal[LOSS_AGG_MODES] | None = Field(  # type: ignore[valid-type]
+        None, description="Loss aggregation (default token-mean for dapo, seq-mean-token-mean for grpo)."
+    )
+    overlong_buffer: OverlongBufferConfig = Field(default_factory=OverlongBufferConfig, description="Overlong shaping.")
+    filter_groups: FilterGroupsConfig = Field(default_factory=FilterGroupsConfig, description="Dynamic sampling.")
+
+    def _derive(self) -> None:
+        dapo = self.name == "dapo"
+        if self.clip_ratio_high is None:
+            self.clip_ratio_high = 0.28 if dapo else 0.2
+        if self.loss_agg_mode is None:
+            self.loss_agg_mode = "token-mean" if dapo else "seq-mean-token-mean"
+        if self.overlong_buffer.enable is None:
+            self.overlong_buffer.enable = dapo
+        if self.filter_groups.enable is None:
+            self.filter_groups.enable = dapo
+        if self.kl.estimator == "low_var_kl":
+            self.kl.estimator = "k3"
+
+
+# ------------------------------------------------------------------------------------------- reward
+class VerifierSpec(Section):
+    name: str = Field(description="Registered verifier name or 'package.module:function'.")
+    weight: float = Field(1.0, description="Weight in the summed reward.")
+
+
+class RewardConfig(Section):
+    verifiers: list[VerifierSpec] = Field(
+        default_factory=lambda: [VerifierSpec(name="math_17k_acc")],
+        min_length=1,
+        description="Verifiers and weights (verifier_function / verifier_weight of the guides).",
+    )
+    timeout_s: float = Field(5.0, gt=0, description="Per-call time limit of an answer-equivalence check.")
+    workers: int = Field(2, ge=1, description="Worker processes for verification.")
+
+    @field_validator("verifiers", mode="before")
+    @classmethod
+    def _names(cls, v: Any) -> Any:
+        # Accept the short form `verifiers: [math_17k_acc, format]`.
+        if isinstance(v, list):
+            return [{"name": x} if isinstance(x, str) else x for x in v]
+        return v
+
+
+# -------------------------------------------------------------------------------------------- train
+class TrainConfig(Section):
+    global_batch_size: int = Field(32, ge=1, description="Prompts (groups) per training step after filtering.")
+    gen_batch_size: int | None = Field(
+        None, ge=1, description="Prompts per generation batch (default global_batch_size; larger with filtering)."
+    )
+    mini_batch_size: int | None = Field(
+        None, ge=1, description="Prompts per optimizer step (default global_batch_size: one update per step)."
+    )
+    micro_batch_size: int = Field(16, ge=1, description="Sequences per forward/backward pass (grad accumulation).")
+    use_dynamic_bsz: bool = Field(False, description="Form micro-batches by token budget instead of count.")
+    max_token_len_per_device: int = Field(4096, ge=1, description="Token budget of a micro-batch (dynamic bsz).")
+    epochs_per_batch: int = Field(1, ge=1, description="PPO epochs over each batch.")
+    lr: float = Field(1e-6, gt=0, description="Peak learning rate (AdamW).")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
+    lr_schedule: Literal["constant", "cosine"] = Field("constant", description="LR after warmup.")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Cosine floor as a fraction of lr.")
+    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
+    total_steps: int = Field(100, ge=1, description="Training steps (one batch of global_batch_size groups each).")
+    seed: int = Field(42, description="Seed of everything random in the run.")
+    deterministic: bool = Field(False, description="Deterministic algorithms (the guides' use_deter_comp).")
+
+    @model_validator(mode="after")
+    def _check(self) -> "TrainConfig":
+        if self.gen_batch_size is None:
+            self.gen_batch_size = self.global_batch_size
+        if self.mini_batch_size is None:
+            self.mini_batch_size = self.global_batch_size
+        problems = []
+        if self.gen_batch_size < self.global_batch_size:
+            problems.append(
+                f"train.gen_batch_size ({self.gen_batch_size}) is smaller than train.global_batch_size "
+                f"({self.global_batch_size}): each generation batch must be able to fill a training batch. "
+                f"Fix: set train.gen_batch_size >= {self.global_batch_size}."
+            )
+        if self.mini_batch_size > self.global_batch_size or self.global_batch_size % self.mini_batch_size:
+            problems.append(
+                f"train.mini_batch_size ({self.mini_batch_size}) must divide train.global_batch_size "
+                f"({self.global_batch_size}) so that every optimizer step sees whole groups. "
+                "Fix: choose a divisor of global_batch_size."
+            )
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+
+class SFTConfig(Section):
+    output_dir: str = Field("runs/sft", description="Where the fine-tuned model is saved (HF format, in model/).")
+    steps: int = Field(1000, ge=1, description="Optimizer steps.")
+    batch_size: int = Field(64, ge=1, description="Examples per step.")
+    lr: float = Field(1e-3, gt=0, description="Peak learning rate.")
+    warmup_steps: int = Field(50, ge=0, description="Linear warmup steps.")
+    lr_schedule: Literal["constant", "cosine"] = Field("cosine", description="LR after warmup.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    max_length: int = Field(256, ge=8, description="Examples longer than this (tokens) are truncated.")
+    seed: int = Field(0, description="Seed.")
+    eval_prompts: int = Field(200, ge=0, description="Greedy held-out accuracy on this many val prompts at the end.")
+
+
+# ---------------------------------------------------------------------------------------- checkpoint
+class CheckpointConfig(Section):
+    dir: str | None = Field(None, description="Checkpoint directory (default <logging.dir>/checkpoints).")
+    save_freq: int = Field(0, ge=0, description="Save every N steps; 0 = only at the end.")
+    save_final: bool = Field(True, description="Save a checkpoint after the last step.")
+    resume: str = Field("auto", description="auto (latest in dir, if any) | none | <checkpoint path>.")
+    finetune: bool = Field(False, description="Load weights only; start a fresh run from them.")
+    load_optimizer: bool = Field(True, description="Restore optimizer and scheduler state on resume.")
+    load_rng: bool = Field(True, description="Restore RNG states on resume.")
+    ref_model_path: str | None = Field(None, description="Weights of the reference model (default model.path).")
+    keep_last: int = Field(2, ge=0, description="Keep the newest N checkpoints; 0 keeps all.")
+
+
+class EvalConfig(Section):
+    files: list[str] | None = Field(None, description="Validation files (default data.val_files).")
+    freq: int = Field(0, ge=0, description="Validate every N steps; 0 = only before/after training.")
+    before_train: bool = Field(True, description="Validate before the first step.")
+    after_train: bool = Field(True, description="Validate after the last step.")
+    n_samples: int = Field(1, ge=1, description="Samples per prompt (1 with temperature 0 = greedy accuracy).")
+    temperature: float = Field(0.0, ge=0, description="0 = greedy.")
+    max_prompts: int = Field(500, ge=1, description="Evaluate on at most this many prompts per file.")
+    max_tokens: int | None = Field(None, ge=1, description="Default rollout.max_tokens.")
+
+
+class LoggingConfig(Section):
+    sinks: list[Literal["console", "jsonl", "tensorboard", "wandb", "swanlab"]] = Field(
+        default_factory=lambda: ["console", "jsonl"], description="Where metrics go."
+    )
+    dir: str = Field("runs/default", description="Run directory: metrics.jsonl, plots, checkpoints.")
+    log_interval: int = Field(1, ge=1, description="Print a step line every N steps.")
+    progress: bool = Field(True, description="Show a rich progress bar.")
+
+
+class ClusterConfig(Section):
+    launcher: Literal["local", "torchrun", "ray"] = Field("local", description="How processes are started.")
+    nnodes: int = Field(1, ge=1, description="Nodes (NNODES).")
+    devices_per_node: int = Field(1, ge=1, description="Processes per node (NPUS_PER_NODE / GPUs).")
+    ray_address: str | None = Field(None, description="Ray cluster address (ray start --head ...).")
+
+
+class Config(Section):
+    model: ModelConfig
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+
+    @model_validator(mode="after")
+    def _derive(self) -> "Config":
+        self.algorithm._derive()
+        if self.checkpoint.dir is None:
+            self.checkpoint.dir = str(Path(self.logging.dir) / "checkpoints")
+        if self.eval.files is None:
+            self.eval.files = list(self.data.val_files)
+        if self.eval.max_tokens is None:
+            self.eval.max_tokens = self.rollout.max_tokens
+        problems = []
+        ob = self.algorithm.overlong_buffer
+        if ob.enable and ob.len >= self.rollout.max_tokens:
+            problems.append(
+                f"algorithm.overlong_buffer.len ({ob.len}) must be smaller than rollout.max_tokens "
+                f"({self.rollout.max_tokens}): the penalty starts at max_tokens - len. "
+                "Fix: shorten the buffer or raise rollout.max_tokens."
+            )
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.cluster.nnodes * self.cluster.devices_per_node
+
+
+# ------------------------------------------------------------------------------------------ loading
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for k in keys[:-1]:
+        if not isinstance(node.get(k), dict):
+            node[k] = {}
+        node = node[k]
+    node[keys[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
+    """`a.b=1` pairs; values are parsed as YAML (so 0.3 is a float, [a,b] a list, null None)."""
+    out, bad = [], []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            bad.append(
+                f"override '{item}' is not of the form section.key=value. "
+                "Fix: write it like algorithm.clip_ratio_high=0.3."
+            )
+            continue
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        out.append((key, value))
+    if bad:
+        raise UserError(*bad, title="bad command-line overrides")
+    return out
+
+
+def _describe_error(err: dict, cfg_cls: type[BaseModel]) -> list[str]:
+    loc = ".".join(str(p) for p in err["loc"])
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        section_cls = _section_at(cfg_cls, err["loc"][:-1])
+        valid = sorted(section_cls.model_fields) if section_cls else []
+        key = str(err["loc"][-1])
+        guess = difflib.get_close_matches(key, valid, n=1)
+        hint = f" Did you mean '{guess[0]}'?" if guess else ""
+        where = ".".join(str(p) for p in err["loc"][:-1]) or "the top level"
+        return [
+            f"{loc}: unknown key '{key}' in {where}; a misspelt key would be silently ignored, so it is refused."
+            f"{hint} Valid keys: {', '.join(valid)}."
+        ]
+    if kind == "missing":
+        return [f"{loc}: required but missing. Fix: set {loc} in the YAML or as {loc}=... on the command line."]
+    if kind in ("value_error", "assertion_error"):
+        msg = str(err.get("ctx", {}).get("error", err["msg"]))
+        prefix = f"{loc}: " if loc else ""
+        return [prefix + line for line in msg.split("\n") if line]
+    got = err.get("input")
+    got_s = repr(got) if not isinstance(got, dict) else "a mapping"
+    return [f"{loc}: {err['msg'].rstrip('.')} (got {got_s}). Fix: give {loc} a valid value."]
+
+
+def _section_at(cls: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
+    for part in loc:
+        field = cls.model_fields.get(str(part))
+        if field is None:
+            return None
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            cls = ann
+        else:
+            return None
+    return cls
+
+
+def build_config(tree: dict, source: str = "config") -> Config:
+    """Validate a config tree; raise a UserError that lists every problem."""
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            problems.extend(_describe_error(err, Config))
+        raise UserError(*problems, title=f"{source}: {len(problems)} problem(s) in the configuration") from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None, check_paths: bool = True) -> Config:
+    """Load a YAML file, apply dotted overrides, validate; optionally check that input paths exist."""
+    tree: dict = {}
+    source = str(path) if path else "command line"
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise UserError(f"config file '{path}' does not exist. Fix: pass the path of a YAML file, e.g. configs/tiny_dapo.yaml.")
+        try:
+            tree = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise UserError(f"{path} is not valid YAML: {exc}. Fix the syntax at the line shown.") from None
+        if not isinstance(tree, dict):
+            raise UserError(f"{path} must hold a mapping of sections (model:, data:, ...), not {type(tree).__name__}.")
+    for key, value in parse_overrides(overrides or []):
+        _set_dotted(tree, key, value)
+    cfg = build_config(tree, source)
+    if check_paths:
+        problems = path_problems(cfg)
+        if problems:
+            raise UserError(*problems, title=f"{source}: {len(problems)} problem(s) in the configuration")
+    return cfg
+
+
+def _looks_like_hub_id(path: str) -> bool:
+    parts = path.split("/")
+    return len(parts) == 2 and all(parts) and not path.startswith((".", "/", "~"))
+
+
+def path_problems(cfg: Config) -> list[str]:
+    """Input files and model paths that do not exist (checked before anything starts)."""
+    problems = []
+    mp = cfg.model.path
+    if not mp.startswith("builtin:") and not Path(mp).expanduser().exists() and not _looks_like_hub_id(mp):
+        problems.append(
+            f"model.path: '{mp}' does not exist. The policy is loaded from a Hugging Face model directory. "
+            "Fix: point model.path at a directory with config.json (for the tiny default, run "
+            "`postrl sft configs/tiny_sft.yaml` first, as `make run` does), or use 'builtin:tiny-qwen2'."
+        )
+    for key, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
+        for f in files:
+            if not f.startswith("builtin:") and not Path(f).expanduser().exists():
+                problems.append(f"{key}: file '{f}' does not exist. Fix: run `postrl preprocess` or correct the path.")
+    return problems
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
