@@ -1,0 +1,146 @@
+"""Prompt datasets for training and validation.
+
+Rows come in the verl schema (data_source, prompt as chat messages, reward_model.ground_truth,
+extra_info) from parquet / JSONL / JSON files, or from the built-in task (`builtin:arithmetic:<split>`).
+Prompts are rendered with the tokenizer's chat template and tokenised once, up front.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from postrl.errors import UserError
+from postrl.utils import get_dotted
+
+
+@dataclass
+class PromptExample:
+    prompt_ids: list[int]
+    ground_truth: str
+    row: dict
+    data_source: str
+    multi_modal: dict | None = None
+
+
+def read_rows(path: str, builtin_knobs: dict | None = None) -> list[dict]:
+    """All rows of one data file (parquet, jsonl, json list) or built-in split."""
+    if path.startswith("builtin:"):
+        from postrl.data.synthetic import builtin_task_files
+
+        parts = path.split(":")
+        if len(parts) != 3 or parts[1] != "arithmetic" or parts[2] not in ("train", "val"):
+            raise UserError(f"unknown built-in data set '{path}'; use 'builtin:arithmetic:train' or 'builtin:arithmetic:val'.")
+        path = str(builtin_task_files(builtin_knobs or {})[parts[2]])
+    try:
+        from postrl.data.readers import read_records  # full readers (row-numbered errors)
+
+        return list(read_records(path))
+    except ImportError:
+        pass
+    p = Path(path)
+    if p.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(p).to_pylist()
+    if p.suffix == ".jsonl":
+        return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    if p.suffix == ".json":
+        return json.loads(p.read_text())
+    raise UserError(f"{path}: unsupported file type '{p.suffix}'. Use .parquet, .jsonl or .json.")
+
+
+def render_prompt(tokenizer, prompt: Any) -> list[int]:
+    """Token ids of a prompt: chat messages through the chat template, or a plain string as is."""
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(list(prompt), tokenize=True, add_generation_prompt=True, return_dict=False)
+        return list(ids)
+    text = "\n".join(m["content"] for m in prompt)
+    return tokenizer(text, add_special_tokens=True)["input_ids"]
+
+
+def load_prompts(files: list[str], tokenizer, data_cfg, max_rows: int | None = None) -> tuple[list[PromptExample], dict]:
+    """Tokenised prompts of `files` and a summary {rows, dropped_overlong, by_source}."""
+    examples: list[PromptExample] = []
+    dropped, total = 0, 0
+    knobs = data_cfg.builtin.model_dump()
+    for f in files:
+        rows = read_rows(f, knobs)
+        name = _dataset_name(f)
+        for i, row in enumerate(rows):
+            if max_rows is not None and i >= max_rows:
+                break
+            total += 1
+            prompt = get_dotted(row, data_cfg.prompt_key)
+            gt = get_dotted(row, data_cfg.answer_key)
+            if prompt is None or gt is None:
+                missing = data_cfg.prompt_key if prompt is None else data_cfg.answer_key
+                raise UserError(
+                    f"{f}, row {i}: no '{missing}' field. The trainer reads the prompt from data.prompt_key "
+                    f"('{data_cfg.prompt_key}') and the ground truth from data.answer_key ('{data_cfg.answer_key}'). "
+                    "Fix: set those keys to your columns, or convert the file with `postrl preprocess`."
+                )
+            ids = render_prompt(tokenizer, prompt)
+            if len(ids) > data_cfg.max_prompt_length:
+                if not data_cfg.filter_overlong_prompts:
+                    raise UserError(
+                        f"{f}, row {i}: prompt has {len(ids)} tokens > data.max_prompt_length "
+                        f"({data_cfg.max_prompt_length}). Fix: raise max_prompt_length or set filter_overlong_prompts: true."
+                    )
+                dropped += 1
+                continue
+            examples.append(PromptExample(ids, str(gt), row, row.get("data_source") or name))
+    if not examples:
+        raise UserError(f"no usable prompts in {files} ({total} rows read, {dropped} too long). Fix: check the files and data.max_prompt_length.")
+    return examples, {"rows": total, "dropped_overlong": dropped, "kept": len(examples)}
+
+
+def _dataset_name(path: str) -> str:
+    if path.startswith("builtin:"):
+        return path.split(":")[1]
+    return Path(path).stem
+
+
+@dataclass
+class PromptSampler:
+    """Shuffled epochs over `size` prompts; its state (epoch, position) is saved in checkpoints."""
+
+    size: int
+    shuffle: bool = True
+    seed: int = 0
+    epoch: int = 0
+    position: int = 0
+    _order: list[int] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        self._order = self._make_order()
+
+    def _make_order(self) -> list[int]:
+        order = list(range(self.size))
+        if self.shuffle:
+            random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
+        return order
+
+    def next_indices(self, k: int) -> list[int]:
+        out = []
+        while len(out) < k:
+            if self.position >= self.size:
+                self.epoch += 1
+                self.position = 0
+                self._order = self._make_order()
+            take = min(k - len(out), self.size - self.position)
+            out.extend(self._order[self.position : self.position + take])
+            self.position += take
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "size": self.size, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position = state["epoch"], state["position"]
+        self._order = self._make_order()

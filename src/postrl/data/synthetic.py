@@ -1,0 +1,123 @@
+"""Built-in task: synthetic arithmetic word problems with answers in \\boxed{}.
+
+"Mia has 23 marbles. She finds 14 more. She gives away 5. How many marbles does Mia have now?"
+-> "23 + 14 = 37. 37 - 5 = 32. \\boxed{32}"
+
+Problems are deterministic from a seed. Train and validation are disjoint: no validation problem's
+numbers-and-operations signature appears in training. Rows are written as parquet in the verl schema,
+so the trainer reads them like any user data set.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from pathlib import Path
+
+from postrl.utils import cache_dir
+
+NAMES = ["Tom", "Anna", "Ben", "Lily", "Sam", "Mia", "Leo", "Zoe", "Max", "Eva", "Noah", "Ivy"]
+PRONOUN = {n: ("She" if n in {"Anna", "Lily", "Mia", "Zoe", "Eva", "Ivy"} else "He") for n in NAMES}
+ITEMS = ["apples", "books", "coins", "marbles", "stickers", "pencils", "cards", "shells", "stamps", "cookies"]
+ADD_STEPS = ["{p} buys {x} more.", "{p} finds {x} more.", "{p} gets {x} more.", "{p} wins {x} more."]
+SUB_STEPS = ["{p} gives away {x}.", "{p} loses {x}.", "{p} sells {x}.", "{p} uses {x}."]
+INSTRUCTION = "Put the final answer in \\boxed{}."
+
+
+def make_problem(rng: random.Random, max_value: int, n_operands: int, subtraction: bool) -> dict:
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    pronoun = PRONOUN[name]
+    total = rng.randint(1, max_value)
+    sentences = [f"{name} has {total} {item}."]
+    steps, signature = [], [total]
+    for _ in range(n_operands - 1):
+        x = rng.randint(1, max_value)
+        if subtraction and total >= 1 and rng.random() < 0.4:
+            x = rng.randint(1, total)
+            sentences.append(rng.choice(SUB_STEPS).format(p=pronoun, x=x))
+            steps.append(f"{total} - {x} = {total - x}.")
+            signature += ["-", x]
+            total -= x
+        else:
+            sentences.append(rng.choice(ADD_STEPS).format(p=pronoun, x=x))
+            steps.append(f"{total} + {x} = {total + x}.")
+            signature += ["+", x]
+            total += x
+    sentences.append(f"How many {item} does {name} have now?")
+    return {
+        "question": " ".join(sentences),
+        "solution": " ".join(steps) + f" \\boxed{{{total}}}",
+        "answer": str(total),
+        "signature": tuple(signature),
+    }
+
+
+def to_verl_row(problem: dict, index: int, split: str) -> dict:
+    return {
+        "data_source": "arithmetic",
+        "prompt": [{"role": "user", "content": f"{problem['question']} {INSTRUCTION}"}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": problem["answer"]},
+        "extra_info": {"index": index, "split": split, "solution": problem["solution"]},
+    }
+
+
+def generate_splits(
+    train_size: int,
+    val_size: int,
+    max_value: int = 60,
+    min_operands: int = 2,
+    max_operands: int = 3,
+    subtraction: bool = True,
+    seed: int = 1234,
+) -> dict[str, list[dict]]:
+    """Rows of both splits; validation signatures never occur in training."""
+    rng = random.Random(seed)
+    splits: dict[str, list[dict]] = {"val": [], "train": []}
+    seen: set[tuple] = set()
+    for split, size in (("val", val_size), ("train", train_size)):
+        attempts = 0
+        while len(splits[split]) < size:
+            attempts += 1
+            if attempts > 50 * size + 1000:
+                raise ValueError(
+                    f"cannot draw {size} distinct {split} problems with max_value={max_value} and "
+                    f"{min_operands}-{max_operands} operands; raise max_value or max_operands"
+                )
+            p = make_problem(rng, max_value, rng.randint(min_operands, max_operands), subtraction)
+            if p["signature"] in seen:
+                continue
+            seen.add(p["signature"])
+            splits[split].append(to_verl_row(p, len(splits[split]), split))
+    return splits
+
+
+def builtin_task_files(knobs: dict) -> dict[str, Path]:
+    """Write (or reuse) the parquet files of the built-in task; returns {split: path}."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    key = hashlib.sha1(json.dumps(knobs, sort_keys=True).encode()).hexdigest()[:12]
+    out = cache_dir() / "data" / f"arithmetic-{key}"
+    paths = {s: out / f"{s}.parquet" for s in ("train", "val")}
+    if all(p.exists() for p in paths.values()):
+        return paths
+    out.mkdir(parents=True, exist_ok=True)
+    splits = generate_splits(**knobs)
+    for split, rows in splits.items():
+        tmp = out / f".{split}.parquet.tmp"
+        pq.write_table(pa.Table.from_pylist(rows), tmp)
+        tmp.rename(paths[split])
+    return paths
+
+
+def tokenizer_corpus(n: int = 4000, seed: int = 0) -> list[str]:
+    """Text to train the tiny tokenizer on: task problems and solutions plus general arithmetic."""
+    rng = random.Random(seed)
+    texts = ["system\nYou are a helpful assistant.", "user\n", "assistant\n"] * 50
+    for _ in range(n):
+        p = make_problem(rng, 99, rng.randint(2, 4), True)
+        texts.append(f"{p['question']} {INSTRUCTION}")
+        texts.append(p["solution"])
+    return texts

@@ -1,0 +1,157 @@
+"""Metric names, throughput formulas and sinks (console line, JSONL, TensorBoard, W&B, SwanLab).
+
+Names follow the guides (DESIGN.md section 5) so dashboards carry over:
+timing/*, actor/*, <algo>/rewards/*, <algo>/score/*, response_length/*, prompt_length/*,
+dapo/num_gen_batches, dapo/kept_groups_ratio, e2e_tps, update_tps, vllm_tps (rollout_tps), val/<ds>/*.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+TIMING_KEYS = (
+    "all", "rollout", "reward", "old_log_p", "reference_model", "adv", "update",
+    "resharding_to_infer", "resharding_to_train", "save", "eval",
+)  # fmt: skip
+
+
+class Timer:
+    """Accumulates wall time per name; `timing()` returns the timing/<name> metrics."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def timing(self) -> dict[str, float]:
+        return {f"timing/{k}": self.seconds.get(k, 0.0) for k in TIMING_KEYS}
+
+
+def throughput(
+    response_length_mean: float,
+    prompt_length_mean: float,
+    global_batch_size: int,
+    n_samples: int,
+    world_size: int,
+    timing: dict[str, float],
+    engine: str,
+) -> dict[str, float]:
+    """The guides' e2e_tps / update_tps / vllm_tps: tokens per device per second of each phase."""
+    tokens = (response_length_mean + prompt_length_mean) * global_batch_size * n_samples / world_size
+
+    def per(seconds: float) -> float:
+        return tokens / seconds if seconds > 0 else 0.0
+
+    rollout_tps = per(timing["timing/rollout"])
+    return {
+        "e2e_tps": per(timing["timing/all"]),
+        "update_tps": per(timing["timing/update"]),
+        f"{engine}_tps": rollout_tps,
+        "vllm_tps": rollout_tps,
+        "rollout_tps": rollout_tps,
+    }
+
+
+def summary_stats(prefix: str, values: list[float]) -> dict[str, float]:
+    if not values:
+        return {f"{prefix}/mean": 0.0, f"{prefix}/max": 0.0, f"{prefix}/min": 0.0}
+    return {f"{prefix}/mean": sum(values) / len(values), f"{prefix}/max": max(values), f"{prefix}/min": min(values)}
+
+
+class MetricsLogger:
+    """Writes one JSON object per step to <dir>/metrics.jsonl and optional external sinks."""
+
+    def __init__(self, log_dir: str | Path, sinks: list[str], config_dict: dict | None = None, enabled: bool = True):
+        self.dir = Path(log_dir)
+        self.enabled = enabled
+        self.sinks = sinks
+        self._jsonl = None
+        self._tb = None
+        self._wandb = None
+        self._swanlab = None
+        if not enabled:
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if "jsonl" in sinks:
+            self._jsonl = open(self.dir / "metrics.jsonl", "a")
+        if "tensorboard" in sinks:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.dir / "tensorboard"))
+        if "wandb" in sinks:
+            import wandb
+
+            self._wandb = wandb.init(project="postrl", dir=str(self.dir), config=config_dict)
+        if "swanlab" in sinks:
+            import swanlab
+
+            self._swanlab = swanlab.init(project="postrl", logdir=str(self.dir), config=config_dict)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        if self._jsonl:
+            self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+            self._jsonl.flush()
+        if self._tb:
+            for k, v in metrics.items():
+                self._tb.add_scalar(k, v, step)
+        if self._wandb:
+            self._wandb.log(metrics, step=step)
+        if self._swanlab:
+            self._swanlab.log(metrics, step=step)
+
+    def close(self) -> None:
+        if self._jsonl:
+            self._jsonl.close()
+        if self._tb:
+            self._tb.close()
+        if self._wandb:
+            self._wandb.finish()
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def plot_run(metrics_path: str | Path, out_png: str | Path, algo: str) -> Path:
+    """Reward, accuracy and response length over steps, plus validation accuracy, as one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in read_jsonl(metrics_path)]
+    train = [r for r in rows if f"{algo}/rewards/mean" in r]
+    val = [(r["step"], k, v) for r in rows for k, v in r.items() if k.startswith("val/") and k.endswith("acc_mean@1")]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    steps = [r["step"] for r in train]
+    axes[0].plot(steps, [r[f"{algo}/rewards/mean"] for r in train], label="reward (shaped)")
+    axes[0].plot(steps, [r.get(f"{algo}/acc/mean", 0) for r in train], label="train acc")
+    axes[0].set_title("training reward")
+    axes[0].legend()
+    axes[1].plot(steps, [r["response_length/mean"] for r in train])
+    axes[1].set_title("response length (tokens)")
+    for name in sorted({k for _, k, _ in val}):
+        pts = [(s, v) for s, k, v in val if k == name]
+        axes[2].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+    axes[2].set_title("held-out accuracy")
+    if val:
+        axes[2].legend()
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+    return Path(out_png)

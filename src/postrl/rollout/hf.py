@@ -1,0 +1,93 @@
+"""Rollout with transformers `generate` (KV cache, batched, left-padded prompts).
+
+The engine shares the trainer's model object (colocated), so `sync_weights` has nothing to copy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from postrl.rollout.base import Completion, SamplingParams
+
+
+class HFEngine:
+    name = "hf"
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, max_batch_sequences: int = 512):
+        self.model = model
+        self.pad_id = tokenizer.pad_token_id
+        self.eos_ids = _eos_ids(model, tokenizer)
+        self.max_batch_sequences = max_batch_sequences
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        assert model is self.model, "HFEngine generates with the trainer's own model object"
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams, multi_modal: list[dict] | None = None) -> list[Completion]:
+        from transformers import GenerationConfig
+
+        n = 1 if params.greedy else params.n
+        gen_cfg = GenerationConfig(
+            do_sample=not params.greedy,
+            temperature=params.temperature if not params.greedy else None,
+            top_p=params.top_p if not params.greedy else None,
+            top_k=params.top_k if (params.top_k > 0 and not params.greedy) else 0,
+            max_new_tokens=params.max_tokens,
+            num_return_sequences=n,
+            eos_token_id=self.eos_ids,
+            pad_token_id=self.pad_id,
+            use_cache=True,
+        )
+        was_training = self.model.training
+        self.model.eval()
+        out: list[Completion] = []
+        chunk = max(1, self.max_batch_sequences // n)
+        with torch.random.fork_rng(devices=[]):
+            if params.seed is not None:
+                torch.manual_seed(params.seed)
+            for start in range(0, len(prompts), chunk):
+                batch = prompts[start : start + chunk]
+                out.extend(self._generate_chunk(batch, start, n, gen_cfg, multi_modal[start : start + chunk] if multi_modal else None))
+        self.model.train(was_training)
+        return out
+
+    def _generate_chunk(self, batch, offset, n, gen_cfg, multi_modal) -> list[Completion]:
+        P = max(len(p) for p in batch)
+        input_ids = torch.full((len(batch), P), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(batch), P), dtype=torch.long)
+        for i, p in enumerate(batch):
+            input_ids[i, P - len(p) :] = torch.tensor(p, dtype=torch.long)
+            attention_mask[i, P - len(p) :] = 1
+        extra = {}
+        if multi_modal:
+            extra = _stack_multi_modal(multi_modal)
+        seqs = self.model.generate(
+            input_ids=input_ids, attention_mask=attention_mask, generation_config=gen_cfg, **extra
+        )  # [len(batch) * n, P + new]
+        completions = []
+        eos = set(self.eos_ids)
+        for row in range(seqs.shape[0]):
+            tokens = seqs[row, P:].tolist()
+            finished = False
+            for t, tok in enumerate(tokens):
+                if tok in eos:
+                    tokens, finished = tokens[: t + 1], True
+                    break
+            completions.append(Completion(prompt_index=offset + row // n, token_ids=tokens, finished=finished))
+        return completions
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    ids = model.generation_config.eos_token_id if getattr(model, "generation_config", None) else None
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids
+
+
+def _stack_multi_modal(items: list[dict]) -> dict:
+    """Concatenate per-prompt processor outputs (pixel_values, image_grid_thw) for one generate call."""
+    keys = [k for k in items[0] if isinstance(items[0][k], torch.Tensor)]
+    return {k: torch.cat([it[k] for it in items], dim=0) for k in keys}
