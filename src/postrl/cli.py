@@ -1,0 +1,164 @@
+"""Command line: postrl train | sft | eval | preprocess | verify | export | check-config | report | tiny-model.
+
+Every command takes a YAML config and dotted overrides (`algorithm.clip_ratio_high=0.3`). A problem
+the user can fix is printed as one short paragraph per problem, without a traceback, and the
+command exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+# vLLM must run in-process for colocated weight sync; set before anything imports it.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+from rich.console import Console  # noqa: E402
+
+from postrl.errors import UserError  # noqa: E402
+
+console = Console()
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="YAML config file")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.total_steps=5")
+
+
+def cmd_train(args) -> int:
+    from postrl.config import load_config
+    from postrl.trainer import train
+
+    cfg = load_config(args.config, args.overrides)
+    if args.nproc and args.nproc > 1 or cfg.cluster.launcher != "local":
+        from postrl.distributed import launch
+
+        return launch(args, cfg)
+    train(cfg, console)
+    return 0
+
+
+def cmd_sft(args) -> int:
+    from postrl.config import load_config
+    from postrl.sft import run_sft
+
+    run_sft(load_config(args.config, args.overrides), console)
+    return 0
+
+
+def cmd_check_config(args) -> int:
+    from postrl.config import dump_config, load_config
+
+    cfg = load_config(args.config, args.overrides, check_paths=not args.no_path_check)
+    console.print(dump_config(cfg), markup=False, highlight=False)
+    console.print(f"[green]{args.config}: configuration is valid[/green]")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from postrl.evaluate import run_eval
+
+    return run_eval(args, console)
+
+
+def cmd_export(args) -> int:
+    from postrl.checkpoint import export
+
+    out = export(args.checkpoint, args.out)
+    console.print(f"exported to {out} (load with AutoModelForCausalLM.from_pretrained or vllm.LLM)")
+    return 0
+
+
+def cmd_preprocess(args) -> int:
+    from postrl.data.preprocess import main_preprocess
+
+    return main_preprocess(args.config)
+
+
+def cmd_verify(argv: list[str]) -> int:
+    from postrl.rewards.verify_cli import main_verify
+
+    return main_verify(argv)
+
+
+def cmd_report(args) -> int:
+    from pathlib import Path
+
+    from postrl.metrics import plot_run
+
+    path = Path(args.run_dir) / "metrics.jsonl"
+    if not path.exists():
+        raise UserError(f"{path} does not exist. Fix: pass the logging.dir of a run (it holds metrics.jsonl).")
+    out = plot_run(path, Path(args.run_dir) / "training.png", args.algo)
+    console.print(f"plot written to {out}")
+    return 0
+
+
+def cmd_tiny_model(args) -> int:
+    from postrl.models import build_tiny_model
+
+    console.print(str(build_tiny_model(args.out)))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="postrl", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("train", help="GRPO / DAPO training")
+    _config_args(p)
+    p.add_argument("--nproc", type=int, default=0, help="processes on this machine (torchrun underneath)")
+    p.add_argument("--ray-address", default=None, help="run through Ray Train on this cluster")
+    p.set_defaults(fn=cmd_train)
+    p = sub.add_parser("sft", help="supervised warm start (prompt tokens masked)")
+    _config_args(p)
+    p.set_defaults(fn=cmd_sft)
+    p = sub.add_parser("check-config", help="print the resolved config, or every problem in it")
+    _config_args(p)
+    p.add_argument("--no-path-check", action="store_true", help="do not check that model and data paths exist")
+    p.set_defaults(fn=cmd_check_config)
+    p = sub.add_parser("eval", help="evaluate a model or checkpoint on a data set")
+    _config_args(p)
+    p.add_argument("--model", default=None, help="model directory or checkpoint (default: model.path)")
+    p.set_defaults(fn=cmd_eval)
+    p = sub.add_parser("export", help="checkpoint -> plain Hugging Face model directory")
+    p.add_argument("checkpoint")
+    p.add_argument("out")
+    p.set_defaults(fn=cmd_export)
+    p = sub.add_parser("preprocess", help="raw data -> verl-schema parquet")
+    p.add_argument("config")
+    p.set_defaults(fn=cmd_preprocess)
+    sub.add_parser("verify", help="score a JSONL file of completions offline (see postrl verify --help)", add_help=False)
+    p = sub.add_parser("report", help="plot a run's metrics")
+    p.add_argument("run_dir")
+    p.add_argument("--algo", default="dapo")
+    p.set_defaults(fn=cmd_report)
+    p = sub.add_parser("tiny-model", help="build (or find in the cache) the tiny Qwen2 model")
+    p.add_argument("--out", default=None)
+    p.set_defaults(fn=cmd_tiny_model)
+    return parser
+
+
+def print_user_error(exc: UserError) -> None:
+    console.print(f"[bold red]error:[/bold red] {exc.title}")
+    for problem in exc.problems:
+        console.print(f"  - {problem}", markup=False, highlight=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv and argv[0] == "verify":
+            return cmd_verify(argv[1:])
+        args = build_parser().parse_args(argv)
+        return args.fn(args)
+    except UserError as exc:
+        print_user_error(exc)
+        return 2
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted[/yellow]")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""Supervised warm start (`postrl sft`): next-token loss on the response only, prompt tokens masked.
+
+The guides start RL from an SFT model that already follows the answer format; on the built-in task
+this gives the tiny model the \\boxed{} format and partial accuracy, leaving room for RL to gain.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from postrl.config import Config
+from postrl.data.dataset import load_prompts, read_rows, render_prompt
+from postrl.errors import UserError
+from postrl.models import load_policy
+from postrl.utils import get_dotted, seed_everything
+
+
+def build_examples(rows: list[dict], tokenizer, cfg: Config, source: str) -> list[tuple[list[int], list[int]]]:
+    out = []
+    for i, row in enumerate(rows):
+        prompt = get_dotted(row, cfg.data.prompt_key)
+        response = get_dotted(row, cfg.data.response_key)
+        if prompt is None or response is None:
+            missing = cfg.data.prompt_key if prompt is None else cfg.data.response_key
+            raise UserError(
+                f"{source}, row {i}: no '{missing}' field; SFT needs a prompt (data.prompt_key) and a reference "
+                "response (data.response_key). Fix: set those keys to your columns."
+            )
+        p = render_prompt(tokenizer, prompt)
+        r = tokenizer(str(response), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        out.append((p, r))
+    return out
+
+
+def collate(pairs: list[tuple[list[int], list[int]]], pad_id: int, max_length: int) -> dict[str, torch.Tensor]:
+    seqs = [(p + r)[:max_length] for p, r in pairs]
+    L = max(len(s) for s in seqs)
+    input_ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
+    labels = torch.full((len(seqs), L), -100, dtype=torch.long)
+    attention = torch.zeros((len(seqs), L), dtype=torch.long)
+    for i, ((p, _), s) in enumerate(zip(pairs, seqs)):
+        input_ids[i, : len(s)] = torch.tensor(s)
+        attention[i, : len(s)] = 1
+        labels[i, len(p) : len(s)] = torch.tensor(s[len(p) :], dtype=torch.long)
+    return {"input_ids": input_ids, "attention_mask": attention, "labels": labels}
+
+
+def run_sft(cfg: Config, console: Any = None) -> dict[str, float]:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from postrl.trainer import lr_lambda
+
+    console = console or Console()
+    s = cfg.sft
+    seed_everything(s.seed)
+    model, tokenizer, path = load_policy(cfg.model)
+    model.train()
+    pairs = []
+    for f in cfg.data.train_files:
+        pairs += build_examples(read_rows(f, cfg.data.builtin.model_dump()), tokenizer, cfg, f)
+    console.print(f"SFT on {len(pairs)} examples from {', '.join(cfg.data.train_files)} (model {path})")
+    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=s.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(s.warmup_steps, s.steps, s.lr_schedule, 0.0))
+    rng = random.Random(s.seed)
+    progress = Progress(
+        TextColumn("[bold]SFT"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]:.4f}"),
+        TimeElapsedColumn(), TimeRemainingColumn(), console=console, disable=not cfg.logging.progress,
+    )  # fmt: skip
+    loss_ema = None
+    with progress:
+        task = progress.add_task("sft", total=s.steps, loss=float("nan"))
+        for step in range(s.steps):
+            batch = collate(rng.sample(pairs, min(s.batch_size, len(pairs))), tokenizer.pad_token_id, s.max_length)
+            loss = model(**batch).loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            loss_ema = float(loss) if loss_ema is None else 0.95 * loss_ema + 0.05 * float(loss)
+            progress.update(task, advance=1, loss=loss_ema)
+    out = Path(s.output_dir) / "model"
+    tmp = out.with_name("model.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    console.print(f"SFT done: final loss {loss_ema:.4f}; model saved to {out}")
+    result = {"sft/loss": loss_ema or 0.0}
+    if s.eval_prompts and cfg.data.val_files:
+        result.update(eval_greedy(model, tokenizer, cfg, s.eval_prompts))
+        accs = ", ".join(f"{k.split('/')[1]} {v * 100:.1f}%" for k, v in result.items() if "acc_mean" in k)
+        console.print(f"[bold]held-out greedy accuracy after SFT:[/bold] {accs}")
+    return result
+
+
+def eval_greedy(model, tokenizer, cfg: Config, max_prompts: int) -> dict[str, float]:
+    from postrl.rewards import RewardFunction
+    from postrl.rollout.hf import HFEngine
+    from postrl.trainer import evaluate
+
+    engine = HFEngine(model, tokenizer)
+    reward_fn = RewardFunction(cfg.reward)
+    out = {}
+    eval_cfg = cfg.eval.model_copy(update={"n_samples": 1, "temperature": 0.0})
+    for f in cfg.data.val_files:
+        examples, _ = load_prompts([f], tokenizer, cfg.data, max_rows=max_prompts)
+        name = examples[0].data_source if f.startswith("builtin:") else Path(f).stem
+        out.update(evaluate(engine, tokenizer, reward_fn, examples, eval_cfg, name))
+    reward_fn.close()
+    return out
