@@ -1,37 +1,59 @@
-"""Math verifiers. Placeholder: exact match of the last \\boxed{} (the full set lands with issue 3)."""
+"""Math verifiers: boxed-answer accuracy (math_17k_acc) and DAPO's "Answer:" rule (acc_for_dapo).
+
+- `math_17k_acc` (aliases `boxed_acc`, `base_acc`): the last `\\boxed{...}` of the completion is
+  compared with the ground truth: same canonical string or same number -> decided at once;
+  otherwise math-verify decides symbolically (so `\\frac{1}{2}`, `0.5` and `\\dfrac12` match), in a
+  worker process under the reward's time limit. Score and acc 1/0.
+- `acc_for_dapo`: DAPO's rule (Yu et al. 2025, as verl's math_dapo reward applies it). Only the
+  last 300 characters count; the answer is the last `Answer: ...` line (case-insensitive), or, if
+  there is none, the last `\\boxed{}` in those characters (postrl's addition: DAPO itself scores
+  that case wrong). Answer and ground truth are normalised with Minerva's rules and compared as
+  strings. Score +1/-1, acc 1/0. Pure string work: runs in the calling process.
+"""
 
 from __future__ import annotations
 
+import re
+
+from postrl.rewards.equivalence import math_equal, quick_equal
 from postrl.rewards.registry import VerifierResult, register
+from postrl.rewards.text import last_boxed, minerva_normalize
+
+__all__ = ["boxed_accuracy", "dapo_accuracy", "extract_dapo_answer", "last_boxed"]
 
 
-def last_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...} in `text` (nested braces handled), or None."""
-    start = text.rfind("\\boxed")
-    if start < 0:
-        return None
-    i = text.find("{", start)
-    if i < 0:
-        return None
-    depth = 0
-    for j in range(i, len(text)):
-        if text[j] == "{":
-            depth += 1
-        elif text[j] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[i + 1 : j]
-    return None
-
-
-def _norm(s: str) -> str:
-    return s.strip().replace(" ", "").replace(",", "").rstrip(".")
-
-
-@register("math_17k_acc")
-@register("boxed_acc")
-def boxed_accuracy(completion: str, ground_truth: str, row: dict) -> VerifierResult:
-    """1.0 when the last \\boxed{} of the completion equals the ground truth, else 0.0."""
-    pred = last_boxed(completion)
-    ok = pred is not None and _norm(pred) == _norm(str(ground_truth))
+def _verdict(ok: bool) -> VerifierResult:
     return VerifierResult(float(ok), {"acc": float(ok)})
+
+
+def _boxed_fast(completion: str, ground_truth: str, row: dict) -> VerifierResult | None:
+    verdict = quick_equal(last_boxed(completion), ground_truth)
+    return None if verdict is None else _verdict(verdict)
+
+
+@register("math_17k_acc", "boxed_acc", "base_acc", fast=_boxed_fast, uses_row=False)
+def boxed_accuracy(completion: str, ground_truth: str, row: dict) -> VerifierResult:
+    """1.0 when the last \\boxed{} of the completion equals the ground truth (symbolically), else 0.0."""
+    return _verdict(math_equal(last_boxed(completion), ground_truth))
+
+
+# ------------------------------------------------------------------------------------- DAPO
+DAPO_TAIL_CHARS = 300  # DAPO scores only the end of the response (the longest MATH answer is ~160 chars)
+_ANSWER_LINE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
+
+
+def extract_dapo_answer(completion: str) -> str | None:
+    """The model's final answer under DAPO's rule: last `Answer:` line, else last \\boxed{} (tail only)."""
+    tail = completion[-DAPO_TAIL_CHARS:]
+    found = _ANSWER_LINE.findall(tail)
+    if found:
+        return found[-1]
+    return last_boxed(tail)
+
+
+@register("acc_for_dapo", "dapo", in_process=True, fail_score=-1.0, uses_row=False)
+def dapo_accuracy(completion: str, ground_truth: str, row: dict) -> VerifierResult:
+    """+1 when the normalised `Answer:` equals the normalised ground truth, else -1 (acc 1/0)."""
+    answer = extract_dapo_answer(completion)
+    ok = answer is not None and minerva_normalize(answer) == minerva_normalize(ground_truth[:10_000])
+    return VerifierResult(1.0 if ok else -1.0, {"acc": float(ok)})

@@ -1,18 +1,32 @@
 """Verifier registry and the weighted reward.
 
 A verifier is a plain function `(completion: str, ground_truth: str, row: dict) -> VerifierResult`
-(a bare float is accepted too). Built-ins register themselves by name with `@register("name")`;
-users name their own as `package.module:function` in `reward.verifiers`.
+(a bare float or bool, or a dict with a "score" key, is accepted too). Built-ins register
+themselves by name with `@register("name")`; users name their own as `package.module:function` in
+`reward.verifiers`.
+
+`RewardFunction` scores a batch in two tiers, so the common case costs microseconds:
+1. in the calling process, each verifier's cheap `fast` path (string and number comparison) or,
+   for verifiers registered `in_process=True`, the verifier itself (pure, bounded string work);
+2. whatever is left (a symbolic check through math-verify, any user verifier) in a pool of worker
+   processes, each call under a hard time limit (`reward.timeout_s`). A call that overruns it, or
+   raises, scores the verifier's `fail_score` (0 unless registered otherwise) and is counted.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
+import math
+import pickle
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     from postrl.config import RewardConfig
+    from postrl.rewards.pool import VerifierPool
+
+log = logging.getLogger("postrl.rewards")
 
 
 @dataclass
@@ -24,14 +38,49 @@ class VerifierResult:
 
 
 Verifier = Callable[[str, str, dict], "VerifierResult | float"]
-_REGISTRY: dict[str, Verifier] = {}
+FastPath = Callable[[str, str, dict], "VerifierResult | None"]
 
 
-def register(name: str) -> Callable[[Verifier], Verifier]:
-    """Register a verifier under `name` (decorator)."""
+@dataclass(frozen=True)
+class VerifierEntry:
+    """How the reward function runs a verifier.
+
+    fn:          the full verifier (may be slow: runs in the worker pool unless `in_process`).
+    fast:        optional cheap verdict in the calling process; None means "ask `fn`".
+    in_process:  `fn` is pure and bounded (string work): always run it in the calling process.
+    fail_score:  score given when a call times out or raises (e.g. -1 for DAPO's +1/-1 rule).
+    accuracy:    its `acc` metric is an accuracy that dynamic sampling may filter on (False for
+                 pure format rewards, so listing `format` first does not change what `acc` means).
+    uses_row:    the verifier reads `row`; if not, the row (maybe holding images) is not shipped
+                 to the worker processes.
+    """
+
+    fn: Verifier
+    fast: FastPath | None = None
+    in_process: bool = False
+    fail_score: float = 0.0
+    accuracy: bool = True
+    uses_row: bool = True
+
+
+_REGISTRY: dict[str, VerifierEntry] = {}
+
+
+def register(
+    *names: str,
+    fast: FastPath | None = None,
+    in_process: bool = False,
+    fail_score: float = 0.0,
+    accuracy: bool = True,
+    uses_row: bool = True,
+) -> Callable[[Verifier], Verifier]:
+    """Register a verifier under one or more names (decorator); see `VerifierEntry` for the options."""
+    assert names, "register() needs at least one name"
 
     def deco(fn: Verifier) -> Verifier:
-        _REGISTRY[name] = fn
+        entry = VerifierEntry(fn, fast, in_process, fail_score, accuracy, uses_row)
+        for name in names:
+            _REGISTRY[name] = entry
         return fn
 
     return deco
@@ -43,11 +92,14 @@ def registered_verifiers() -> list[str]:
 
 
 def _load_builtins() -> None:
-    import postrl.rewards.math  # noqa: F401  (registers the built-in verifiers)
+    # Importing the modules registers the built-in verifiers.
+    import postrl.rewards.format  # noqa: F401
+    import postrl.rewards.gsm8k  # noqa: F401
+    import postrl.rewards.math  # noqa: F401
 
 
-def get_verifier(name: str) -> Verifier:
-    """Resolve a registered name or a `package.module:function` path."""
+def get_entry(name: str) -> VerifierEntry:
+    """Resolve a registered name or a `package.module:function` path to its entry."""
     from postrl.errors import UserError
 
     _load_builtins()
@@ -59,19 +111,40 @@ def get_verifier(name: str) -> Verifier:
             fn = getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as exc:
             raise UserError(
-                f"verifier '{name}' could not be loaded ({exc}). A user verifier is named "
-                "'package.module:function' and the module must be importable from the current environment."
-            ) from exc
-        return fn
+                f"verifier '{name}' could not be loaded ({type(exc).__name__}: {exc}). A user verifier is named "
+                "'package.module:function' and the module must be importable from the current environment "
+                "(install the package, or add its directory to PYTHONPATH)."
+            ) from None
+        if not callable(fn):
+            raise UserError(f"verifier '{name}' is a {type(fn).__name__}, not a function. Fix: name a function.")
+        return VerifierEntry(fn)
     raise UserError(
         f"unknown verifier '{name}'. Registered verifiers: {', '.join(registered_verifiers())}; "
         "or name your own function as 'package.module:function'."
     )
 
 
-def to_result(value: "VerifierResult | float") -> VerifierResult:
+def get_verifier(name: str) -> Verifier:
+    """Resolve a registered name or a `package.module:function` path."""
+    return get_entry(name).fn
+
+
+def to_result(value: Any) -> VerifierResult:
+    """Coerce what a verifier returned (VerifierResult, float, bool, or {"score": ..., ...})."""
     if isinstance(value, VerifierResult):
         return value
+    if isinstance(value, dict):
+        if "score" not in value:
+            raise TypeError(f"a verifier returned a dict without a 'score' key (keys: {sorted(value)})")
+        metrics = {}
+        for k, v in value.items():
+            if k != "score" and isinstance(v, (int, float, bool)):
+                metrics[k] = float(v)
+        score = float(value["score"])
+        metrics.setdefault("acc", float(score > 0))
+        return VerifierResult(score, metrics)
+    if value is None or not isinstance(value, (int, float)):
+        raise TypeError(f"a verifier must return a VerifierResult, a number or a dict, not {type(value).__name__}")
     score = float(value)
     return VerifierResult(score, {"acc": float(score > 0)})
 
@@ -81,35 +154,155 @@ class RewardOutput:
     """Scores of a batch of completions.
 
     `scores[i]` is the weighted sum over verifiers; `metrics[name][i]` holds per-completion values:
-    `acc` (from the first verifier that reports it; dynamic sampling filters on it) and, for each
-    verifier, its own score under the verifier's name.
+    `acc` (from the first accuracy verifier that reports it; dynamic sampling filters on it) and, for
+    each verifier, its own score under the verifier's name. `timeouts` and `errors` count verifier
+    calls that hit the time limit or raised (both score the verifier's fail_score);
+    `timed_out[i]` says whether any call of completion i timed out.
     """
 
     scores: list[float]
     metrics: dict[str, list[float]]
     timeouts: int = 0
+    errors: int = 0
+    timed_out: list[bool] = field(default_factory=list)
+
+    def means(self) -> dict[str, float]:
+        """Mean of every per-completion metric (the trainer logs them as <algo>/<name>/mean)."""
+        return {k: (sum(v) / len(v) if v else 0.0) for k, v in self.metrics.items()}
+
+
+def _picklable(fn: Callable) -> bool:
+    try:
+        pickle.dumps(fn)
+        return True
+    except Exception:  # noqa: BLE001 - lambdas, closures, bound methods of odd objects
+        return False
 
 
 class RewardFunction:
-    """The weighted sum of the verifiers listed in `reward.verifiers`."""
+    """The weighted sum of the verifiers listed in `reward.verifiers`.
 
-    def __init__(self, cfg: "RewardConfig"):
+    Create once and reuse: the worker pool is started on the first call that needs it and lives
+    until `close()`.
+    """
+
+    def __init__(self, cfg: "RewardConfig", memory_limit_mb: int | None = 4096):
         self.cfg = cfg
-        self.verifiers = [(v.name, v.weight, get_verifier(v.name)) for v in cfg.verifiers]
+        self.verifiers: list[tuple[str, float, VerifierEntry]] = [
+            (v.name, float(v.weight), get_entry(v.name)) for v in cfg.verifiers
+        ]
+        self._memory_limit_mb = memory_limit_mb
+        self._pool: "VerifierPool | None" = None
+        self._in_process_only: set[str] = set()
+        self._warned: set[str] = set()
+        for name, _, entry in self.verifiers:
+            if not entry.in_process and not _picklable(entry.fn):
+                self._in_process_only.add(name)
+                log.warning(
+                    "verifier '%s' cannot be sent to worker processes (not importable by name, e.g. a lambda "
+                    "or a nested function); it runs in the trainer process without a time limit. Define it at "
+                    "module level to get the time limit.",
+                    name,
+                )
+        self.timeouts_total = 0
+        self.calls_total = 0
+
+    @property
+    def pool(self) -> "VerifierPool":
+        if self._pool is None:
+            from postrl.rewards.pool import VerifierPool
+
+            self._pool = VerifierPool(self.cfg.workers, self.cfg.timeout_s, self._memory_limit_mb)
+        return self._pool
+
+    def _warn_once(self, name: str, message: str) -> None:
+        if name not in self._warned:
+            self._warned.add(name)
+            log.warning("verifier '%s' failed on a completion and scored its fail score: %s", name, message)
 
     def __call__(self, completions: list[str], ground_truths: list[str], rows: list[dict]) -> RewardOutput:
-        scores = [0.0] * len(completions)
-        metrics: dict[str, list[float]] = {name: [] for name, _, _ in self.verifiers}
-        acc: list[float | None] = [None] * len(completions)
-        for name, weight, fn in self.verifiers:
-            for i, (text, gt, row) in enumerate(zip(completions, ground_truths, rows)):
-                res = to_result(fn(text, gt, row))
-                scores[i] += weight * res.score
-                metrics[name].append(res.score)
-                if acc[i] is None and "acc" in res.metrics:
-                    acc[i] = res.metrics["acc"]
-        metrics["acc"] = [a if a is not None else float(s > 0) for a, s in zip(acc, scores)]
-        return RewardOutput(scores, metrics)
+        from postrl.rewards.pool import Call
+
+        n = len(completions)
+        assert len(ground_truths) == n and len(rows) == n, (
+            f"reward inputs differ in length: {n} completions, {len(ground_truths)} ground truths, {len(rows)} rows"
+        )
+        texts = [c if isinstance(c, str) else ("" if c is None else str(c)) for c in completions]
+        truths = [g if isinstance(g, str) else ("" if g is None else str(g)) for g in ground_truths]
+        rows = [r if isinstance(r, dict) else {} for r in rows]
+
+        # results[v][i]: the verdict of verifier v on completion i (None until known)
+        results: list[list[VerifierResult | None]] = [[None] * n for _ in self.verifiers]
+        timed_out = [False] * n
+        timeouts = errors = 0
+        queued: list[tuple[int, int]] = []
+        calls: list[Call] = []
+
+        for v, (name, _, entry) in enumerate(self.verifiers):
+            for i in range(n):
+                try:
+                    if entry.in_process or name in self._in_process_only:
+                        results[v][i] = to_result(entry.fn(texts[i], truths[i], rows[i]))
+                        continue
+                    if entry.fast is not None:
+                        quick = entry.fast(texts[i], truths[i], rows[i])
+                        if quick is not None:
+                            results[v][i] = to_result(quick)
+                            continue
+                except Exception as exc:  # noqa: BLE001 - a verifier's bug scores fail_score, once logged
+                    errors += 1
+                    self._warn_once(name, f"{type(exc).__name__}: {exc}")
+                    results[v][i] = VerifierResult(entry.fail_score, {"acc": 0.0})
+                    continue
+                queued.append((v, i))
+                calls.append(Call(entry.fn, texts[i], truths[i], rows[i] if entry.uses_row else {}))
+
+        if calls:
+            for (v, i), outcome in zip(queued, self.pool.run(calls)):
+                name, _, entry = self.verifiers[v]
+                if outcome.status == "ok" and outcome.result is not None:
+                    results[v][i] = outcome.result
+                    continue
+                if outcome.status == "timeout":
+                    timeouts += 1
+                    timed_out[i] = True
+                else:
+                    errors += 1
+                    self._warn_once(name, outcome.message)
+                results[v][i] = VerifierResult(entry.fail_score, {"acc": 0.0})
+
+        scores = [0.0] * n
+        metrics: dict[str, list[float]] = {name: [0.0] * n for name, _, _ in self.verifiers}
+        acc: list[float | None] = [None] * n
+        fallback_acc: list[float | None] = [None] * n
+        for v, (name, weight, entry) in enumerate(self.verifiers):
+            for i in range(n):
+                res = results[v][i]
+                assert res is not None, "every verifier call has a verdict"
+                score = res.score if math.isfinite(res.score) else entry.fail_score
+                scores[i] += weight * score
+                metrics[name][i] = score
+                if "acc" in res.metrics:
+                    if entry.accuracy and acc[i] is None:
+                        acc[i] = res.metrics["acc"]
+                    if fallback_acc[i] is None:
+                        fallback_acc[i] = res.metrics["acc"]
+        metrics["acc"] = [
+            a if a is not None else (f if f is not None else float(s > 0))
+            for a, f, s in zip(acc, fallback_acc, scores)
+        ]
+        self.timeouts_total += timeouts
+        self.calls_total += n * len(self.verifiers)
+        return RewardOutput(scores, metrics, timeouts, errors, timed_out)
 
     def close(self) -> None:
-        pass
+        """Stop the worker processes (safe to call twice)."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+    def __enter__(self) -> "RewardFunction":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

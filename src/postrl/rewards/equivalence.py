@@ -1,0 +1,82 @@
+"""Is a predicted answer equal to the ground truth? A cheap verdict first, math-verify second.
+
+`quick_equal` decides the easy cases in microseconds (same canonical string, two plain numbers,
+an absurdly long answer). `math_equal` asks math-verify (sympy underneath), which knows that
+`\\frac{1}{2}`, `0.5` and `\\dfrac12` are the same number but can take unbounded time on inputs such
+as `9^{9^{9^{9}}}`. The reward function therefore calls `math_equal` only inside the worker pool of
+`postrl.rewards.pool`, which enforces a hard per-call time limit.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from postrl.rewards.text import normalize_math, numbers_equal, parse_number, simple_value
+
+# A final answer longer than this (and longer than 20x the ground truth) is not worth a symbolic
+# check: it is scored wrong unless it matches the ground truth as a string.
+MAX_ANSWER_CHARS = 1000
+
+# math-verify's own time limit uses SIGALRM: it works only in the main thread and swallows the
+# time-out as "not equal". Inside the pool's workers it is switched off (the pool enforces the limit
+# and counts time-outs); elsewhere it is a last line of defence for direct calls.
+_signal_timeout_s: int | None = 5
+
+
+def disable_signal_timeout() -> None:
+    """Called once in each pool worker, where the pool's own time limit applies."""
+    global _signal_timeout_s
+    _signal_timeout_s = None
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+
+
+def quick_equal(pred: str | None, truth: str) -> bool | None:
+    """True/False when the answer can be decided by string or number comparison, else None."""
+    if pred is None:
+        return False
+    p, t = normalize_math(pred), normalize_math(truth)
+    if not p:
+        return False
+    if p == t:
+        return True
+    pn, tn = parse_number(p), parse_number(t)
+    if pn is not None and tn is not None:
+        return numbers_equal(pn, tn)
+    pv, tv = simple_value(p), simple_value(t)
+    if pv is not None and tv is not None:
+        if pv[0] == tv[0]:
+            return True
+        if not (pv[1] or tv[1]):
+            return False  # two exact values that differ; a decimal may be a rounding: ask math-verify
+    if len(pred) > max(MAX_ANSWER_CHARS, 20 * len(truth)):
+        return False
+    return None
+
+
+def _parse(answer: str) -> list:
+    from math_verify import parse
+
+    timeout = _signal_timeout_s if threading.current_thread() is threading.main_thread() else None
+    # Wrapping in \boxed{} makes math-verify read the whole string as one LaTeX answer.
+    parsed = parse("\\boxed{" + answer + "}", parsing_timeout=timeout)
+    if not parsed:
+        parsed = parse(answer, parsing_timeout=timeout)
+    return parsed
+
+
+def math_equal(pred: str | None, truth: str) -> bool:
+    """Symbolic equivalence through math-verify; unparseable answers are not equal.
+
+    Unbounded in time on adversarial input: call it through the verifier pool.
+    """
+    verdict = quick_equal(pred, truth)
+    if verdict is not None:
+        return verdict
+    from math_verify import verify
+
+    gold, target = _parse(truth), _parse(pred or "")
+    if not gold or not target:
+        return False
+    timeout = _signal_timeout_s if threading.current_thread() is threading.main_thread() else None
+    return bool(verify(gold, target, timeout_seconds=timeout))

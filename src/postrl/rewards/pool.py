@@ -1,0 +1,259 @@
+"""A pool of verifier worker processes with a hard per-call time limit.
+
+Why not `concurrent.futures.ProcessPoolExecutor`: it cannot stop one stuck task. Here every worker
+has its own pipe and runs one call at a time; the parent tracks each call's deadline and, when a
+call overruns it, kills that worker (SIGKILL), reports the call as timed out and starts a
+replacement in the background. Two limits apply:
+
+- soft, inside the worker: an interval timer interrupts Python-level work (sympy simplification
+  loops) at 80% of `timeout_s`; the worker survives and takes the next call;
+- hard, in the parent: at `timeout_s` after dispatch the worker is killed, which also stops work
+  stuck in C (a huge integer power) that no signal can interrupt.
+
+Workers also get an address-space limit, so an input that makes sympy allocate gigabytes fails
+with MemoryError inside the worker instead of exhausting the machine. Workers are started with the
+`spawn` method (safe beside torch threads), once, and reused until `close()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import time
+from collections import deque
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any, Callable
+
+from postrl.rewards.registry import VerifierResult, to_result
+
+log = logging.getLogger("postrl.rewards")
+
+BOOT_TIMEOUT_S = 180.0  # importing sympy/math-verify on a loaded 2-core machine can take a while
+MAX_BOOT_FAILURES = 3
+
+
+@dataclass
+class Call:
+    """One verifier call to run in a worker."""
+
+    fn: Callable[..., Any]
+    completion: str
+    ground_truth: str
+    row: dict
+
+
+@dataclass
+class Outcome:
+    """What became of a call: status is "ok", "timeout" or "error" (message says why)."""
+
+    status: str
+    result: VerifierResult | None = None
+    message: str = ""
+
+
+class _SoftTimeout(BaseException):
+    """Raised by the worker's interval timer. A BaseException so that verifiers (and math-verify,
+    which catches Exception broadly) cannot swallow it."""
+
+
+def _worker_main(conn: Connection, soft_timeout_s: float, memory_limit_mb: int | None) -> None:
+    import signal
+
+    if memory_limit_mb:
+        try:
+            import resource
+
+            limit = memory_limit_mb * 1024 * 1024
+            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        except (ImportError, ValueError, OSError):  # pragma: no cover - platform without RLIMIT_AS
+            pass
+    armed = False
+
+    def on_alarm(signum, frame):  # noqa: ARG001
+        if armed:
+            raise _SoftTimeout()
+
+    signal.signal(signal.SIGALRM, on_alarm)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
+
+    from postrl.rewards import equivalence
+
+    equivalence.disable_signal_timeout()
+    import math_verify  # noqa: F401  (warm the import before reporting ready)
+
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg is None:
+            return
+        task_id, call = msg
+        try:
+            armed = True
+            signal.setitimer(signal.ITIMER_REAL, soft_timeout_s)
+            try:
+                res = to_result(call.fn(call.completion, call.ground_truth, call.row))
+            finally:
+                armed = False
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            out = Outcome("ok", res)
+        except _SoftTimeout:
+            out = Outcome("timeout", message=f"soft time limit ({soft_timeout_s:.2f} s)")
+        except MemoryError:
+            out = Outcome("error", message="out of memory in the verifier worker")
+        except BaseException as exc:  # noqa: BLE001 - a verifier's bug must not kill the worker
+            out = Outcome("error", message=f"{type(exc).__name__}: {exc}"[:500])
+        try:
+            conn.send((task_id, out))
+        except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable metric value
+            conn.send((task_id, Outcome("error", message=f"result could not be sent back: {exc}"[:500])))
+
+
+class _Worker:
+    def __init__(self, ctx, soft_timeout_s: float, memory_limit_mb: int | None):
+        self.conn, child = ctx.Pipe(duplex=True)
+        self.proc = ctx.Process(
+            target=_worker_main, args=(child, soft_timeout_s, memory_limit_mb), daemon=True, name="postrl-verifier"
+        )
+        self.proc.start()
+        child.close()
+        self.started = time.monotonic()
+        self.ready = False
+        self.task: int | None = None
+        self.deadline = 0.0
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(timeout=5)
+        self.conn.close()
+
+
+class VerifierPool:
+    """Runs verifier calls in `workers` processes, each call under a hard `timeout_s` limit."""
+
+    def __init__(self, workers: int, timeout_s: float, memory_limit_mb: int | None = 4096):
+        assert workers >= 1, "the pool needs at least one worker"
+        assert timeout_s > 0, "timeout_s must be positive"
+        self.n_workers = workers
+        self.timeout_s = timeout_s
+        self.memory_limit_mb = memory_limit_mb
+        self._ctx = mp.get_context("spawn")
+        self._workers: list[_Worker] = []
+        self._boot_failures = 0
+        self.timeouts_total = 0
+        self.restarts = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def _spawn(self) -> _Worker:
+        return _Worker(self._ctx, 0.8 * self.timeout_s, self.memory_limit_mb)
+
+    def start(self) -> None:
+        while len(self._workers) < self.n_workers:
+            self._workers.append(self._spawn())
+
+    def close(self) -> None:
+        for w in self._workers:
+            try:
+                if w.ready and w.task is None:
+                    w.conn.send(None)
+            except (OSError, ValueError):
+                pass
+        for w in self._workers:
+            w.proc.join(timeout=2)
+            w.kill()
+        self._workers = []
+
+    def __del__(self):  # best effort; close() is the contract
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _replace(self, w: _Worker) -> None:
+        w.kill()
+        self._workers[self._workers.index(w)] = self._spawn()
+        self.restarts += 1
+
+    # ---------------------------------------------------------------------- run
+    def run(self, calls: list[Call]) -> list[Outcome]:
+        """Run every call; never raises for a bad call, never waits longer than its limit per call."""
+        self.start()
+        results: list[Outcome | None] = [None] * len(calls)
+        pending = deque(range(len(calls)))
+        while pending or any(w.task is not None for w in self._workers):
+            for w in self._workers:
+                while w.ready and w.task is None and pending:
+                    i = pending.popleft()
+                    try:
+                        w.conn.send((i, calls[i]))
+                    except (OSError, ValueError) as exc:  # worker died between calls
+                        pending.appendleft(i)
+                        log.warning("verifier worker %s was lost (%s); restarting it", w.proc.pid, exc)
+                        self._replace(w)
+                        break
+                    except Exception as exc:  # noqa: BLE001 - the call itself cannot be pickled
+                        results[i] = Outcome("error", message=f"call could not be sent to a worker: {exc}"[:500])
+                        continue
+                    w.task, w.deadline = i, time.monotonic() + self.timeout_s
+            now = time.monotonic()
+            deadlines = [w.deadline for w in self._workers if w.task is not None]
+            deadlines += [w.started + BOOT_TIMEOUT_S for w in self._workers if not w.ready]
+            wait_s = max(0.0, min(deadlines) - now) if deadlines else 0.05
+            ready = wait([w.conn for w in self._workers] + [w.proc.sentinel for w in self._workers], timeout=wait_s)
+            for w in list(self._workers):
+                if w.conn in ready or (w.proc.sentinel in ready and w.conn.poll()):
+                    self._receive(w, results)
+                elif w.proc.sentinel in ready:
+                    self._on_death(w, results)
+            now = time.monotonic()
+            for w in list(self._workers):
+                if w.task is not None and now > w.deadline:
+                    results[w.task] = Outcome("timeout", message=f"hard time limit ({self.timeout_s:g} s)")
+                    self.timeouts_total += 1
+                    w.task = None
+                    self._replace(w)
+                elif not w.ready and now > w.started + BOOT_TIMEOUT_S:
+                    self._boot_failed(w, f"did not start within {BOOT_TIMEOUT_S:.0f} s")
+        return [r if r is not None else Outcome("error", message="lost") for r in results]
+
+    def _receive(self, w: _Worker, results: list[Outcome | None]) -> None:
+        try:
+            msg = w.conn.recv()
+        except (EOFError, OSError):
+            self._on_death(w, results)
+            return
+        if msg[0] == "ready":
+            w.ready = True
+            self._boot_failures = 0
+            return
+        task_id, outcome = msg
+        if task_id == w.task:
+            results[task_id] = outcome
+            if outcome.status == "timeout":
+                self.timeouts_total += 1
+            w.task = None
+
+    def _on_death(self, w: _Worker, results: list[Outcome | None]) -> None:
+        if not w.ready:
+            self._boot_failed(w, f"exited with code {w.proc.exitcode} while starting")
+            return
+        if w.task is not None:
+            results[w.task] = Outcome("error", message=f"verifier worker died (exit code {w.proc.exitcode})")
+            w.task = None
+        self._replace(w)
+
+    def _boot_failed(self, w: _Worker, why: str) -> None:
+        self._boot_failures += 1
+        if self._boot_failures >= MAX_BOOT_FAILURES:
+            self.close()
+            raise RuntimeError(
+                f"verifier worker processes cannot start: the last one {why}. Check that postrl and "
+                "math-verify import in a fresh interpreter, and that a script using postrl guards its "
+                "entry point with `if __name__ == '__main__':` (workers are started with 'spawn')."
+            )
+        self._replace(w)
