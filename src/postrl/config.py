@@ -83,7 +83,12 @@ class RolloutConfig(Section):
     engine: Literal["auto", "hf", "vllm"] = Field(
         "auto", description="Rollout engine: vllm when it imports and supports the model (auto), else hf."
     )
-    n_samples_per_prompt: int = Field(8, ge=2, description="Completions per prompt (the GRPO group size, >= 2).")
+    n_samples_per_prompt: int = Field(
+        8,
+        ge=2,
+        description="Completions per prompt (the GRPO group size); at least 2, because each advantage is "
+        "measured against the other samples of its group and a group of one has none",
+    )
     max_tokens: int = Field(256, ge=1, description="Maximum response tokens (the guides' rollout_max_tokens).")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature; log-probs use the same scaling.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
@@ -127,7 +132,12 @@ class AlgorithmConfig(Section):
     clip_ratio_high: float | None = Field(
         None, gt=0, description="eps_high: ratio clipped above at 1 + eps_high (default 0.28 dapo, else 0.2)."
     )
-    clip_ratio_c: float | None = Field(3.0, gt=1, description="Dual-clip constant c (> 1) for A < 0; null disables.")
+    clip_ratio_c: float | None = Field(
+        3.0,
+        gt=1,
+        description="Dual-clip constant c for A < 0: the loss is capped at -A*c. It must exceed 1, since "
+        "at c <= 1 the cap would undercut the ordinary clipped objective; null disables dual clip",
+    )
     loss_agg_mode: Literal[LOSS_AGG_MODES] | None = Field(  # type: ignore[valid-type]
         None, description="Loss aggregation (default token-mean for dapo, seq-mean-token-mean for grpo)."
     )
@@ -196,27 +206,35 @@ class TrainConfig(Section):
     seed: int = Field(42, description="Seed of everything random in the run.")
     deterministic: bool = Field(False, description="Deterministic algorithms (the guides' use_deter_comp).")
 
+    # Field validators (not a model validator) so these run even when another train field is invalid.
+    @field_validator("gen_batch_size")
+    @classmethod
+    def _gen_at_least_global(cls, v: int | None, info) -> int | None:
+        gbs = info.data.get("global_batch_size")
+        if v is not None and gbs is not None and v < gbs:
+            raise ValueError(
+                f"train.gen_batch_size ({v}) is smaller than train.global_batch_size ({gbs}): each generation "
+                f"batch must be able to fill a training batch. Fix: set train.gen_batch_size >= {gbs}."
+            )
+        return v
+
+    @field_validator("mini_batch_size")
+    @classmethod
+    def _mini_divides_global(cls, v: int | None, info) -> int | None:
+        gbs = info.data.get("global_batch_size")
+        if v is not None and gbs is not None and (v > gbs or gbs % v):
+            raise ValueError(
+                f"train.mini_batch_size ({v}) must divide train.global_batch_size ({gbs}) so that every optimizer "
+                "step sees whole groups. Fix: choose a divisor of global_batch_size."
+            )
+        return v
+
     @model_validator(mode="after")
-    def _check(self) -> "TrainConfig":
+    def _derive(self) -> "TrainConfig":
         if self.gen_batch_size is None:
             self.gen_batch_size = self.global_batch_size
         if self.mini_batch_size is None:
             self.mini_batch_size = self.global_batch_size
-        problems = []
-        if self.gen_batch_size < self.global_batch_size:
-            problems.append(
-                f"train.gen_batch_size ({self.gen_batch_size}) is smaller than train.global_batch_size "
-                f"({self.global_batch_size}): each generation batch must be able to fill a training batch. "
-                f"Fix: set train.gen_batch_size >= {self.global_batch_size}."
-            )
-        if self.mini_batch_size > self.global_batch_size or self.global_batch_size % self.mini_batch_size:
-            problems.append(
-                f"train.mini_batch_size ({self.mini_batch_size}) must divide train.global_batch_size "
-                f"({self.global_batch_size}) so that every optimizer step sees whole groups. "
-                "Fix: choose a divisor of global_batch_size."
-            )
-        if problems:
-            raise ValueError("\n".join(problems))
         return self
 
 
@@ -366,7 +384,14 @@ def _describe_error(err: dict, cfg_cls: type[BaseModel]) -> list[str]:
         return [prefix + line for line in msg.split("\n") if line]
     got = err.get("input")
     got_s = repr(got) if not isinstance(got, dict) else "a mapping"
-    return [f"{loc}: {err['msg'].rstrip('.')} (got {got_s}). Fix: give {loc} a valid value."]
+    field = _field_at(cfg_cls, err["loc"])
+    why = f" {field.description.rstrip('.')}." if field is not None and field.description else ""
+    return [f"{loc}: {err['msg'].rstrip('.')} (got {got_s}).{why} Fix: set {loc} to a valid value."]
+
+
+def _field_at(cls: type[BaseModel], loc: tuple):
+    section = _section_at(cls, loc[:-1])
+    return section.model_fields.get(str(loc[-1])) if section is not None and loc else None
 
 
 def _section_at(cls: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
