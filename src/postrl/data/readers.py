@@ -167,7 +167,7 @@ def _iter_jsonl(path: str) -> Iterator[Record]:
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                yield Record(path, number, line=line_no, problem=f"line {line_no} is not UTF-8 ({exc}). Fix: re-encode the file as UTF-8.")
+                yield Record(path, number, line=line_no, problem=f"is not UTF-8 ({exc}). Fix: re-encode the file as UTF-8.")
                 continue
             try:
                 value = json.loads(text)
@@ -178,12 +178,12 @@ def _iter_jsonl(path: str) -> Iterator[Record]:
                     path,
                     number,
                     line=line_no,
-                    problem=f"line {line_no} is not valid JSON ({exc.msg} at column {exc.colno}).{hint} "
+                    problem=f"is not valid JSON ({exc.msg} at column {exc.colno}).{hint} "
                     "Fix: correct or delete that line; the other lines are read.",
                 )
                 continue
             if not isinstance(value, dict):
-                yield Record(path, number, line=line_no, problem=f"line {line_no} " + _not_object(value))
+                yield Record(path, number, line=line_no, problem=_not_object(value))
                 continue
             yield Record(path, number, row=value, line=line_no)
 
@@ -256,8 +256,8 @@ def _iter_json_list(path: str, text: str, pos: int) -> Iterator[Record]:
                 path,
                 number,
                 line=line,
-                problem=f"element {number} (line {line}) is not valid JSON ({exc.msg} at line {exc.lineno}, "
-                f"column {exc.colno}). Fix: correct or delete it; the other elements are read.",
+                problem=f"is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno}). "
+                "Fix: correct or delete this element; the other elements are read.",
             )
             m = _NEXT_ELEMENT.search(text, max(exc.pos, pos + 1))
             if m is None:
@@ -265,7 +265,7 @@ def _iter_json_list(path: str, text: str, pos: int) -> Iterator[Record]:
             pos = m.end() - 1
             continue
         if not isinstance(value, dict):
-            yield Record(path, number, line=line, problem=f"element {number} " + _not_object(value))
+            yield Record(path, number, line=line, problem=_not_object(value))
         else:
             yield Record(path, number, row=value, line=line)
         pos = end

@@ -1,0 +1,98 @@
+"""Chat templates selected by `prompt_type` (the MindSpeed-RL / LLaMA-Factory names).
+
+A template does two things during `postrl preprocess`:
+
+1. it shapes the chat messages stored in the parquet `prompt` column: its default system prompt
+   (e.g. qwen_math_r1's "Please reason step by step ...") and a text put before the user's content
+   (qwen_r1's R1-Zero instruction);
+2. it renders those messages to text for counting prompt tokens against `seq_length` when the
+   tokenizer has no chat template of its own (when it has one, that one is used, as at training time).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from postrl.errors import UserError
+
+R1_INSTRUCTION = (
+    "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. "
+    "The assistant first thinks about the reasoning process in the mind and then provides the user with the answer. "
+    "The reasoning process and answer are enclosed within <think> </think> and <answer> </answer> tags, "
+    "respectively, i.e., <think> reasoning process here </think><answer> answer here </answer>. "
+    "Put your final answer within \\boxed{}.\n"
+)
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """How a prompt_type turns (system, user) into messages and messages into prompt text."""
+
+    name: str
+    default_system: str | None = None  # system message added when the data has none
+    user_prefix: str = ""  # put before the user's content in the stored message
+    instructs: bool = False  # the template already tells the model how to answer (skip handler hints)
+    prefix: str = ""  # text before the first turn (a BOS token)
+    system_format: str = "{content}"
+    user_format: str = "{content}"
+    assistant_format: str = "{content}"
+
+    def messages(self, user: str, system: str | None = None) -> list[dict[str, str]]:
+        """Chat messages for one prompt; `system=""` means no system message."""
+        system = self.default_system if system is None else system
+        out = [{"role": "system", "content": system}] if system else []
+        out.append({"role": "user", "content": self.user_prefix + user})
+        return out
+
+    def render(self, messages: list[dict[str, str]]) -> str:
+        """Prompt text up to where the assistant's answer starts."""
+        parts = [self.prefix]
+        for m in messages:
+            fmt = {"system": self.system_format, "user": self.user_format}.get(m["role"], self.assistant_format)
+            parts.append(fmt.format(content=m["content"]))
+        return "".join(parts)
+
+
+_CHATML = dict(
+    system_format="<|im_start|>system\n{content}<|im_end|>\n",
+    user_format="<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n",
+    assistant_format="{content}<|im_end|>\n",
+)
+
+TEMPLATES: dict[str, ChatTemplate] = {
+    t.name: t
+    for t in (
+        ChatTemplate("empty", system_format="{content}\n"),
+        ChatTemplate("qwen", default_system="You are a helpful assistant.", **_CHATML),
+        ChatTemplate(
+            "qwen_r1", default_system="You are a helpful assistant.", user_prefix=R1_INSTRUCTION, instructs=True, **_CHATML
+        ),
+        ChatTemplate(
+            "qwen_math_r1",
+            default_system="Please reason step by step, and put your final answer within \\boxed{}.",
+            instructs=True,
+            **_CHATML,
+        ),
+        ChatTemplate("qwen3", **_CHATML),
+        ChatTemplate(
+            "llama3",
+            prefix="<|begin_of_text|>",
+            system_format="<|start_header_id|>system<|end_header_id|>\n\n{content}<|eot_id|>",
+            user_format="<|start_header_id|>user<|end_header_id|>\n\n{content}<|eot_id|>"
+            "<|start_header_id|>assistant<|end_header_id|>\n\n",
+            assistant_format="{content}<|eot_id|>",
+        ),
+    )
+}
+
+
+def get_template(name: str | None) -> ChatTemplate:
+    """The template named `name` (None means "empty"); a UserError lists the valid names."""
+    key = "empty" if name in (None, "") else str(name)
+    if key not in TEMPLATES:
+        raise UserError(
+            f"prompt_type '{name}' is not known. Valid prompt types: {', '.join(TEMPLATES)}. "
+            "Fix: pick the one matching your model family (qwen for Qwen2.5-Instruct, qwen_r1 for R1-Zero style "
+            "training of a base model, qwen_math_r1 for Qwen2.5-Math, empty for no template)."
+        )
+    return TEMPLATES[key]
