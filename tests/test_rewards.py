@@ -316,3 +316,22 @@ def test_crashing_and_slow_user_verifiers(user_module):
         assert out.errors == 1 and out.timeouts == 1
     finally:
         rf.close()
+
+
+# ------------------------------------------------------------------------------- throughput
+@needs_data
+@pytest.mark.slow
+def test_2000_verifications_with_pathological_ones_finish():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "verifier_throughput.py"
+    spec = importlib.util.spec_from_file_location("verifier_throughput", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    stats = bench.run(n=2000, n_pathological=20, timeout_s=2.0, workers=2)
+    print(f"{stats['per_second']:.1f} verifications/s, {stats['timeouts']} time-outs, {stats['seconds']:.1f} s")
+    assert stats["verifications"] == 2000 and stats["errors"] == 0
+    assert 1 <= stats["timeouts"] <= 20  # only pathological inputs hit the limit
+    # every call is bounded: even if all 20 pathological calls used the whole limit on one worker,
+    # the run stays far below "hung"
+    assert stats["seconds"] < 20 * 2.0 + 120

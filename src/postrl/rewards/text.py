@@ -105,7 +105,7 @@ def simple_value(s: str) -> tuple[Fraction, bool] | None:
         sign, a, b = m.group(4), m.group(5), m.group(6)
     else:
         sign, a, b = "", m.group(7), m.group(8)
-    if int(b) == 0 or len(a) > 50 or len(b) > 50:
+    if len(a) > 50 or len(b) > 50 or int(b) == 0:
         return None
     value = Fraction(int(a), int(b))
     return (-value if sign else value), False
