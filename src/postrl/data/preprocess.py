@@ -52,7 +52,9 @@ class PreprocessConfig(BaseModel):
     input: str | list[str] = Field(description="Raw data: a file, directory or glob, or a list of them.")
     output_prefix: str = Field(description="Output path without suffix: <prefix>.parquet and <prefix>.summary.json.")
     handler_name: str = Field(description="How to read a row: dapo_math_17k, deepscaler, gsm8k, math, geo3k, alpaca.")
-    tokenizer_name_or_path: str | None = Field(None, description="Local HF tokenizer directory (counts prompt tokens).")
+    tokenizer_name_or_path: str | None = Field(
+        None, description="Local HF tokenizer directory (counts prompt tokens), or 'builtin:tiny-qwen2'."
+    )
     tokenizer_type: str | None = Field(None, description="Accepted for compatibility with the guides; ignored.")
     prompt_type: str = Field("empty", description="Chat template: empty, qwen, qwen_r1, qwen_math_r1, qwen3, llama3.")
     seq_length: int | None = Field(None, ge=1, description="Drop prompts longer than this many tokens (needs a tokenizer).")
@@ -137,6 +139,17 @@ def _resolve(path: str, config_dir: Path) -> str:
         return str(p)
     alt = config_dir / p
     return str(alt) if alt.exists() else str(p)
+
+
+def _tokenizer_path(name: str | None, config_dir: Path) -> str | None:
+    """A local directory; 'builtin:tiny-qwen2' is built (once, cached) like model.path."""
+    if not name:
+        return None
+    if name.startswith("builtin:"):
+        from postrl.models import resolve_model_path
+
+        return resolve_model_path(name)
+    return _resolve(name, config_dir)
 
 
 # --------------------------------------------------------------------------------- row pipeline
@@ -347,7 +360,7 @@ def run_preprocess(cfg: PreprocessConfig, config_dir: Path = Path("."), out=sys.
         ability=spec.ability,
         split=cfg.split,
         additional_keys=cfg.dataset_additional_keys,
-        tokenizer_path=_resolve(cfg.tokenizer_name_or_path, config_dir) if cfg.tokenizer_name_or_path else None,
+        tokenizer_path=_tokenizer_path(cfg.tokenizer_name_or_path, config_dir),
         seq_length=cfg.seq_length,
     )
     summary = Summary(files)
@@ -357,7 +370,7 @@ def run_preprocess(cfg: PreprocessConfig, config_dir: Path = Path("."), out=sys.
     def log_progress(force: bool = False) -> None:
         nonlocal last_log
         done = summary.rows_out + sum(summary.dropped.values())
-        if force or done - last_log >= cfg.log_interval:
+        if (force and done != last_log) or done - last_log >= cfg.log_interval:
             last_log = done
             rate = done / max(time.perf_counter() - t0, 1e-9)
             print(

@@ -73,7 +73,7 @@ def expand_inputs(inputs: str | list[str]) -> tuple[list[str], list[str]]:
         elif p.is_file():
             files.append(str(p))
         else:
-            problems.append(f"{item}: file does not exist. Fix: check the path (relative paths start at the current directory).")
+            problems.append(f"{item}: file does not exist. Fix: check the path (a relative path is taken from the current directory).")
     return files, problems
 
 

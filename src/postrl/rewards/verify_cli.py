@@ -246,7 +246,7 @@ def main_verify(argv: list[str]) -> int:
     mean = sum(ln["score"] for ln in ok) / len(ok)
     acc = sum(ln["acc"] for ln in ok) / len(ok)
     print(f"input: {args.input} (response: {resp_key}, answer: {ans_key})")
-    print(f"verifiers: {', '.join(f'{v.name}x{v.weight:g}' for v in cfg.verifiers)}")
+    print(f"verifiers: {', '.join(f'{v.name} (weight {v.weight:g})' for v in cfg.verifiers)}")
     print(f"records: {len(records)} ({len(ok)} scored, {len(bad)} skipped)")
     print(f"mean score: {mean:.4f}")
     print(f"acc: {acc:.4f}")
