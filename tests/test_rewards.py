@@ -63,6 +63,8 @@ def test_parse_number_and_quick_equal():
     assert quick_equal(r"145^\circ", "145") is True
     assert quick_equal(r"\text{Evelyn}", "Evelyn") is True
     assert quick_equal(None, "1") is False
+    assert quick_equal("5", r"\boxed{5}") is True  # a ground truth stored boxed
+    assert quick_equal("30", "30°") is True
     assert quick_equal("1+" * 5000 + "1", "2") is False  # absurdly long: no symbolic check
 
 

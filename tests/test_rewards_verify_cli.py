@@ -34,6 +34,7 @@ def test_helpers():
     assert get_path(row, "msgs.1.content") == "A"
     assert as_completion(row["msgs"]) == "A"
     assert as_completion({"role": "assistant", "content": "B"}) == "B"
+    assert as_completion(None) == ""  # an empty generation scores like an empty string
     assert as_ground_truth(18) == "18" and as_ground_truth(2.0) == "2" and as_ground_truth(0.5) == "0.5"
     assert as_ground_truth(["1", 2]) == "1, 2"
     assert as_ground_truth({"ground_truth": "x", "style": "rule"}) == "x"

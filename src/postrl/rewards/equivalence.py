@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from postrl.rewards.text import normalize_math, numbers_equal, parse_number, simple_value
+from postrl.rewards.text import last_boxed, normalize_math, numbers_equal, parse_number, simple_value
 
 # A final answer longer than this (and longer than 20x the ground truth) is not worth a symbolic
 # check: it is scored wrong unless it matches the ground truth as a string.
@@ -31,10 +31,20 @@ def disable_signal_timeout() -> None:
     logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 
+def unbox(truth: str) -> str:
+    """A ground truth stored as `\\boxed{5}` (some data sets do) is compared by its content."""
+    if "\\boxed" in truth or "\\fbox" in truth:
+        inner = last_boxed(truth)
+        if inner is not None:
+            return inner
+    return truth
+
+
 def quick_equal(pred: str | None, truth: str) -> bool | None:
     """True/False when the answer can be decided by string or number comparison, else None."""
     if pred is None:
         return False
+    truth = unbox(truth)
     p, t = normalize_math(pred), normalize_math(truth)
     if not p:
         return False
@@ -75,6 +85,7 @@ def math_equal(pred: str | None, truth: str) -> bool:
         return verdict
     from math_verify import verify
 
+    truth = unbox(truth)
     gold, target = _parse(truth), _parse(pred or "")
     if not gold or not target:
         return False

@@ -116,7 +116,7 @@ def simple_value(s: str) -> tuple[Fraction, bool] | None:
 # normalise to the same string are equal; anything else goes to the symbolic checker.
 _MATH_DROP = (
     "\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\ ", "\\displaystyle", "^\\circ", "^{\\circ}",
-    "\\%", "%", "\\$", "$", "~",
+    "\\%", "%", "\\$", "$", "~", "°",
 )
 
 

@@ -51,6 +51,8 @@ def as_completion(value: Any) -> str:
     """The text to score: a string, a message's content, or the last assistant message of a chat."""
     if isinstance(value, str):
         return value
+    if value is None:  # the model produced nothing: scored as an empty completion
+        return ""
     if isinstance(value, dict) and isinstance(value.get("content"), str):
         return value["content"]
     if isinstance(value, list) and value and all(isinstance(m, dict) for m in value):
