@@ -56,6 +56,9 @@ def test_parse_number_and_quick_equal():
     assert quick_equal("37", "37.0") is True
     assert quick_equal(r"\$1,000", "1000") is True
     assert quick_equal("38", "37") is False
+    assert quick_equal("1000000001", "1000000000") is False  # integers compare exactly
+    assert quick_equal("0.30000000000000004", "0.3") is True  # float noise is forgiven
+    assert quick_equal("3.14", "3.14159") is False
     assert quick_equal(r"\dfrac{1}{2}", r"\frac12") is True  # simple fractions are exact
     assert quick_equal("0.5", r"\frac{1}{2}") is True
     assert quick_equal(r"\frac{1}{3}", r"\frac{2}{3}") is False

@@ -108,6 +108,17 @@ def test_layout_and_seeds(setup):
     assert len({tuple(x.token_ids) for x in a[:3]}) == 3
 
 
+def test_large_seeded_batch(setup):
+    """More prompt tokens than one engine step takes (4096): seeded requests wait, never split."""
+    engine, tok = setup["engine"], setup["tokenizer"]
+    prompts = _prompts(tok, 24)
+    assert sum(map(len, prompts)) * 8 > 4096
+    params = SamplingParams(max_tokens=3, n=8, seed=3)
+    a = engine.generate(prompts, params)
+    assert len(a) == 24 * 8
+    assert [c.token_ids for c in a] == [c.token_ids for c in engine.generate(prompts, params)]
+
+
 def test_stop_at_eos_and_max_tokens(setup):
     engine, prompts, tok = setup["engine"], setup["prompts"], setup["tokenizer"]
     eos = set(engine.eos_ids)
@@ -170,6 +181,9 @@ def test_unavailable_reasons_are_explained(monkeypatch, tiny_model_path):
         vllm_mod.VLLMEngine(model, tok, RolloutConfig())
     model.config.architectures = ["Qwen2ForCausalLM"]
 
+    with pytest.raises(vllm_mod.VLLMUnavailable, match="temperatures up to"):
+        vllm_mod.VLLMEngine(model, tok, RolloutConfig(temperature=2.5))
+
     with pytest.raises(vllm_mod.VLLMUnavailable, match="kv_cache_space_gb"):
         vllm_mod.VLLMEngine(model, tok, RolloutConfig(kv_cache_space_gb=1e6))
 
@@ -188,3 +202,30 @@ def test_auto_falls_back_to_hf_and_vllm_errors(monkeypatch, tiny_model_path):
     assert "AVX2" in said[-1]
     with pytest.raises(UserError, match="AVX2"):
         make_engine(RolloutConfig(engine="vllm"), model, tok)
+
+
+# ------------------------------------------------------------------------------- in the trainer
+
+
+def test_tiny_dapo_run_with_vllm(tmp_path):
+    from conftest import tiny_overrides
+
+    from postrl.config import load_config
+    from postrl.metrics import read_jsonl
+    from postrl.trainer import train
+
+    overrides = tiny_overrides(
+        tmp_path, "algorithm.name=dapo", "algorithm.overlong_buffer.len=4",
+        "reward.verifiers=[verifiers_for_tests:length_parity]", "train.gen_batch_size=6", "train.lr=1e-3",
+        "rollout.engine=vllm", "rollout.kv_cache_space_gb=0.25",
+    )  # fmt: skip
+    train(load_config(None, overrides))
+    steps = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "timing/all" in r]
+    assert len(steps) == 3
+    for r in steps:
+        # Only an engine that reports sampling log-probs (vLLM) produces this metric; after every
+        # update the weights were synced, so vLLM and the trainer agree to float error on each step.
+        assert r["rollout/logprob_diff_mean"] < 1e-4, r["rollout/logprob_diff_mean"]
+        assert 1 <= r["response_length/mean"] <= 12
+        assert r["vllm_tps"] > 0 and r["timing/resharding_to_infer"] > 0
+        assert all(torch.isfinite(torch.tensor(v)) for k, v in r.items() if isinstance(v, float))

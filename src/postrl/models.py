@@ -19,9 +19,9 @@ import torch
 from postrl.errors import UserError
 from postrl.utils import cache_dir
 
-TINY_VERSION = 1
+TINY_VERSION = 2
 TINY_DEFAULTS: dict[str, Any] = {
-    "vocab_size": 384,
+    "vocab_size": 512,
     "hidden_size": 128,
     "num_layers": 4,
     "num_heads": 4,

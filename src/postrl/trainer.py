@@ -386,9 +386,9 @@ class Trainer:
                     if self.ref_model is not None:
                         kl = algo.aggregate_loss(algo.kl_penalty(logp, mb["ref_logp"], a.kl.estimator), mask, **agg)
                         loss = loss + a.kl.coef * kl
-                        kl_total += float(kl)
+                        kl_total += float(kl.detach())
                     loss.backward()
-                    pg_total += float(pg)
+                    pg_total += float(pg.detach())
                     n_tok = float(mask.sum())
                     for k, v in stats.items():
                         add(f"actor/{k}", float(v), n_tok)

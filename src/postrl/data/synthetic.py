@@ -1,7 +1,10 @@
 """Built-in task: synthetic arithmetic word problems with answers in \\boxed{}.
 
-"Mia has 23 marbles. She finds 14 more. She gives away 5. How many marbles does Mia have now?"
--> "23 + 14 = 37. 37 - 5 = 32. \\boxed{32}"
+"Mia has 23 marbles. She finds 14 more. She gives away 5. How many now?"
+-> "23+14=37. 37-5=32. \\boxed{32}"
+
+Prompts and solutions are kept short on purpose: on a 2-core CPU the cost of an RL step is the
+number of tokens it processes.
 
 Problems are deterministic from a seed. Train and validation are disjoint: no validation problem's
 numbers-and-operations signature appears in training. Rows are written as parquet in the verl schema,
@@ -17,12 +20,12 @@ from pathlib import Path
 
 from postrl.utils import cache_dir
 
+TASK_VERSION = 2  # bump when the text of problems or solutions changes (invalidates the cache)
 NAMES = ["Tom", "Anna", "Ben", "Lily", "Sam", "Mia", "Leo", "Zoe", "Max", "Eva", "Noah", "Ivy"]
 PRONOUN = {n: ("She" if n in {"Anna", "Lily", "Mia", "Zoe", "Eva", "Ivy"} else "He") for n in NAMES}
 ITEMS = ["apples", "books", "coins", "marbles", "stickers", "pencils", "cards", "shells", "stamps", "cookies"]
 ADD_STEPS = ["{p} buys {x} more.", "{p} finds {x} more.", "{p} gets {x} more.", "{p} wins {x} more."]
 SUB_STEPS = ["{p} gives away {x}.", "{p} loses {x}.", "{p} sells {x}.", "{p} uses {x}."]
-INSTRUCTION = "Put the final answer in \\boxed{}."
 
 
 def make_problem(rng: random.Random, max_value: int, n_operands: int, subtraction: bool) -> dict:
@@ -36,15 +39,15 @@ def make_problem(rng: random.Random, max_value: int, n_operands: int, subtractio
         if subtraction and total >= 1 and rng.random() < 0.4:
             x = rng.randint(1, total)
             sentences.append(rng.choice(SUB_STEPS).format(p=pronoun, x=x))
-            steps.append(f"{total} - {x} = {total - x}.")
+            steps.append(f"{total}-{x}={total - x}.")
             signature += ["-", x]
             total -= x
         else:
             sentences.append(rng.choice(ADD_STEPS).format(p=pronoun, x=x))
-            steps.append(f"{total} + {x} = {total + x}.")
+            steps.append(f"{total}+{x}={total + x}.")
             signature += ["+", x]
             total += x
-    sentences.append(f"How many {item} does {name} have now?")
+    sentences.append("How many now?")
     return {
         "question": " ".join(sentences),
         "solution": " ".join(steps) + f" \\boxed{{{total}}}",
@@ -56,7 +59,7 @@ def make_problem(rng: random.Random, max_value: int, n_operands: int, subtractio
 def to_verl_row(problem: dict, index: int, split: str) -> dict:
     return {
         "data_source": "arithmetic",
-        "prompt": [{"role": "user", "content": f"{problem['question']} {INSTRUCTION}"}],
+        "prompt": [{"role": "user", "content": problem["question"]}],
         "ability": "math",
         "reward_model": {"style": "rule", "ground_truth": problem["answer"]},
         "extra_info": {"index": index, "split": split, "solution": problem["solution"]},
@@ -98,7 +101,7 @@ def builtin_task_files(knobs: dict) -> dict[str, Path]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    key = hashlib.sha1(json.dumps(knobs, sort_keys=True).encode()).hexdigest()[:12]
+    key = hashlib.sha1(json.dumps({**knobs, "version": TASK_VERSION}, sort_keys=True).encode()).hexdigest()[:12]
     out = cache_dir() / "data" / f"arithmetic-{key}"
     paths = {s: out / f"{s}.parquet" for s in ("train", "val")}
     if all(p.exists() for p in paths.values()):
@@ -118,6 +121,6 @@ def tokenizer_corpus(n: int = 4000, seed: int = 0) -> list[str]:
     texts = ["system\nYou are a helpful assistant.", "user\n", "assistant\n"] * 50
     for _ in range(n):
         p = make_problem(rng, 99, rng.randint(2, 4), True)
-        texts.append(f"{p['question']} {INSTRUCTION}")
+        texts.append(p["question"])
         texts.append(p["solution"])
     return texts

@@ -1,0 +1,45 @@
+"""Shared fixtures: the tiny model (built once per cache) and test-only user verifiers on the path."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+# Test verifiers live in tests/verifiers_for_tests.py and are named 'verifiers_for_tests:fn', as a
+# user would name theirs; worker processes find them through PYTHONPATH.
+sys.path.insert(0, str(TESTS))
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path() -> str:
+    from postrl.models import build_tiny_model
+
+    return str(build_tiny_model())
+
+
+def tiny_overrides(tmp_path: Path, *extra: str) -> list[str]:
+    """Overrides for a fast trainer run on the random-init tiny model."""
+    return [
+        "model.path=builtin:tiny-qwen2",
+        "rollout.engine=hf",
+        "rollout.n_samples_per_prompt=4",
+        "rollout.max_tokens=12",
+        "data.builtin.train_size=200",
+        "data.builtin.val_size=16",
+        "train.global_batch_size=4",
+        "train.micro_batch_size=8",
+        "train.total_steps=3",
+        "eval.before_train=false",
+        "eval.after_train=false",
+        "logging.progress=false",
+        f"logging.dir={tmp_path / 'run'}",
+        "checkpoint.save_final=false",
+        *extra,
+    ]

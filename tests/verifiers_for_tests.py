@@ -1,0 +1,19 @@
+"""User verifiers for tests, named as 'verifiers_for_tests:<fn>' (a user's 'package.module:function')."""
+
+
+def length_parity(completion: str, ground_truth: str, row: dict) -> dict:
+    """1 for an even number of characters: about half the samples of a random model, so groups are mixed
+    and some (all-even or all-odd) are filtered by dynamic sampling."""
+    ok = float(len(completion) % 2 == 0)
+    return {"score": ok, "acc": ok}
+
+
+def never(completion: str, ground_truth: str, row: dict) -> float:
+    return 0.0
+
+
+def vowel_share(completion: str, ground_truth: str, row: dict) -> dict:
+    """A dense reward the policy can learn fast: the share of vowels among the characters."""
+    letters = [c for c in completion.lower() if c.isalpha()]
+    share = sum(c in "aeiou" for c in letters) / max(len(letters), 1)
+    return {"score": share, "acc": float(share > 0.5)}
