@@ -39,6 +39,7 @@ from postrl.config import RolloutConfig
 from postrl.rollout.base import Completion, SamplingParams
 
 GiB = 1 << 30
+MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams refuses higher temperatures
 # Wrapper prefixes that DDP / FSDP1 / torch.compile put in front of parameter names.
 _WRAPPER_PARTS = ("module.", "_fsdp_wrapped_module.", "_orig_mod.", "_checkpoint_wrapped_module.")
 _VLLM_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -76,6 +77,11 @@ class VLLMEngine:
         self.sleep_enabled = self.on_gpu and cfg.enable_sleep_mode
         self._asleep: set[str] = set()  # "weights" / "kv_cache" while sleeping
         self._weights_stale = False  # level-2 sleep dropped the weights: a sync must come first
+        if cfg.temperature > MAX_TEMPERATURE:
+            raise VLLMUnavailable(
+                f"rollout.temperature = {cfg.temperature} but vLLM samples at temperatures up to {MAX_TEMPERATURE}. "
+                f"Fix: lower rollout.temperature, or set rollout.engine: hf."
+            )
         model_dir = _model_dir(model)
         tokenizer_dir = _tokenizer_dir(tokenizer, model_dir)
         if not self.on_gpu:
@@ -107,6 +113,11 @@ class VLLMEngine:
             # Eager on CPU: torch.compile of the model costs minutes on 2 cores for no gain on tiny models.
             # VLLM_CPU_KVCACHE_SPACE, when the user sets it, still wins (vLLM reads it after this).
             kwargs.update(enforce_eager=True, kv_cache_memory_bytes=int(cfg.kv_cache_space_gb * GiB))
+            # vLLM 0.32 on CPU crashes ("CPU Generator does not use offset") when a seeded request's
+            # prefill is split across steps; whole prefills avoid it. The step budget must then hold
+            # one full-length sequence.
+            longest = max_model_len or getattr(model.config, "max_position_embeddings", None) or 32768
+            kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(4096, int(longest)))
         kwargs.update(_distributed_kwargs(cfg.tensor_parallel_size))
 
         n_threads = torch.get_num_threads()
@@ -134,6 +145,8 @@ class VLLMEngine:
         assert multi_modal is None or len(multi_modal) == len(prompts), "one multi_modal dict per prompt"
         if self._asleep:
             self.wake_up()
+        if not params.greedy and params.temperature > MAX_TEMPERATURE:
+            raise ValueError(f"vLLM samples at temperatures up to {MAX_TEMPERATURE}, got {params.temperature}; use the hf engine.")
         n = 1 if params.greedy else params.n
         seeds = _request_seeds(params.seed, len(prompts))
         requests, per_request = [], []
