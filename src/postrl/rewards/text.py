@@ -83,8 +83,13 @@ def parse_number(s: str) -> Decimal | None:
 
 
 def numbers_equal(a: Decimal, b: Decimal) -> bool:
-    """Equal up to a relative 1e-9 (so 18 == 18.00 and 0.1 + 0.2 style noise is forgiven)."""
-    return abs(a - b) <= Decimal("1e-9") * max(Decimal(1), abs(a), abs(b))
+    """Integers exactly (1000000001 != 1000000000); other numbers up to a relative 1e-12, which
+    forgives binary-float noise (0.30000000000000004) but not a rounded answer (3.14 != 3.14159)."""
+    if a == b:
+        return True
+    if a == a.to_integral_value() and b == b.to_integral_value():
+        return False
+    return abs(a - b) <= Decimal("1e-12") * max(abs(a), abs(b))
 
 
 _SIMPLE_FRACTION = re.compile(r"(-?)\\frac\{(-?\d+)\}\{(-?\d+)\}|(-?)\\frac(\d)(\d)|(-?\d+)/(-?\d+)")
