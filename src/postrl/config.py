@@ -52,7 +52,7 @@ class BuiltinTaskConfig(Section):
 
     train_size: int = Field(20000, ge=1, description="Number of training problems.")
     val_size: int = Field(500, ge=1, description="Number of held-out problems (disjoint from training).")
-    max_value: int = Field(60, ge=2, description="Operands are drawn from 1..max_value.")
+    max_value: int = Field(20, ge=2, description="Operands are drawn from 1..max_value.")
     min_operands: int = Field(2, ge=2, description="Fewest numbers in a problem.")
     max_operands: int = Field(3, ge=2, description="Most numbers in a problem.")
     subtraction: bool = Field(True, description="Allow 'gives away' steps (subtraction, never below zero).")

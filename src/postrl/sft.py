@@ -83,7 +83,7 @@ def run_sft(cfg: Config, console: Any = None) -> dict[str, float]:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             sched.step()
-            loss_ema = float(loss) if loss_ema is None else 0.95 * loss_ema + 0.05 * float(loss)
+            loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
             progress.update(task, advance=1, loss=loss_ema)
     out = Path(s.output_dir) / "model"
     tmp = out.with_name("model.tmp")
