@@ -1,0 +1,94 @@
+"""Tiny-model factory, log-probs and the HF rollout engine."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from postrl.data.synthetic import generate_splits
+from postrl.models import build_sequences, build_tiny_model, load_model, load_tokenizer, response_logprobs
+from postrl.rollout import SamplingParams
+from postrl.rollout.hf import HFEngine
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_path):
+    tok = load_tokenizer(tiny_model_path)
+    model = load_model(tiny_model_path)
+    return model, tok
+
+
+def test_tiny_factory_is_deterministic_from_its_seed(tmp_path):
+    a = build_tiny_model(tmp_path / "a", hidden_size=32, num_layers=1, intermediate_size=64, seed=7)
+    b = build_tiny_model(tmp_path / "b", hidden_size=32, num_layers=1, intermediate_size=64, seed=7)
+    assert (a / "tokenizer.json").read_text() == (b / "tokenizer.json").read_text()
+    ma, mb = load_model(str(a)), load_model(str(b))
+    for (na, pa), (nb, pb) in zip(ma.state_dict().items(), mb.state_dict().items()):
+        assert na == nb and torch.equal(pa, pb), na
+    cfg = json.loads((a / "config.json").read_text())
+    assert cfg["model_type"] == "qwen2" and cfg["hidden_size"] == 32
+    # cached: a second call with the same spec returns the same directory without rebuilding
+    assert build_tiny_model(tmp_path / "a", hidden_size=32, num_layers=1, intermediate_size=64, seed=7) == a
+
+
+def test_tokenizer_splits_digits_and_has_a_chat_template(tiny):
+    _, tok = tiny
+    ids = tok("1234")["input_ids"]
+    assert [tok.decode([i]) for i in ids] == ["1", "2", "3", "4"]
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
+
+
+def test_builtin_task_splits_are_disjoint_and_deterministic():
+    a = generate_splits(300, 50, max_value=20, seed=3)
+    b = generate_splits(300, 50, max_value=20, seed=3)
+    assert a == b
+    sig = lambda r: r["prompt"][0]["content"].split("How")[0]  # noqa: E731
+    # no validation problem text in training (signatures are disjoint, so texts are too)
+    assert not {sig(r) for r in a["val"]} & {sig(r) for r in a["train"]}
+    row = a["train"][0]
+    assert row["reward_model"]["ground_truth"] == row["extra_info"]["solution"].split("\\boxed{")[1].rstrip("}")
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_response_logprobs_match_a_full_forward(tiny, temperature):
+    model, tok = tiny
+    prompts = [[1, 20, 21, 22], [1, 30, 31]]
+    responses = [[40, 41, 42, 2], [50]]
+    t = build_sequences(prompts, responses, tok.pad_token_id)
+    T = t["response_mask"].shape[1]
+    logp, ent = response_logprobs(model, t["input_ids"], t["attention_mask"], t["position_ids"], T, temperature, with_entropy=True)
+    # reference: each sequence alone, no padding, full logits
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        ids = torch.tensor([p + r])
+        logits = model(input_ids=ids).logits[0, len(p) - 1 : len(p) + len(r) - 1] / temperature
+        ref = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(r).unsqueeze(-1)).squeeze(-1)
+        assert torch.allclose(logp[i, : len(r)], ref, atol=1e-5), (logp[i], ref)
+    assert logp.shape == (2, 4) and ent.shape == (2, 4)
+    assert t["response_mask"].tolist() == [[1, 1, 1, 1], [1, 0, 0, 0]]
+
+
+def test_hf_engine_groups_seeds_and_eos(tiny):
+    model, tok = tiny
+    engine = HFEngine(model, tok)
+    prompts = [[1, 20, 21], [1, 30, 31, 32, 33]]
+    params = SamplingParams(temperature=1.0, max_tokens=6, n=3, seed=11)
+    out = engine.generate(prompts, params)
+    assert [c.prompt_index for c in out] == [0, 0, 0, 1, 1, 1]
+    again = engine.generate(prompts, params)
+    assert [c.token_ids for c in out] == [c.token_ids for c in again]
+    other = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=6, n=3, seed=12))
+    assert [c.token_ids for c in out] != [c.token_ids for c in other]
+    for c in out:
+        assert c.finished == (c.token_ids[-1] == tok.eos_token_id)
+        assert len(c.token_ids) <= 6 and (c.finished or len(c.token_ids) == 6)
+        assert tok.eos_token_id not in c.token_ids[:-1]
+    greedy = engine.generate(prompts, SamplingParams(max_tokens=6, greedy=True))
+    assert len(greedy) == 2
+    # greedy = argmax of the model at every step
+    ids = torch.tensor([prompts[0] + greedy[0].token_ids])
+    logits = model(input_ids=ids).logits[0, len(prompts[0]) - 1 : -1]
+    assert logits.argmax(-1).tolist()[: len(greedy[0].token_ids)] == greedy[0].token_ids
