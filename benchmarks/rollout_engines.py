@@ -1,13 +1,18 @@
 """Rollout throughput: transformers `generate` (HFEngine) vs vLLM (VLLMEngine), same workload, one process.
 
     python benchmarks/rollout_engines.py                 # 32 prompts x n=8 x 64 tokens, tiny Qwen2
-    python benchmarks/rollout_engines.py --tiny hidden_size=256,num_layers=8
+    python benchmarks/rollout_engines.py --tiny hidden_size=512,num_layers=8,intermediate_size=1536
 
 The workload is one GRPO rollout batch: `--prompts` chat prompts (built-in arithmetic problems),
 `--n` samples each, up to `--max-tokens` new tokens at temperature 1. The tiny model is randomly
 initialised, so it rarely emits EOS (~1/vocab per token) and nearly every sequence runs to the limit;
-tokens/s counts the tokens actually generated. Each engine gets one warm-up call, then `--repeats`
-timed calls with the same seeds; the table reports best and median tokens/s and the vLLM/HF ratio.
+tokens/s counts the tokens actually generated.
+
+HF runs twice: at the process's torch threads (what `rollout.engine: hf` uses in the trainer) and at
+one thread (vLLM's own CPU serving setting; on a small shared machine often the faster one). Every
+engine gets one warm-up call, then the timed calls are interleaved (hf, hf-1, vllm, hf, ...) so that
+load from other processes hits all of them alike. Reported: best and median tokens/s and the ratio of
+vLLM to the better HF setting.
 """
 
 from __future__ import annotations
@@ -25,18 +30,6 @@ def parse_tiny(spec: str) -> dict[str, int]:
     return out
 
 
-def bench(engine, prompts, params, repeats: int) -> dict[str, float]:
-    engine.generate(prompts, params)  # warm-up
-    rates, tokens = [], 0
-    for r in range(repeats):
-        start = time.perf_counter()
-        completions = engine.generate(prompts, params)
-        seconds = time.perf_counter() - start
-        tokens = sum(len(c.token_ids) for c in completions)
-        rates.append(tokens / seconds)
-    return {"best": max(rates), "median": statistics.median(rates), "tokens": tokens, "sequences": len(completions)}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=32, help="prompts per rollout batch")
@@ -44,7 +37,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64, help="new tokens per sample (upper bound)")
     ap.add_argument("--repeats", type=int, default=5, help="timed calls per engine after one warm-up")
     ap.add_argument("--kv-cache-gb", type=float, default=1.0, help="vLLM CPU KV cache (rollout.kv_cache_space_gb)")
-    ap.add_argument("--tiny", default="", help="tiny-model overrides, e.g. hidden_size=256,num_layers=8")
+    ap.add_argument("--tiny", default="", help="tiny-model overrides, e.g. hidden_size=512,num_layers=8")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
@@ -62,32 +55,50 @@ def main() -> None:
     examples, _ = load_prompts(["builtin:arithmetic:val"], tokenizer, DataConfig(), max_rows=args.prompts)
     prompts = [e.prompt_ids for e in examples][: args.prompts]
     params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, n=args.n, seed=args.seed)
+    threads = torch.get_num_threads()
     n_params = sum(p.numel() for p in model.parameters())
     print(
-        f"model {path} ({n_params / 1e6:.2f}M params, fp32), {len(prompts)} prompts x n={args.n} x "
-        f"max {args.max_tokens} tokens, torch threads {torch.get_num_threads()}, {args.repeats} timed runs"
+        f"model {path} ({n_params / 1e6:.2f}M params, fp32); {len(prompts)} prompts x n={args.n} x "
+        f"max {args.max_tokens} new tokens (mean prompt {sum(map(len, prompts)) / len(prompts):.0f} tokens); "
+        f"torch threads {threads}; {args.repeats} timed runs each"
     )
 
-    # HF at the process's torch threads (what the trainer uses) and at one thread (vLLM's CPU setting),
-    # so the ratio is against the better of the two.
-    threads = torch.get_num_threads()
-    results = {f"hf ({threads} threads)": bench(HFEngine(model, tokenizer), prompts, params, args.repeats)}
-    if threads > 1:
-        torch.set_num_threads(1)
-        results["hf (1 thread)"] = bench(HFEngine(model, tokenizer), prompts, params, args.repeats)
-        torch.set_num_threads(threads)
     start = time.perf_counter()
     vllm_engine = VLLMEngine(model, tokenizer, RolloutConfig(kv_cache_space_gb=args.kv_cache_gb, max_num_seqs=256))
     startup = time.perf_counter() - start
-    results["vllm"] = bench(vllm_engine, prompts, params, args.repeats)
+    hf_engine = HFEngine(model, tokenizer)
+    runs = {f"hf ({threads} threads)": (hf_engine, threads)}
+    if threads > 1:
+        runs["hf (1 thread)"] = (hf_engine, 1)
+    runs["vllm"] = (vllm_engine, threads)  # VLLMEngine drops to one thread itself while generating
+
+    def once(engine, n_threads: int) -> tuple[float, int]:
+        torch.set_num_threads(n_threads)
+        try:
+            t0 = time.perf_counter()
+            completions = engine.generate(prompts, params)
+            seconds = time.perf_counter() - t0
+        finally:
+            torch.set_num_threads(threads)
+        tokens = sum(len(c.token_ids) for c in completions)
+        return tokens / seconds, tokens
+
+    rates: dict[str, list[float]] = {name: [] for name in runs}
+    tokens: dict[str, int] = {}
+    for name, (engine, n_threads) in runs.items():
+        once(engine, n_threads)  # warm-up
+    for _ in range(args.repeats):
+        for name, (engine, n_threads) in runs.items():
+            rate, tokens[name] = once(engine, n_threads)
+            rates[name].append(rate)
 
     print("\n| engine | tokens/s (best) | tokens/s (median) | tokens per run |")
     print("|---|---:|---:|---:|")
-    for name, r in results.items():
-        print(f"| {name} | {r['best']:,.0f} | {r['median']:,.0f} | {r['tokens']:,} |")
-    vl = results.pop("vllm")
-    best_hf = max(results.values(), key=lambda r: r["median"])
-    print(f"| vLLM / best HF | {vl['best'] / best_hf['best']:.1f}x | {vl['median'] / best_hf['median']:.1f}x | |")
+    for name, r in rates.items():
+        print(f"| {name} | {max(r):,.0f} | {statistics.median(r):,.0f} | {tokens[name]:,} |")
+    vl = rates["vllm"]
+    best_hf = max((r for name, r in rates.items() if name != "vllm"), key=statistics.median)
+    print(f"| vLLM / best HF | {max(vl) / max(best_hf):.1f}x | {statistics.median(vl) / statistics.median(best_hf):.1f}x | |")
     print(f"\nvLLM engine start-up (build + first weight sync): {startup:.1f} s")
 
 

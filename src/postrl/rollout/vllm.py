@@ -152,7 +152,7 @@ class VLLMEngine:
         requests, per_request = [], []
         for i, ids in enumerate(prompts):
             request: dict[str, Any] = {"prompt_token_ids": list(ids)}
-            if multi_modal is not None:
+            if multi_modal is not None and multi_modal[i]:  # a text-only prompt in a vision batch has None
                 request["multi_modal_data"] = _multi_modal_data(multi_modal[i])
             requests.append(request)
             per_request.append(self._vllm_params(params, n, None if seeds is None else seeds[i]))
@@ -188,6 +188,7 @@ class VLLMEngine:
             seed=seed,
             stop_token_ids=self.eos_ids,  # generation_config + tokenizer EOS ids; the EOS token is kept
             logprobs=0,  # only the sampled token's log-prob
+            flat_logprobs=True,  # a few flat lists per request instead of a dict per token
             detokenize=False,  # the trainer wants ids; skips per-token decoding
             **sampling,
         )
@@ -270,6 +271,9 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 def _sampled_logprobs(logprobs: Any, tokens: list[int]) -> list[float] | None:
     if logprobs is None:
         return None
+    if hasattr(logprobs, "start_indices"):  # FlatLogprobs; with logprobs=0 one entry per position
+        assert list(logprobs.token_ids) == tokens, "vLLM returned log-probs of the sampled tokens only"
+        return [float(x) for x in logprobs.logprobs]
     assert len(logprobs) == len(tokens), "vLLM returned one log-prob entry per sampled token"
     return [float(step[tok].logprob) for step, tok in zip(logprobs, tokens)]
 
