@@ -1,14 +1,33 @@
-"""Checkpoints: save, exact resume and export (DESIGN.md section 6).
+"""Checkpoints: save, exact resume and export (DESIGN.md section 6; user guide: docs/checkpoints.md).
 
     <checkpoint.dir>/
       latest_checkpointed_iteration.txt      "N"; edit it to resume from another iteration
       iter_0000010/
-        model/                               Hugging Face format (config, safetensors, tokenizer)
-        optimizer/rank{r}.pt  scheduler.pt  rng_rank{r}.pt  dataloader.pt  trainer_state.json  config.yaml
+        model/                 Hugging Face format (config, generation config, safetensors, tokenizer)
+        optimizer/rank{r}.pt   AdamW state (moments, step counts, param-group hyperparameters)
+        scheduler.pt           LR scheduler state
+        rng_rank{r}.pt         python / numpy / torch (and CUDA) RNG states of rank r
+        dataloader.pt          prompt sampler position (epoch, offset); dynamic sampling draws from it
+        trainer_state.json     step, batch settings, optimizer hyperparameters, data size (written last)
+        config.yaml            the resolved config of the run that wrote the checkpoint
 
-A checkpoint is written to a temporary directory, renamed into place, and only then named in the
-tracker file (itself replaced atomically), so a crash at any moment leaves the previous checkpoint
-as the one `resume: auto` picks up.
+Crash safety. A checkpoint is written into `.tmp_iter_N`, every file is fsynced, the directory is
+renamed to `iter_N` (atomic), and only then is the tracker file replaced (atomically) to name it.
+Resume reads only the tracker, so a crash at any moment leaves the previous checkpoint as the one
+`resume: auto` picks up, and a half-written `.tmp_*` directory is never read (the next save removes
+it). Rotation renames a checkpoint to `.del_iter_N` before deleting it, so a crash mid-delete never
+leaves a half checkpoint under an `iter_*` name either.
+
+Exact resume. Weights, AdamW state, the scheduler position, the sampler position and the RNG states
+are restored, and the step counter continues, so the per-step generation seeds (`Trainer._seed`)
+line up. The rollout engines keep no RNG between calls (every generate call is seeded), and the
+dynamic-sampling loop ends within its step (surplus groups are dropped, as verl does), so the
+sampler position is its whole cross-step state. With `train.deterministic: true`, a resumed CPU run
+equals an uninterrupted one bit for bit (tests/test_checkpoint.py).
+
+Test-only hook: the environment variable POSTRL_TEST_CRASH_IN_SAVE=<step> makes `save` SIGKILL its
+own process in the middle of writing the checkpoint of that step (after the weights and optimizer,
+before the rest). It exists for the crash-safety test; never set it in a real run.
 """
 
 from __future__ import annotations
@@ -17,26 +36,55 @@ import json
 import os
 import random
 import shutil
+import signal
+import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from postrl import distributed
 from postrl.errors import UserError
 
 if TYPE_CHECKING:
     from postrl.trainer import Trainer
 
 TRACKER = "latest_checkpointed_iteration.txt"
-BATCH_KEYS = ("global_batch_size", "gen_batch_size", "mini_batch_size", "n_samples_per_prompt", "epochs_per_batch")
+STATE_FILE = "trainer_state.json"
+CRASH_ENV = "POSTRL_TEST_CRASH_IN_SAVE"  # test-only, see the module docstring
+FORMAT_VERSION = 1
 
 
 def iter_dir(root: Path, step: int) -> Path:
-    return root / f"iter_{step:07d}"
+    return Path(root) / f"iter_{step:07d}"
+
+
+def _iter_step(path: Path) -> int | None:
+    name = path.name
+    if not name.startswith("iter_") or not name[5:].isdigit():
+        return None
+    return int(name[5:])
+
+
+def _complete_iters(root: Path) -> list[Path]:
+    """The complete iter_* checkpoints under `root`, oldest first."""
+    found = [(s, p) for p in root.glob("iter_*") if (s := _iter_step(p)) is not None and (p / STATE_FILE).is_file()]
+    return [p for _, p in sorted(found)]
+
+
+# --------------------------------------------------------------------------------- distributed
+
+
+def _rank_world() -> tuple[int, int]:
+    return distributed.rank(), distributed.world_size()
+
+
+# --------------------------------------------------------------------------------- small pieces
 
 
 def _batch_settings(cfg) -> dict:
+    """Settings that decide what one step is; changing them on resume changes the run."""
     t = cfg.train
     return {
         "global_batch_size": t.global_batch_size,
@@ -47,12 +95,27 @@ def _batch_settings(cfg) -> dict:
     }
 
 
+def _optim_settings(cfg) -> dict:
+    t = cfg.train
+    return {"lr": t.lr, "weight_decay": t.weight_decay, "betas": list(t.betas)}
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _fsync_tree(path: Path) -> None:
+    for f in sorted(path.rglob("*")):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    for d in sorted((p for p in path.rglob("*") if p.is_dir()), reverse=True):
+        _fsync_dir(d)
+    _fsync_dir(path)
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -65,143 +128,356 @@ def _write_atomic(path: Path, text: str) -> None:
     _fsync_dir(path.parent)
 
 
+def _remove(path: Path) -> None:
+    """Delete a directory so that no reader ever sees it half-deleted under its own name."""
+    if not path.exists():
+        return
+    trash = path.with_name(f".del_{path.name}")
+    shutil.rmtree(trash, ignore_errors=True)
+    os.replace(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _test_crash_point(step: int) -> None:
+    if os.environ.get(CRASH_ENV) == str(step):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def rng_state() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
 
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save(trainer: "Trainer", rank: int = 0) -> Path:
-    """Write iter_<step> atomically and point the tracker at it; rotate old checkpoints."""
+# ----------------------------------------------------------------------------------------- save
+
+
+def save(trainer: "Trainer") -> Path:
+    """Write iter_<step> atomically, point the tracker at it, then rotate old checkpoints.
+
+    Every rank writes its own optimizer state and RNG; rank 0 writes the rest and renames.
+    """
     from postrl.config import dump_config
 
     cfg = trainer.cfg
+    rank, world = _rank_world()
     root = Path(cfg.checkpoint.dir)
-    root.mkdir(parents=True, exist_ok=True)
     final = iter_dir(root, trainer.step)
     tmp = root / f".tmp_{final.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    (tmp / "optimizer").mkdir(parents=True)
-    trainer.model.save_pretrained(tmp / "model", safe_serialization=True)
-    trainer.tokenizer.save_pretrained(tmp / "model")
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "optimizer").mkdir(parents=True)
+    distributed.barrier()
+
+    distributed.save_pretrained(trainer.model, tmp / "model", write=rank == 0)  # FSDP2: every rank gathers
+    if rank == 0:
+        trainer.tokenizer.save_pretrained(tmp / "model")
     torch.save(trainer.optimizer.state_dict(), tmp / "optimizer" / f"rank{rank}.pt")
-    torch.save(trainer.scheduler.state_dict(), tmp / "scheduler.pt")
+    _test_crash_point(trainer.step)
     torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
-    torch.save({"sampler": trainer.sampler.state_dict()}, tmp / "dataloader.pt")
-    state = {"step": trainer.step, "algorithm": cfg.algorithm.name, "batch": _batch_settings(cfg), "world_size": cfg.world_size}
-    (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
-    (tmp / "config.yaml").write_text(dump_config(cfg))
-    for f in tmp.rglob("*"):
-        if f.is_file():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-    if final.exists():  # re-saving the same step: the tracker may name it, so move it aside first
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync_dir(root)
-    _write_atomic(root / TRACKER, f"{trainer.step}\n")
-    _rotate(root, cfg.checkpoint.keep_last, keep=final)
+    if rank == 0:
+        torch.save(trainer.scheduler.state_dict(), tmp / "scheduler.pt")
+        torch.save({"sampler": trainer.sampler.state_dict()}, tmp / "dataloader.pt")
+        (tmp / "config.yaml").write_text(dump_config(cfg))
+        state = {
+            "format_version": FORMAT_VERSION,
+            "step": trainer.step,
+            "algorithm": cfg.algorithm.name,
+            "world_size": world,
+            "batch": _batch_settings(cfg),
+            "optimizer": _optim_settings(cfg),
+            "total_steps": cfg.train.total_steps,
+            "train_prompts": len(trainer.train_examples),
+            "data_seed": cfg.data.seed,
+            "model_path": cfg.model.path,
+        }
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
+    distributed.barrier()  # every rank's files are in place
+
+    if rank == 0:
+        _fsync_tree(tmp)
+        old = root / f".old_{final.name}"
+        if final.exists():  # re-saving a step (e.g. after going back to an earlier iteration)
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        _write_atomic(root / TRACKER, f"{trainer.step}\n")
+        shutil.rmtree(old, ignore_errors=True)
+        _rotate(root, cfg.checkpoint.keep_last, current=trainer.step)
+        _clean_leftovers(root)
+    distributed.barrier()
     return final
 
 
-def _rotate(root: Path, keep_last: int, keep: Path) -> None:
+def _rotate(root: Path, keep_last: int, current: int) -> None:
+    """Keep the newest `keep_last` checkpoints up to the current step; 0 keeps all.
+
+    Checkpoints past the current step belong to an abandoned run (the tracker was edited to go back);
+    they are left alone until this run reaches their step and overwrites them.
+    """
     if keep_last <= 0:
         return
-    done = sorted(p for p in root.glob("iter_*") if p.is_dir())
+    done = [p for p in _complete_iters(root) if (_iter_step(p) or 0) <= current]
     for old in done[:-keep_last]:
-        if old != keep:
-            shutil.rmtree(old, ignore_errors=True)
+        _remove(old)
+
+
+def _clean_leftovers(root: Path) -> None:
+    """Remove what crashed saves and deletes left behind (never read by resume)."""
+    for p in root.iterdir():
+        if p.is_dir() and p.name.startswith((".tmp_iter_", ".del_iter_", ".old_iter_")):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------- resume
+
+
+def _read_tracker(root: Path) -> int:
+    tracker = root / TRACKER
+    text = tracker.read_text().strip()
+    if not text.isdigit():
+        raise UserError(
+            f"{tracker} holds '{text}', not an iteration number. "
+            "Fix: write the step of an existing iter_* directory into it (e.g. 10 for iter_0000010)."
+        )
+    return int(text)
 
 
 def find_resume_dir(cfg) -> Path | None:
-    """The checkpoint `checkpoint.resume` points at, or None for a fresh start."""
+    """The checkpoint that `checkpoint.resume` names, or None for a fresh start.
+
+    auto:    the iteration in <checkpoint.dir>/latest_checkpointed_iteration.txt, if the file exists.
+    none:    a fresh start.
+    <path>:  an iter_* checkpoint, or a checkpoint directory (its tracker file names the iteration).
+    """
     resume = cfg.checkpoint.resume
     if resume == "none":
         return None
-    root = Path(cfg.checkpoint.dir) if resume == "auto" else Path(resume)
-    if resume != "auto" and (root / "trainer_state.json").exists():
+    root = Path(cfg.checkpoint.dir) if resume == "auto" else Path(resume).expanduser()
+    if resume != "auto" and (root / STATE_FILE).is_file():
         return root
-    tracker = root / TRACKER
-    if not tracker.exists():
-        if resume == "auto":
-            return None
+    if resume != "auto" and not (root / TRACKER).exists():
         raise UserError(
-            f"checkpoint.resume: '{resume}' is neither a checkpoint (iter_* with trainer_state.json) nor a "
-            f"checkpoint directory with {TRACKER}. Fix: point it at one, or use 'auto' / 'none'."
+            f"checkpoint.resume: '{resume}' is neither a checkpoint (an iter_* directory with {STATE_FILE}) nor "
+            f"a checkpoint directory with {TRACKER}. Fix: point it at one, or use 'auto' / 'none'."
         )
-    text = tracker.read_text().strip()
-    if not text.isdigit():
-        raise UserError(f"{tracker} holds '{text}', not an iteration number. Fix: write the step of an existing iter_* directory into it.")
-    path = iter_dir(root, int(text))
-    if not (path / "trainer_state.json").exists():
-        raise UserError(
-            f"{tracker} names iteration {text}, but {path} is not a complete checkpoint. "
-            f"Fix: write the number of an existing checkpoint into {tracker} (found: "
-            f"{', '.join(p.name for p in sorted(root.glob('iter_*'))) or 'none'})."
-        )
-    return path
+    if not (root / TRACKER).exists():
+        found = _complete_iters(root) if root.is_dir() else []
+        if found:
+            raise UserError(
+                f"checkpoint.dir '{root}' holds checkpoints ({', '.join(p.name for p in found)}) but no {TRACKER}, "
+                "so it is unclear which one to resume from, and a fresh run would overwrite them. Fix: write the "
+                f"step to resume from into {root / TRACKER}, or set checkpoint.resume=none to start over "
+                "(or point checkpoint.dir elsewhere)."
+            )
+        return None
+    step = _read_tracker(root)
+    path = iter_dir(root, step)
+    if (path / STATE_FILE).is_file():
+        return path
+    old = root / f".old_{path.name}"  # a crash between the two renames of a re-save
+    if (old / STATE_FILE).is_file():
+        return old
+    found = _complete_iters(root)
+    raise UserError(
+        f"{root / TRACKER} names iteration {step}, but {path} is not a complete checkpoint. Fix: write the "
+        f"step of an existing checkpoint into {root / TRACKER} (found: {', '.join(p.name for p in found) or 'none'})."
+    )
 
 
 def load_weights(model: torch.nn.Module, model_dir: Path) -> None:
+    """Copy the safetensors weights of `model_dir` into `model` in place (the optimizer keeps its params)."""
     from safetensors.torch import load_file
 
-    state = {}
-    for f in sorted(model_dir.glob("*.safetensors")):
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
         state.update(load_file(str(f)))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied embeddings are not saved
-    assert not missing and not unexpected, f"checkpoint weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+    if not state:
+        raise UserError(f"{model_dir} holds no *.safetensors weights. Fix: point at a checkpoint written by postrl.")
+    missing, unexpected = distributed.load_full_state_dict(model, state)  # into FSDP2 shards too
+    tied = getattr(distributed.unwrap(model).config, "tie_word_embeddings", False)
+    missing = [k for k in missing if not (tied and k.endswith("lm_head.weight"))]  # tied: saved once
+    if missing or unexpected:
+        raise UserError(
+            f"the weights in {model_dir} do not fit model.path's architecture (missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}). Fix: resume with the model.path (and model.tiny) the checkpoint was trained from."
+        )
 
 
-def maybe_resume(trainer: "Trainer", rank: int = 0) -> Path | None:
-    """Restore the trainer from the checkpoint named by `checkpoint.resume`; returns its path."""
-    cfg = trainer.cfg
+def maybe_resume(trainer: "Trainer") -> Path | None:
+    """Restore the trainer from the checkpoint named by `checkpoint.resume`; returns its path.
+
+    finetune:        weights only; step 0, fresh optimizer, sampler and RNG.
+    load_optimizer:  false = fresh AdamW moments (Megatron's --no-load-optim); the LR schedule still
+                     continues at the resumed step.
+    load_rng:        false = keep the RNG seeded from train.seed (--no-load-rng).
+    """
+    cfg, ck = trainer.cfg, trainer.cfg.checkpoint
+    rank, world = _rank_world()
     path = find_resume_dir(cfg)
     if path is None:
+        root = Path(ck.dir)
+        if ck.resume == "none" and root.is_dir() and _complete_iters(root):
+            trainer.log(
+                f"[yellow]note: checkpoint.resume is 'none' but {root} holds checkpoints; this run starts at step 0 "
+                "and will overwrite them when it reaches their steps.[/yellow]"
+            )
         return None
     load_weights(trainer.model, path / "model")
-    if cfg.checkpoint.finetune:
+    if ck.finetune:
+        trainer.log(f"finetune: loaded the weights of {path}; starting a fresh run at step 0")
         return path
-    state = json.loads((path / "trainer_state.json").read_text())
-    changed = {k: (state["batch"].get(k), v) for k, v in _batch_settings(cfg).items() if state["batch"].get(k) != v}
-    if changed:
-        trainer.log(
-            "[yellow]warning: batch settings differ from the checkpoint's "
-            + ", ".join(f"{k}: {a} -> {b}" for k, (a, b) in changed.items())
-            + "; the resumed run will not match an uninterrupted one (data order and step size change).[/yellow]"
-        )
-    trainer.step = state["step"]
-    if cfg.checkpoint.load_optimizer:
-        opt = path / "optimizer" / f"rank{rank}.pt"
-        trainer.optimizer.load_state_dict(torch.load(opt, weights_only=False))
+
+    state = json.loads((path / STATE_FILE).read_text())
+    _warn_on_changes(trainer, state, path, world)
+    trainer.step = int(state["step"])
+
+    if ck.load_optimizer:
+        opt_file = path / "optimizer" / f"rank{rank}.pt"
+        if not opt_file.exists():
+            raise UserError(
+                f"{path} has no optimizer state for rank {rank} ({opt_file.name}); it was written by a run with "
+                f"{state.get('world_size', 1)} rank(s). Fix: resume with the same number of processes, or set "
+                "checkpoint.load_optimizer=false to start the optimizer afresh."
+            )
+        trainer.optimizer.load_state_dict(torch.load(opt_file, weights_only=False))
         trainer.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
+        _apply_optimizer_settings(trainer)
     else:
-        for _ in range(trainer.step):
-            trainer.scheduler.step()
-    if cfg.checkpoint.load_rng and (path / f"rng_rank{rank}.pt").exists():
-        set_rng_state(torch.load(path / f"rng_rank{rank}.pt", weights_only=False))
+        with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": intended here
+            warnings.simplefilter("ignore")
+            for _ in range(trainer.step):
+                trainer.scheduler.step()
+
+    rng_file = path / f"rng_rank{rank}.pt"
+    if ck.load_rng and rng_file.exists():
+        set_rng_state(torch.load(rng_file, weights_only=False))
+    elif ck.load_rng:
+        trainer.log(f"[yellow]warning: {path} has no RNG state for rank {rank}; keeping the RNG seeded from train.seed.[/yellow]")
     trainer.sampler.load_state_dict(torch.load(path / "dataloader.pt", weights_only=False)["sampler"])
+
+    later = [p.name for p in _complete_iters(path.parent) if (_iter_step(p) or -1) > trainer.step]
+    if later:
+        trainer.log(
+            f"[yellow]note: resuming from step {trainer.step} although {', '.join(later)} exist(s); this run will "
+            "overwrite them when it reaches their steps.[/yellow]"
+        )
     return path
 
 
-def export(checkpoint: str | Path, out: str | Path) -> Path:
-    """Copy a checkpoint's model/ (or a checkpoint dir's latest) to a plain HF model directory."""
-    src = Path(checkpoint)
-    if (src / TRACKER).exists():
-        src = iter_dir(src, int((src / TRACKER).read_text().strip()))
-    if (src / "model" / "config.json").exists():
-        src = src / "model"
-    if not (src / "config.json").exists():
-        raise UserError(
-            f"'{checkpoint}' is not a postrl checkpoint (no model/config.json). Fix: pass a checkpoint "
-            f"directory (with {TRACKER}) or one of its iter_* directories."
+def _warn_on_changes(trainer: "Trainer", state: dict, path: Path, world: int) -> None:
+    """Say clearly which settings differ from the checkpoint's and what that does to the run."""
+    cfg = trainer.cfg
+    problems = []
+    changed = {k: (state["batch"].get(k), v) for k, v in _batch_settings(cfg).items() if state["batch"].get(k) != v}
+    if changed:
+        keys = ", ".join(f"{_key(k)} {a} -> {b}" for k, (a, b) in changed.items())
+        problems.append(
+            f"batch settings differ from the checkpoint's ({keys}): the run continues at step {state['step']} with the "
+            "new sizes, so it will not match an uninterrupted run. To continue the original run, set them back "
+            "(e.g. " + " ".join(f"{_key(k)}={a}" for k, (a, _) in changed.items()) + ")."
         )
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise UserError(f"export target '{out}' exists and is not empty. Fix: choose a new directory.")
-    shutil.copytree(src, out, dirs_exist_ok=True)
+    if state.get("world_size", 1) != world:
+        problems.append(
+            f"the checkpoint was written by {state.get('world_size', 1)} rank(s), this run has {world}: RNG states "
+            "per rank no longer line up, so the run will not match an uninterrupted one."
+        )
+    if "train_prompts" in state and (state["train_prompts"], state.get("data_seed")) != (len(trainer.train_examples), cfg.data.seed):
+        problems.append(
+            f"the training data differ from the checkpoint's ({state['train_prompts']} prompts, data.seed "
+            f"{state.get('data_seed')} -> {len(trainer.train_examples)} prompts, data.seed {cfg.data.seed}): "
+            "the sampler keeps its epoch and position, but the prompt order is not the original one."
+        )
+    if state.get("total_steps") not in (None, cfg.train.total_steps) and cfg.train.lr_schedule != "constant":
+        problems.append(
+            f"train.total_steps changed ({state['total_steps']} -> {cfg.train.total_steps}) under a "
+            f"{cfg.train.lr_schedule} LR schedule: from step {state['step']} on, the LR follows the new schedule."
+        )
+    if cfg.checkpoint.load_optimizer:
+        old = state.get("optimizer", {})
+        diffs = {k: (old[k], v) for k, v in _optim_settings(cfg).items() if k in old and old[k] != v}
+        if diffs:
+            problems.append(
+                "optimizer settings differ from the checkpoint's ("
+                + ", ".join(f"train.{k} {a} -> {b}" for k, (a, b) in diffs.items())
+                + "): the config's values apply from now on; the AdamW moments are kept."
+            )
+    for p in problems:
+        trainer.log(f"[yellow]warning (resuming from {path}): {p}[/yellow]")
+
+
+def _key(name: str) -> str:
+    return f"rollout.{name}" if name == "n_samples_per_prompt" else f"train.{name}"
+
+
+def _apply_optimizer_settings(trainer: "Trainer") -> None:
+    """The config, not the checkpoint, sets lr / weight decay / betas (the moments come from the checkpoint).
+
+    `optimizer.load_state_dict` restores the saved param-group hyperparameters; when the config
+    names the same values this is a no-op, so an unchanged resume stays bit-exact.
+    """
+    t = trainer.cfg.train
+    sched = trainer.scheduler
+    for i, group in enumerate(trainer.optimizer.param_groups):
+        if group.get("initial_lr") == t.lr and group["weight_decay"] == t.weight_decay and tuple(group["betas"]) == tuple(t.betas):
+            continue
+        group["initial_lr"] = t.lr
+        group["weight_decay"] = t.weight_decay
+        group["betas"] = tuple(t.betas)
+        sched.base_lrs[i] = t.lr
+        group["lr"] = t.lr * sched.lr_lambdas[i](sched.last_epoch)
+
+
+# --------------------------------------------------------------------------------------- export
+
+
+def resolve_model_dir(path: str | Path) -> Path:
+    """A Hugging Face model directory from a model directory, an iter_* checkpoint or a checkpoint root."""
+    p = Path(path).expanduser()
+    if (p / TRACKER).exists():
+        step = _read_tracker(p)
+        p = iter_dir(p, step)
+    if (p / "model" / "config.json").exists():
+        p = p / "model"
+    if not (p / "config.json").exists():
+        raise UserError(
+            f"'{path}' is not a model directory or a postrl checkpoint (no config.json, no model/config.json, no "
+            f"{TRACKER}). Fix: pass a checkpoint directory, one of its iter_* directories, or a model directory."
+        )
+    return p
+
+
+def export(checkpoint: str | Path, out: str | Path) -> Path:
+    """Copy a checkpoint's model/ (the tracker's iteration, given a checkpoint root) to a plain HF directory.
+
+    The result loads with AutoModelForCausalLM.from_pretrained / AutoTokenizer and with vllm.LLM.
+    The copy is made in a temporary directory and renamed, so `out` is either complete or absent.
+    """
+    src = resolve_model_dir(checkpoint)
+    out = Path(out).expanduser()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"export target '{out}' exists and is not empty. Fix: choose a new directory or remove it.")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".tmp_{out.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    if out.exists():
+        out.rmdir()
+    os.replace(tmp, out)
     return out
+
+
+def describe(path: Path) -> dict[str, Any]:
+    """trainer_state.json of a checkpoint (for tools and tests)."""
+    return json.loads((Path(path) / STATE_FILE).read_text())
