@@ -1,58 +1,150 @@
-"""`postrl eval`: accuracy of a model or checkpoint on the validation files of a config.
+"""Evaluation: the trainer's validation (`evaluate`) and `postrl eval` of a model or checkpoint.
 
-Uses the same code path as the trainer's validation (`trainer.evaluate`), so a checkpoint evaluated
-here reports the accuracy the trainer logged for it: greedy acc_mean@1 with eval.temperature 0, or
-mean@n / pass@n with eval.n_samples > 1 and a temperature.
+Both use `evaluate` below with the same engine, seed and `eval` settings, so a checkpoint evaluated
+with `postrl eval` reports the accuracy the trainer logged for it.
+
+Metrics, per validation set (named after the file's stem, or the built-in task's data source):
+    val/<name>/acc_mean@n          mean accuracy over all n samples of all prompts (n = 1 when greedy)
+    val/<name>/pass@k              k = 1, 2, 4, ..., n: chance that at least one of k samples is right,
+                                   by the unbiased estimator 1 - C(n-c, k) / C(n, k) (Chen et al., 2021)
+    val/<name>/score_mean          mean weighted verifier score
+    val/<name>/response_length_mean
+`eval.temperature: 0` is greedy decoding (one sample per prompt); with a temperature and
+`eval.n_samples: n`, n samples per prompt are drawn from a fixed seed (train.seed).
+
+    postrl eval CONFIG [overrides]            model.path of the config
+    postrl eval CONFIG --model CKPT           a model directory, an iter_* checkpoint or a checkpoint root
+    postrl eval CKPT [overrides]              a checkpoint with its own resolved config (config.yaml)
 """
 
 from __future__ import annotations
 
 import json
+from math import comb
 from pathlib import Path
 from typing import Any
 
-from postrl.checkpoint import TRACKER, iter_dir
 from postrl.errors import UserError
 
 
-def resolve_model_dir(path: str) -> str:
-    """A model directory, a checkpoint (iter_*) or a checkpoint root (with the tracker file)."""
-    p = Path(path)
-    if (p / TRACKER).exists():
-        p = iter_dir(p, int((p / TRACKER).read_text().strip()))
-    if (p / "model" / "config.json").exists():
-        p = p / "model"
-    if not (p / "config.json").exists() and not str(path).startswith("builtin:"):
-        raise UserError(f"'{path}' is not a model directory or postrl checkpoint (no config.json). Fix: pass one.")
-    return str(p)
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct."""
+    assert 0 < k <= n and 0 <= c <= n, f"pass_at_k needs 0 < k <= n and 0 <= c <= n (n={n}, c={c}, k={k})"
+    if n - c < k:
+        return 1.0
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def report_ks(n: int) -> list[int]:
+    """1, 2, 4, ... below n, and n itself."""
+    ks, k = [], 1
+    while k < n:
+        ks.append(k)
+        k *= 2
+    return ks + [n]
+
+
+def evaluate(engine, tokenizer, reward_fn, examples: list, eval_cfg, name: str, seed: int = 0) -> dict[str, float]:
+    """acc_mean@n and pass@k of the engine's completions on `examples` (see the module docstring)."""
+    from postrl.data.dataset import multi_modal_of
+    from postrl.rollout import SamplingParams
+
+    greedy = eval_cfg.temperature == 0
+    n = 1 if greedy else eval_cfg.n_samples
+    params = SamplingParams(temperature=eval_cfg.temperature or 1.0, max_tokens=eval_cfg.max_tokens, n=n, seed=seed, greedy=greedy)
+    completions = engine.generate([e.prompt_ids for e in examples], params, multi_modal=multi_modal_of(examples))
+    texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+    owners = [examples[c.prompt_index] for c in completions]
+    res = reward_fn(texts, [e.ground_truth for e in owners], [e.row for e in owners])
+    acc = res.metrics["acc"]
+    correct = [0] * len(examples)
+    for c, a in zip(completions, acc):
+        correct[c.prompt_index] += a > 0
+    out = {f"val/{name}/acc_mean@{n}": sum(acc) / len(acc)}
+    for k in report_ks(n):
+        out[f"val/{name}/pass@{k}"] = sum(pass_at_k(n, c, k) for c in correct) / len(correct)
+    out[f"val/{name}/score_mean"] = sum(res.scores) / len(res.scores)
+    out[f"val/{name}/response_length_mean"] = sum(len(c.token_ids) for c in completions) / len(completions)
+    return out
+
+
+def val_set_name(file: str, examples: list) -> str:
+    return examples[0].data_source if file.startswith("builtin:") else Path(file).stem
+
+
+def load_val_sets(cfg, tokenizer) -> dict[str, list]:
+    """The validation sets of `eval.files`, by name (at most eval.max_prompts prompts each)."""
+    from postrl.data.dataset import load_prompts
+
+    sets = {}
+    for f in cfg.eval.files or []:
+        examples, _ = load_prompts([f], tokenizer, cfg.data, max_rows=cfg.eval.max_prompts)
+        if not examples:
+            raise UserError(f"eval file '{f}' holds no usable prompts (all empty or overlong). Fix: check the file.")
+        sets[val_set_name(f, examples)] = examples
+    return sets
+
+
+def evaluate_model(cfg, log: Any = None) -> tuple[dict[str, float], str]:
+    """Load model.path (model directory or checkpoint) and evaluate it on every eval file."""
+    from postrl.models import load_policy
+    from postrl.rewards import RewardFunction
+    from postrl.rollout import make_engine
+
+    if not cfg.model.path.startswith("builtin:"):
+        cfg.model.path = str(_resolve(cfg.model.path))
+    model, tokenizer, path = load_policy(cfg.model)
+    model.eval()
+    engine = make_engine(cfg.rollout, model, tokenizer, log=log)
+    reward_fn = RewardFunction(cfg.reward)
+    results: dict[str, float] = {}
+    try:
+        for name, examples in load_val_sets(cfg, tokenizer).items():
+            results.update(evaluate(engine, tokenizer, reward_fn, examples, cfg.eval, name, cfg.train.seed))
+    finally:
+        reward_fn.close()
+    return results, path
+
+
+def _resolve(path: str) -> Path:
+    from postrl.checkpoint import resolve_model_dir
+
+    return resolve_model_dir(path)
+
+
+def _checkpoint_config(path: Path) -> tuple[Path, Path] | None:
+    """(config.yaml, model dir) when `path` is a checkpoint (iter_* or a root with the tracker file)."""
+    from postrl.checkpoint import TRACKER, _read_tracker, iter_dir
+
+    if (path / TRACKER).exists():
+        path = iter_dir(path, _read_tracker(path))
+    if (path / "config.yaml").is_file() and (path / "model" / "config.json").is_file():
+        return path / "config.yaml", path / "model"
+    return None
 
 
 def run_eval(args: Any, console: Any) -> int:
     from postrl.config import load_config
-    from postrl.data.dataset import load_prompts
-    from postrl.models import load_policy
-    from postrl.rewards import RewardFunction
-    from postrl.rollout import make_engine
-    from postrl.trainer import evaluate
 
     overrides = list(args.overrides)
+    config = Path(args.config)
+    if config.is_dir():
+        found = _checkpoint_config(config)
+        if found is None:
+            raise UserError(
+                f"'{args.config}' is a directory but not a postrl checkpoint (no config.yaml and model/). "
+                "Fix: pass a YAML config (with --model for the weights), or a checkpoint directory."
+            )
+        config, model_dir = found
+        overrides.insert(0, f"model.path={model_dir}")
+        overrides.insert(1, "model.tokenizer_path=null")
     if args.model:
-        overrides.append(f"model.path={resolve_model_dir(args.model)}")
-    cfg = load_config(args.config, overrides)
-    if cfg.model.path and not cfg.model.path.startswith("builtin:"):
-        cfg.model.path = resolve_model_dir(cfg.model.path)
-    model, tokenizer, path = load_policy(cfg.model)
-    model.eval()
-    engine = make_engine(cfg.rollout, model, tokenizer, log=console.print)
-    reward_fn = RewardFunction(cfg.reward)
-    results: dict[str, float] = {}
-    for f in cfg.eval.files or []:
-        examples, _ = load_prompts([f], tokenizer, cfg.data, max_rows=cfg.eval.max_prompts)
-        name = examples[0].data_source if f.startswith("builtin:") else Path(f).stem
-        results.update(evaluate(engine, tokenizer, reward_fn, examples, cfg.eval, name, cfg.train.seed))
-    reward_fn.close()
+        overrides.append(f"model.path={_resolve(args.model)}")
+        overrides.append("model.tokenizer_path=null")
+    cfg = load_config(config, overrides)
+    results, path = evaluate_model(cfg, log=console.print)
     console.print(f"model: {path}")
     for k, v in results.items():
-        console.print(f"  {k:<45} {v:.4f}")
-    console.print(json.dumps(results), markup=False, highlight=False)
+        console.print(f"  {k:<45} {v:.4f}", markup=False, highlight=False)
+    console.print(json.dumps(results), markup=False, highlight=False, soft_wrap=True)
     return 0

@@ -29,6 +29,7 @@ from postrl import algorithms as algo
 from postrl.config import Config
 from postrl.data.dataset import PromptExample, PromptSampler, load_prompts
 from postrl.errors import UserError
+from postrl.evaluate import evaluate
 from postrl.metrics import MetricsLogger, Timer, summary_stats, throughput
 from postrl.models import build_sequences, load_model, load_policy, response_logprobs
 from postrl.rewards import RewardFunction
@@ -458,29 +459,6 @@ class Trainer:
             out.update(evaluate(self.engine, self.tokenizer, self.reward_fn, examples, self.cfg.eval, name, self.cfg.train.seed))
         out["timing/eval"] = time.perf_counter() - start
         return out
-
-
-def evaluate(engine, tokenizer, reward_fn, examples: list[PromptExample], eval_cfg, name: str, seed: int = 0) -> dict[str, float]:
-    """acc_mean@n (mean accuracy over all samples) and pass@n (any sample correct) on `examples`."""
-    n = eval_cfg.n_samples
-    greedy = eval_cfg.temperature == 0
-    if greedy and n > 1:
-        n = 1
-    params = SamplingParams(
-        temperature=eval_cfg.temperature or 1.0, max_tokens=eval_cfg.max_tokens, n=n, seed=seed, greedy=greedy
-    )
-    completions = engine.generate([e.prompt_ids for e in examples], params)
-    texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-    owners = [examples[c.prompt_index] for c in completions]
-    res = reward_fn(texts, [e.ground_truth for e in owners], [e.row for e in owners])
-    acc = res.metrics["acc"]
-    per_prompt = [acc[i * n : (i + 1) * n] for i in range(len(examples))]
-    return {
-        f"val/{name}/acc_mean@{n}": sum(acc) / len(acc),
-        f"val/{name}/pass@{n}": sum(any(a > 0 for a in p) for p in per_prompt) / len(per_prompt),
-        f"val/{name}/score_mean": sum(res.scores) / len(res.scores),
-        f"val/{name}/response_length_mean": sum(len(c.token_ids) for c in completions) / len(completions),
-    }
 
 
 def lr_lambda(warmup_steps: int, total_steps: int, schedule: str, min_ratio: float):
