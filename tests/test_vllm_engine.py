@@ -74,7 +74,9 @@ def setup(tiny_model_path):
     opt.zero_grad(set_to_none=True)
     model.eval()
     engine.sync_weights(model)
-    return {"model": model, "tokenizer": tokenizer, "engine": engine, "prompts": prompts, "stale": stale}
+    yield {"model": model, "tokenizer": tokenizer, "engine": engine, "prompts": prompts, "stale": stale}
+    engine.close()  # also drops the one-rank process group vLLM made, so later tests start clean
+    assert not torch.distributed.is_initialized()
 
 
 def test_logprobs_match_trainer_after_update(setup):
@@ -212,14 +214,19 @@ def test_tiny_dapo_run_with_vllm(tmp_path):
 
     from postrl.config import load_config
     from postrl.metrics import read_jsonl
-    from postrl.trainer import train
+    from postrl.trainer import Trainer
 
     overrides = tiny_overrides(
         tmp_path, "algorithm.name=dapo", "algorithm.overlong_buffer.len=4",
         "reward.verifiers=[verifiers_for_tests:length_parity]", "train.gen_batch_size=6", "train.lr=1e-3",
         "rollout.engine=vllm", "rollout.kv_cache_space_gb=0.25",
     )  # fmt: skip
-    train(load_config(None, overrides))
+    trainer = Trainer(load_config(None, overrides))
+    assert trainer.engine.name == "vllm"
+    try:
+        trainer.fit()
+    finally:
+        trainer.engine.close()
     steps = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "timing/all" in r]
     assert len(steps) == 3
     for r in steps:

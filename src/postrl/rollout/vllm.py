@@ -240,6 +240,20 @@ class VLLMEngine:
         self._asleep -= wanted
 
 
+    # -------------------------------------------------------------------------------- shutdown
+
+    def close(self) -> None:
+        """Shut vLLM down and free its memory; the engine is unusable afterwards.
+
+        vLLM's teardown also destroys torch.distributed's default process group (it creates a
+        one-rank group itself when none exists, and reuses the trainer's otherwise), so call this
+        last, in place of `dist.destroy_process_group()`. Without it vLLM tears down at exit.
+        """
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
+
+
 # ------------------------------------------------------------------------------------- helpers
 
 
