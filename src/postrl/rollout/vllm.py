@@ -104,7 +104,8 @@ class VLLMEngine:
             tensor_parallel_size=cfg.tensor_parallel_size,
             logprobs_mode="processed_logprobs",  # temperature-scaled, what the tokens were drawn from
             enable_prefix_caching=True,  # the n samples of a prompt share its KV cache
-            trust_remote_code=bool(getattr(model.config, "trust_remote_code", False)),
+            # Remote-code models: the trainer has already loaded (and so trusted) this code.
+            trust_remote_code=bool(getattr(model.config, "auto_map", None)),
         )
         if self.on_gpu:
             # CUDA graphs survive reload_weights (it copies into the captured tensors).
@@ -131,7 +132,8 @@ class VLLMEngine:
             torch.set_num_threads = torch._C.set_num_threads
             torch.set_num_threads(n_threads)
         # Generation runs single-threaded on CPU (vLLM's own serving setting: multi-threaded torch ops
-        # spin-wait between tiny kernels; 5x slower on 2 cores) unless OMP_NUM_THREADS says otherwise.
+        # spin-wait between small kernels; 5x slower on a busy 2-core machine) unless OMP_NUM_THREADS
+        # is set, which vLLM also respects.
         self.rollout_threads = n_threads if "OMP_NUM_THREADS" in os.environ else 1
         self._sampling_cls = vllm.SamplingParams
         self.sync_weights(model)
@@ -238,7 +240,6 @@ class VLLMEngine:
         wanted = set(tags) if tags else set(self._asleep)
         self.llm.wake_up(tags=sorted(wanted & self._asleep))
         self._asleep -= wanted
-
 
     # -------------------------------------------------------------------------------- shutdown
 
