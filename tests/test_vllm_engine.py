@@ -57,11 +57,17 @@ def setup(tiny_model_path):
     model = load_model(tiny_model_path)
     tokenizer = load_tokenizer(tiny_model_path)
     threads = torch.get_num_threads()
+    torch.manual_seed(1234)
+    rng = torch.get_rng_state()
     engine = vllm_mod.VLLMEngine(model, tokenizer, RolloutConfig(kv_cache_space_gb=0.5, max_num_seqs=256))
-    assert torch.get_num_threads() == threads, "building the engine must leave the trainer's torch threads alone"
-    assert torch.set_num_threads is torch._C.set_num_threads, "vLLM's no-op set_num_threads must be undone"
+    # The engine shares the trainer's process: it must leave its threads and random streams alone
+    # (vLLM itself drops torch to one thread, stubs out set_num_threads and reseeds everything).
+    assert torch.get_num_threads() == threads
+    assert torch.set_num_threads is torch._C.set_num_threads
+    assert torch.equal(torch.get_rng_state(), rng)
     prompts = _prompts(tokenizer, 6)
     stale = engine.generate(prompts, SamplingParams(temperature=0.8, max_tokens=16, n=2, seed=11))
+    assert torch.equal(torch.get_rng_state(), rng)
 
     # One real training step (SFT cross-entropy with a large LR so the change is visible), then sync.
     model.train()

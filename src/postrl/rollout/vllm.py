@@ -77,18 +77,25 @@ class VLLMEngine:
         self.sleep_enabled = self.on_gpu and cfg.enable_sleep_mode
         self._asleep: set[str] = set()  # "weights" / "kv_cache" while sleeping
         self._weights_stale = False  # level-2 sleep dropped the weights: a sync must come first
-        if cfg.temperature > MAX_TEMPERATURE:
-            raise VLLMUnavailable(
-                f"rollout.temperature = {cfg.temperature} but vLLM samples at temperatures up to {MAX_TEMPERATURE}. "
-                f"Fix: lower rollout.temperature, or set rollout.engine: hf."
-            )
-        model_dir = _model_dir(model)
-        tokenizer_dir = _tokenizer_dir(tokenizer, model_dir)
-        if not self.on_gpu:
-            _check_cpu()
-        vllm = _import_vllm()
-        _check_architecture(vllm, model)
-        _check_memory(cfg, self.on_gpu)
+        problem = None
+        try:
+            if cfg.temperature > MAX_TEMPERATURE:
+                raise VLLMUnavailable(
+                    f"rollout.temperature = {cfg.temperature} but vLLM samples at temperatures up to "
+                    f"{MAX_TEMPERATURE}. Fix: lower rollout.temperature, or set rollout.engine: hf."
+                )
+            model_dir = _model_dir(model)
+            tokenizer_dir = _tokenizer_dir(tokenizer, model_dir)
+            if not self.on_gpu:
+                _check_cpu()
+            vllm = _import_vllm()
+            _check_architecture(vllm, model)
+            _check_memory(cfg, self.on_gpu)
+        except VLLMUnavailable as exc:
+            problem = exc
+        # Building the engine is collective across ranks: all ranks use vLLM or none does.
+        if not _all_ranks_agree(problem is None):
+            raise problem or VLLMUnavailable("vLLM cannot start on another rank (see its log); all ranks use hf.")
 
         dtype = _VLLM_DTYPES.get(next(model.parameters()).dtype, "float32")
         if not self.on_gpu:
@@ -123,7 +130,8 @@ class VLLMEngine:
 
         n_threads = torch.get_num_threads()
         try:
-            self.llm = vllm.LLM(**kwargs)
+            with _keep_rng():  # vLLM seeds random/numpy/torch globally: keep the trainer's streams
+                self.llm = vllm.LLM(**kwargs)
         except Exception as exc:  # noqa: BLE001 - any start-up failure means "use another engine"
             raise VLLMUnavailable(_startup_hint(exc, cfg)) from exc
         finally:
@@ -158,7 +166,8 @@ class VLLMEngine:
                 request["multi_modal_data"] = _multi_modal_data(multi_modal[i])
             requests.append(request)
             per_request.append(self._vllm_params(params, n, None if seeds is None else seeds[i]))
-        with self._rollout_threads():
+        # Sampling draws from the global torch RNG too (even for seeded requests, on CPU).
+        with self._rollout_threads(), _keep_rng():
             outputs = self.llm.generate(requests, sampling_params=per_request, use_tqdm=False)
 
         completions: list[Completion] = []
@@ -256,6 +265,32 @@ class VLLMEngine:
 
 
 # ------------------------------------------------------------------------------------- helpers
+
+
+@contextlib.contextmanager
+def _keep_rng() -> Iterator[None]:
+    """Restore Python, NumPy and torch (CPU and CUDA) RNG states on exit."""
+    import random
+
+    py_state, np_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_available() else []):
+        try:
+            yield
+        finally:
+            random.setstate(py_state)
+            np.random.set_state(np_state)
+
+
+def _all_ranks_agree(ok: bool) -> bool:
+    """True when `ok` holds on every rank (trivially so without torch.distributed)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return ok
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    flag = torch.tensor([1 if ok else 0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def _hf_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
