@@ -31,8 +31,8 @@ def cmd_train(args) -> int:
     from postrl.trainer import train
 
     cfg = load_config(args.config, args.overrides)
-    if args.nproc and args.nproc > 1 or cfg.cluster.launcher != "local":
-        from postrl.distributed import launch
+    if args.nproc and args.nproc > 1 or cfg.cluster.launcher != "local" or args.ray_address or "LOCAL_RANK" in os.environ:
+        from postrl.distributed import launch  # starts torchrun / Ray, or runs one rank under them
 
         return launch(args, cfg)
     train(cfg, console)

@@ -20,12 +20,13 @@ from __future__ import annotations
 import copy
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from postrl import algorithms as algo
+from postrl import distributed
 from postrl.config import Config
 from postrl.data.dataset import PromptExample, PromptSampler, load_prompts
 from postrl.errors import UserError
@@ -76,6 +77,33 @@ def _concat(batches: list[Batch], group_size: int) -> Batch:
     )
 
 
+def _gather(part: Batch, examples: list[PromptExample]) -> Batch:
+    """The whole generation batch, from every rank's scored slice (the slice itself on one process)."""
+    if not distributed.is_distributed():
+        return part
+    parts = distributed.all_gather_object(replace(part, examples=[]))  # every rank knows the examples
+    return replace(_concat(parts, part.group_size), examples=list(examples))
+
+
+def _select_rows(batch: Batch, rows: list[int]) -> Batch:
+    """Single sequences of `batch` (for the update: groups need not stay whole once advantages exist)."""
+
+    def pick(xs):
+        return [xs[i] for i in rows]
+
+    return Batch(
+        examples=[],
+        group_size=batch.group_size,
+        prompt_ids=pick(batch.prompt_ids),
+        response_ids=pick(batch.response_ids),
+        finished=pick(batch.finished),
+        scores=pick(batch.scores),
+        rewards=pick(batch.rewards),
+        verifier_metrics={k: pick(v) for k, v in batch.verifier_metrics.items()},
+        engine_logprobs=pick(batch.engine_logprobs) if batch.engine_logprobs is not None else None,
+    )
+
+
 def _select_groups(batch: Batch, keep_groups: list[int]) -> Batch:
     G = batch.group_size
     rows = [g * G + j for g in keep_groups for j in range(G)]
@@ -107,6 +135,8 @@ class Trainer:
 
         self.cfg = cfg
         self.console = console or Console()
+        if not distributed.is_main():
+            self.console = Console(quiet=True)  # rank 0 prints for the run
         self.algo_name = cfg.algorithm.name
         self.G = cfg.rollout.n_samples_per_prompt
         seed_everything(cfg.train.seed)
@@ -120,6 +150,9 @@ class Trainer:
             ref_path = cfg.checkpoint.ref_model_path
             self.ref_model = load_model(ref_path, cfg.model.dtype) if ref_path else copy.deepcopy(self.model)
             self.ref_model.eval().requires_grad_(False)
+            self.ref_model = distributed.wrap_model(self.ref_model)
+        # FSDP2 shards self.model in place (before the optimizer sees its parameters); DDP wraps it.
+        self.train_model = distributed.wrap_model(self.model)
 
         self.train_examples, summary = load_prompts(cfg.data.train_files, self.tokenizer, cfg.data)
         self.log(f"train prompts: {summary['kept']} ({summary['dropped_overlong']} dropped as overlong)")
@@ -134,9 +167,9 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(t.warmup_steps, t.total_steps, t.lr_schedule, t.min_lr_ratio))
         self.step = 0
         self.timer = Timer()
-        self.engine = make_engine(cfg.rollout, self.model, self.tokenizer, log=self.log)
+        self.engine = distributed.colocate(make_engine(cfg.rollout, self.model, self.tokenizer, log=self.log), self.model)
         self.on_policy = t.mini_batch_size == t.global_batch_size and t.epochs_per_batch == 1
-        self.logger = MetricsLogger(cfg.logging.dir, cfg.logging.sinks, cfg.model_dump(mode="json"))
+        self.logger = MetricsLogger(cfg.logging.dir, cfg.logging.sinks, cfg.model_dump(mode="json"), enabled=distributed.is_main())
 
         from postrl import checkpoint
 
@@ -201,19 +234,19 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         self.timer = Timer()
         with self.timer("all"):
-            batch, gen_stats = self.collect_batch()
+            batch, gen_stats = self.collect_batch()  # the global batch, the same on every rank
             with self.timer("adv"):
                 rewards_B = torch.tensor(batch.rewards)
                 adv_B = algo.grpo_advantages(rewards_B, self.G, self.cfg.algorithm.norm_adv_by_std, self.cfg.algorithm.epsilon)
-                self._pack(batch, adv_B)
+                local = self._rank_shard(batch, adv_B)
             if not self.on_policy:
                 with self.timer("old_log_p"):
-                    batch.tensors["old_logp"] = self.compute_logprobs(self.model, batch)
+                    local.tensors["old_logp"] = self.compute_logprobs(self.model, local)
             if self.ref_model is not None:
                 with self.timer("reference_model"):
-                    batch.tensors["ref_logp"] = self.compute_logprobs(self.ref_model, batch)
+                    local.tensors["ref_logp"] = self.compute_logprobs(self.ref_model, local)
             with self.timer("update"):
-                update_stats = self.update_policy(batch)
+                update_stats = self.update_policy(local)
             with self.timer("resharding_to_infer"):
                 self.engine.sync_weights(self.model)
         return self._step_metrics(batch, gen_stats, update_stats)
@@ -238,7 +271,9 @@ class Trainer:
                     "algorithm.filter_groups.max_num_gen_batches: 0 (no limit)."
                 )
             examples = [self.train_examples[i] for i in self.sampler.next_indices(cfg.train.gen_batch_size)]
-            batch = self.generate_and_score(examples, seed=self._seed(num_gen_batches))
+            lo, hi = distributed.shard_range(len(examples))  # this rank's prompts: a group stays on one rank
+            batch = self.generate_and_score(examples[lo:hi], seed=distributed.shard_seed(self._seed(num_gen_batches), lo))
+            batch = _gather(batch, examples)  # every rank sees every score, so all take the same keep decisions
             n_generated += len(examples)
             if fg.enable:
                 metric_B = torch.tensor(self._filter_metric(batch))
@@ -296,6 +331,17 @@ class Trainer:
         return batch.verifier_metrics[name]
 
     # ---------------------------------------------------------------------------------- tensors
+    def _rank_shard(self, batch: Batch, adv_B: torch.Tensor) -> Batch:
+        """This rank's sequences of the global batch, packed (the batch itself on one process).
+
+        Each mini-batch is dealt to the ranks in equal parts, token-balanced with dynamic batch size.
+        """
+        lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
+        rows = distributed.rank_rows(lengths, self.cfg.train.mini_batch_size * self.G, balance=self.cfg.train.use_dynamic_bsz)
+        local = batch if len(rows) == batch.size else _select_rows(batch, rows)
+        self._pack(local, adv_B[rows])
+        return local
+
     def _pack(self, batch: Batch, adv_B: torch.Tensor) -> None:
         t = build_sequences(batch.prompt_ids, batch.response_ids, self.tokenizer.pad_token_id)
         t["adv"] = adv_B
@@ -351,7 +397,7 @@ class Trainer:
     def update_policy(self, batch: Batch) -> dict[str, float]:
         cfg = self.cfg
         a, t = cfg.algorithm, cfg.train
-        mini = t.mini_batch_size * self.G
+        mini = t.mini_batch_size * self.G // distributed.world_size()  # this rank's rows of a mini-batch
         sums: dict[str, float] = {}
         grad_norms, n_steps = [], 0
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -363,14 +409,14 @@ class Trainer:
         for _epoch in range(t.epochs_per_batch):
             for start in range(0, batch.size, mini):
                 rows = range(start, min(start + mini, batch.size))
-                norms = algo.loss_normalizers(batch.tensors["response_mask"][start : start + mini])
+                norms = distributed.all_reduce_sum_dict(algo.loss_normalizers(batch.tensors["response_mask"][start : start + mini]))
                 self.optimizer.zero_grad(set_to_none=True)
                 pg_total = kl_total = 0.0
                 for _idx, mb in self._micro_batches(rows, batch):
                     mask = mb["response_mask"]
                     T = mask.shape[1]
                     logp, entropy = response_logprobs(
-                        self.model, mb["input_ids"], mb["attention_mask"], mb["position_ids"], T,
+                        self.train_model, mb["input_ids"], mb["attention_mask"], mb["position_ids"], T,
                         cfg.rollout.temperature, with_entropy=True,
                     )  # fmt: skip
                     old_logp = logp.detach() if self.on_policy else mb["old_logp"]
@@ -388,7 +434,9 @@ class Trainer:
                         kl = algo.aggregate_loss(algo.kl_penalty(logp, mb["ref_logp"], a.kl.estimator), mask, **agg)
                         loss = loss + a.kl.coef * kl
                         kl_total += float(kl.detach())
-                    loss.backward()
+                    # DDP / FSDP average gradients over ranks; the loss is this rank's share of the global
+                    # loss, so the global gradient is the sum: scale by the world size.
+                    (loss * distributed.world_size()).backward()
                     pg_total += float(pg.detach())
                     n_tok = float(mask.sum())
                     for k, v in stats.items():
@@ -397,17 +445,19 @@ class Trainer:
                     if "engine_logp" in mb and _epoch == 0:
                         diff = algo.masked_mean((old_logp.detach() - mb["engine_logp"]).abs(), mask)
                         add("rollout/logprob_diff_mean", float(diff), n_tok)
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
+                grad_norm = distributed.clip_grad_norm_(params, t.grad_clip)
                 if torch.isfinite(grad_norm):
                     self.optimizer.step()
                 else:
                     self.log(f"[yellow]step {self.step}: non-finite grad norm, update skipped[/yellow]")
                 grad_norms.append(float(grad_norm))
+                pg_total, kl_total = distributed.all_reduce_sum([pg_total, kl_total])
                 add("actor/pg_loss", pg_total)
                 add("actor/kl_loss", kl_total)
                 n_steps += 1
         lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
+        sums = distributed.all_reduce_sum_dict(sums)
         out = {k: sums[k] / max(sums[k + "#w"], 1e-12) for k in sums if not k.endswith("#w")}
         out["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
         out["actor/lr"] = lr
