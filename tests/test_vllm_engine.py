@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+import postrl.rollout.vllm as vllm_mod  # imports without vLLM; vLLM itself is imported below
 from postrl.config import RolloutConfig
 from postrl.rollout.base import SamplingParams
 
-vllm_mod = pytest.importorskip("postrl.rollout.vllm")
 try:
     vllm_mod._import_vllm()
 except vllm_mod.VLLMUnavailable as exc:  # pragma: no cover - only on machines without a working vLLM
@@ -159,6 +159,9 @@ def test_greedy_equals_hf_greedy(setup):
     assert len(ours) == len(prompts)
     assert [c.token_ids for c in ours] == [c.token_ids for c in ref]
     assert [c.finished for c in ours] == [c.finished for c in ref]
+    # top_k = 1 and a tiny top_p leave only the argmax: sampling must then reproduce greedy.
+    for params in (SamplingParams(top_k=1, max_tokens=20, seed=9), SamplingParams(top_p=1e-6, max_tokens=20, seed=9)):
+        assert [c.token_ids for c in engine.generate(prompts, params)] == [c.token_ids for c in ours]
 
 
 def test_sleep_and_wake_are_noops_on_cpu(setup):
