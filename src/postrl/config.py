@@ -29,8 +29,9 @@ class Section(BaseModel):
 # --------------------------------------------------------------------------------------------- model
 class ModelConfig(Section):
     path: str = Field(
-        description="Hugging Face model directory or hub id (e.g. Qwen/Qwen2.5-7B-Instruct), or "
-        "'builtin:tiny-qwen2' for the built-in tiny model (built locally and cached)."
+        description="Hugging Face model directory or hub id (e.g. Qwen/Qwen2.5-7B-Instruct, "
+        "Qwen/Qwen2.5-VL-7B-Instruct), or 'builtin:tiny-qwen2' / 'builtin:tiny-qwen2.5-vl' for the built-in "
+        "tiny text / vision-language model (built locally and cached)."
     )
     tokenizer_path: str | None = Field(None, description="Tokenizer/processor location; defaults to `path`.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
@@ -42,7 +43,7 @@ class ModelConfig(Section):
     tiny: dict[str, Any] = Field(
         default_factory=dict,
         description="Overrides of the tiny model factory (hidden_size, num_layers, vocab_size, seed, ...) "
-        "when path is 'builtin:tiny-qwen2'.",
+        "when path is 'builtin:tiny-qwen2' or 'builtin:tiny-qwen2.5-vl' (also vision_depth, min_pixels, ...).",
     )
 
 
@@ -59,6 +60,35 @@ class BuiltinTaskConfig(Section):
     seed: int = Field(1234, description="Seed of the problem generator.")
 
 
+class ShapesTaskConfig(Section):
+    """Knobs of the built-in visual task: count coloured shapes in a picture (`builtin:shapes:<split>`)."""
+
+    train_size: int = Field(4000, ge=1, description="Number of training pictures.")
+    val_size: int = Field(200, ge=1, description="Number of held-out pictures (disjoint from training).")
+    image_size: int = Field(56, ge=28, description="Picture side in pixels, a multiple of 28 (56: 4 image tokens).")
+    min_shapes: int = Field(1, ge=1, description="Fewest shapes in a picture.")
+    max_shapes: int = Field(5, ge=1, description="Most shapes in a picture (at most one per 14-pixel cell).")
+    seed: int = Field(1234, description="Seed of the picture generator.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "ShapesTaskConfig":
+        problems = []
+        if self.image_size % 28:
+            problems.append(
+                f"image_size ({self.image_size}) must be a multiple of 28 (whole 2 x 2 merges of 14-pixel "
+                "patches). Fix: use 56, 84 or 112."
+            )
+        cells = (self.image_size // 14) ** 2
+        if not self.min_shapes <= self.max_shapes <= cells:
+            problems.append(
+                f"needs min_shapes ({self.min_shapes}) <= max_shapes ({self.max_shapes}) <= {cells}, the "
+                f"cells of a {self.image_size}-pixel picture. Fix: lower max_shapes or raise image_size."
+            )
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+
 class DataConfig(Section):
     train_files: list[str] = Field(
         default_factory=lambda: ["builtin:arithmetic:train"],
@@ -70,12 +100,28 @@ class DataConfig(Section):
     prompt_key: str = Field("prompt", description="Column holding the chat messages (or a plain string).")
     answer_key: str = Field("reward_model.ground_truth", description="Dotted path of the ground truth in a row.")
     response_key: str = Field("extra_info.solution", description="Dotted path of the reference response (SFT).")
-    image_key: str = Field("images", description="Column holding images (vision-language data).")
+    image_key: str = Field(
+        "images",
+        description="Column holding a row's images (bytes, paths or {bytes, path}; one '<image>' placeholder "
+        "in the prompt per image). Rows without it are text-only.",
+    )
+    min_pixels: int | None = Field(
+        None, ge=1, description="Images smaller than this many pixels are upscaled (default: the processor's)."
+    )
+    max_pixels: int | None = Field(
+        None, ge=1, description="Images larger than this many pixels are downscaled (default: the processor's)."
+    )
+    skip_bad_rows: bool = Field(
+        False,
+        description="Skip and count malformed image rows (missing file, undecodable bytes, placeholder count != "
+        "image count) instead of stopping with an error that names the row.",
+    )
     max_prompt_length: int = Field(512, ge=1, description="Prompts longer than this (tokens) are dropped.")
     filter_overlong_prompts: bool = Field(True, description="Drop overlong prompts (else: error).")
     shuffle: bool = Field(True, description="Shuffle the training prompts every epoch.")
     seed: int = Field(0, description="Seed of the shuffle.")
     builtin: BuiltinTaskConfig = Field(default_factory=BuiltinTaskConfig, description="Built-in task knobs.")
+    shapes: ShapesTaskConfig = Field(default_factory=ShapesTaskConfig, description="Built-in visual task knobs.")
 
 
 # ------------------------------------------------------------------------------------------- rollout

@@ -117,8 +117,14 @@ def build_tiny_model(out_dir: str | Path | None = None, **overrides: Any) -> Pat
 def resolve_model_path(path: str, tiny: dict | None = None) -> str:
     if path.startswith("builtin:"):
         name = path.split(":", 1)[1]
+        if name == "tiny-qwen2.5-vl":
+            from postrl.vision import build_tiny_vlm
+
+            return str(build_tiny_vlm(**(tiny or {})))
         if name != "tiny-qwen2":
-            raise UserError(f"unknown built-in model '{path}'; the built-in model is 'builtin:tiny-qwen2'.")
+            raise UserError(
+                f"unknown built-in model '{path}'; the built-in models are 'builtin:tiny-qwen2' and 'builtin:tiny-qwen2.5-vl'."
+            )
         return str(build_tiny_model(**(tiny or {})))
     return path
 
@@ -139,14 +145,21 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
-    return tok
+    from postrl.vision import load_vision_tokenizer
+
+    return load_vision_tokenizer(path, tok, trust_remote_code) or tok  # VLMs: plus the image processor
 
 
 def load_model(path: str, dtype: str = "float32", trust_remote_code: bool = False, gradient_checkpointing: bool = False):
     from transformers import AutoModelForCausalLM
 
+    from postrl.vision import is_vlm_dir, load_vlm
+
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
+        if is_vlm_dir(path):
+            model = load_vlm(path, DTYPES[dtype], trust_remote_code)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
         raise UserError(
             f"cannot load a causal LM from '{path}' ({exc}). Fix: point model.path at a Hugging Face model "
@@ -163,6 +176,10 @@ def load_policy(model_cfg) -> tuple[Any, Any, str]:
     path = resolve_model_path(model_cfg.path, model_cfg.tiny)
     tokenizer = load_tokenizer(model_cfg.tokenizer_path or path, model_cfg.trust_remote_code)
     model = load_model(path, model_cfg.dtype, model_cfg.trust_remote_code, model_cfg.gradient_checkpointing)
+    if model_cfg.freeze_vision_tower:
+        from postrl.vision import freeze_vision_tower
+
+        freeze_vision_tower(model)  # no-op for text-only models
     return model, tokenizer, path
 
 
@@ -202,21 +219,29 @@ def response_logprobs(
     response_len: int,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    multi_modal: list[dict | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [B, T] of the last `response_len` tokens under softmax(logits / temperature).
 
     Only the logits of response positions are computed (`logits_to_keep`), so one call materialises
-    at most [B, T+1, V]; callers pass one micro-batch at a time.
+    at most [B, T+1, V]; callers pass one micro-batch at a time. `multi_modal` holds each sequence's
+    image inputs (VLMs); with images the model computes its own (mRoPE) positions.
     """
     from postrl.algorithms import entropy_from_logits
 
     T = response_len
+    mm: dict[str, torch.Tensor] = {}
+    if multi_modal is not None:
+        from postrl.vision import model_inputs
+
+        mm = model_inputs(model, input_ids, multi_modal)
     out = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
-        position_ids=position_ids,
+        position_ids=None if mm else position_ids,
         logits_to_keep=T + 1,
         use_cache=False,
+        **mm,
     )
     logits_BTV = out.logits[:, :-1, :].float() / temperature  # position t predicts token t + 1
     targets_BT = input_ids[:, -T:]

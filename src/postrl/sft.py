@@ -14,13 +14,15 @@ from typing import Any
 import torch
 
 from postrl.config import Config
-from postrl.data.dataset import load_prompts, read_rows, render_prompt
+from postrl.data.dataset import encode_prompt, file_dir, load_prompts, read_rows
 from postrl.errors import UserError
 from postrl.models import load_policy
 from postrl.utils import get_dotted, seed_everything
+from postrl.vision import model_inputs
 
 
-def build_examples(rows: list[dict], tokenizer, cfg: Config, source: str) -> list[tuple[list[int], list[int]]]:
+def build_examples(rows: list[dict], tokenizer, cfg: Config, source: str) -> list[tuple]:
+    """(prompt ids, response ids) per row, plus the prompt's image inputs for rows with images."""
     out = []
     for i, row in enumerate(rows):
         prompt = get_dotted(row, cfg.data.prompt_key)
@@ -31,19 +33,27 @@ def build_examples(rows: list[dict], tokenizer, cfg: Config, source: str) -> lis
                 f"{source}, row {i}: no '{missing}' field; SFT needs a prompt (data.prompt_key) and a reference "
                 "response (data.response_key). Fix: set those keys to your columns."
             )
-        p = render_prompt(tokenizer, prompt)
+        encoded = encode_prompt(tokenizer, row, prompt, cfg.data, f"{source}, row {i}", file_dir(source))
+        if encoded is None:  # malformed image row, skipped by data.skip_bad_rows
+            continue
+        p, multi_modal = encoded
+        if multi_modal is not None and len(p) >= cfg.sft.max_length:
+            raise UserError(
+                f"{source}, row {i}: the prompt has {len(p)} tokens with its image tokens, >= sft.max_length "
+                f"({cfg.sft.max_length}); cutting it would cut image tokens. Fix: raise sft.max_length or lower data.max_pixels."
+            )
         r = tokenizer(str(response), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        out.append((p, r))
+        out.append((p, r) if multi_modal is None else (p, r, multi_modal))
     return out
 
 
-def collate(pairs: list[tuple[list[int], list[int]]], pad_id: int, max_length: int) -> dict[str, torch.Tensor]:
-    seqs = [(p + r)[:max_length] for p, r in pairs]
+def collate(pairs: list[tuple], pad_id: int, max_length: int) -> dict[str, torch.Tensor]:
+    seqs = [(x[0] + x[1])[:max_length] for x in pairs]
     L = max(len(s) for s in seqs)
     input_ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
     labels = torch.full((len(seqs), L), -100, dtype=torch.long)
     attention = torch.zeros((len(seqs), L), dtype=torch.long)
-    for i, ((p, _), s) in enumerate(zip(pairs, seqs)):
+    for i, ((p, *_), s) in enumerate(zip(pairs, seqs)):
         input_ids[i, : len(s)] = torch.tensor(s)
         attention[i, : len(s)] = 1
         labels[i, len(p) : len(s)] = torch.tensor(s[len(p) :], dtype=torch.long)
@@ -63,7 +73,7 @@ def run_sft(cfg: Config, console: Any = None) -> dict[str, float]:
     model.train()
     pairs = []
     for f in cfg.data.train_files:
-        pairs += build_examples(read_rows(f, cfg.data.builtin.model_dump()), tokenizer, cfg, f)
+        pairs += build_examples(read_rows(f, cfg.data.builtin.model_dump(), cfg.data.shapes.model_dump()), tokenizer, cfg, f)
     console.print(f"SFT on {len(pairs)} examples from {', '.join(cfg.data.train_files)} (model {path})")
     opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=s.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(s.warmup_steps, s.steps, s.lr_schedule, 0.0))
@@ -76,8 +86,10 @@ def run_sft(cfg: Config, console: Any = None) -> dict[str, float]:
     with progress:
         task = progress.add_task("sft", total=s.steps, loss=float("nan"))
         for step in range(s.steps):
-            batch = collate(rng.sample(pairs, min(s.batch_size, len(pairs))), tokenizer.pad_token_id, s.max_length)
-            loss = model(**batch).loss
+            sample = rng.sample(pairs, min(s.batch_size, len(pairs)))
+            batch = collate(sample, tokenizer.pad_token_id, s.max_length)
+            images = model_inputs(model, batch["input_ids"], [x[2] if len(x) > 2 else None for x in sample])  # VLMs
+            loss = model(**batch, **images).loss
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

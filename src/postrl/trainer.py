@@ -28,7 +28,7 @@ import torch
 from postrl import algorithms as algo
 from postrl import distributed
 from postrl.config import Config
-from postrl.data.dataset import PromptExample, PromptSampler, load_prompts
+from postrl.data.dataset import PromptExample, PromptSampler, load_prompts, multi_modal_of
 from postrl.errors import UserError
 from postrl.evaluate import evaluate
 from postrl.metrics import MetricsLogger, Timer, summary_stats, throughput
@@ -54,6 +54,7 @@ class Batch:
     rewards: list[float]  # [B] score after overlong shaping
     verifier_metrics: dict[str, list[float]]  # name -> [B]
     engine_logprobs: list[list[float]] | None = None
+    multi_modal: list[dict | None] | None = None  # [B] each sequence's image inputs (VLMs), else None
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
@@ -74,6 +75,7 @@ def _concat(batches: list[Batch], group_size: int) -> Batch:
         rewards=[x for b in batches for x in b.rewards],
         verifier_metrics={k: [x for b in batches for x in b.verifier_metrics[k]] for k in keys},
         engine_logprobs=[x for b in batches for x in b.engine_logprobs] if has_lp else None,  # type: ignore[union-attr]
+        multi_modal=[x for b in batches for x in (b.multi_modal or [None] * b.size)] if any(b.multi_modal for b in batches) else None,
     )
 
 
@@ -101,6 +103,7 @@ def _select_rows(batch: Batch, rows: list[int]) -> Batch:
         rewards=pick(batch.rewards),
         verifier_metrics={k: pick(v) for k, v in batch.verifier_metrics.items()},
         engine_logprobs=pick(batch.engine_logprobs) if batch.engine_logprobs is not None else None,
+        multi_modal=pick(batch.multi_modal) if batch.multi_modal is not None else None,
     )
 
 
@@ -121,6 +124,7 @@ def _select_groups(batch: Batch, keep_groups: list[int]) -> Batch:
         rewards=pick(batch.rewards),
         verifier_metrics={k: pick(v) for k, v in batch.verifier_metrics.items()},
         engine_logprobs=pick(batch.engine_logprobs) if batch.engine_logprobs is not None else None,
+        multi_modal=pick(batch.multi_modal) if batch.multi_modal is not None else None,
     )
 
 
@@ -155,7 +159,8 @@ class Trainer:
         self.train_model = distributed.wrap_model(self.model)
 
         self.train_examples, summary = load_prompts(cfg.data.train_files, self.tokenizer, cfg.data)
-        self.log(f"train prompts: {summary['kept']} ({summary['dropped_overlong']} dropped as overlong)")
+        bad = f", {summary['dropped_bad']} malformed image rows skipped" if summary.get("dropped_bad") else ""
+        self.log(f"train prompts: {summary['kept']} ({summary['dropped_overlong']} dropped as overlong{bad})")
         self.val_sets = self._load_val_sets()
         self.sampler = PromptSampler(len(self.train_examples), cfg.data.shuffle, cfg.data.seed)
         self.reward_fn = RewardFunction(cfg.reward)
@@ -293,7 +298,7 @@ class Trainer:
         r = cfg.rollout
         params = SamplingParams(r.temperature, r.top_p, r.top_k, r.max_tokens, G, seed)
         with self.timer("rollout"):
-            completions = self.engine.generate([e.prompt_ids for e in examples], params)
+            completions = self.engine.generate([e.prompt_ids for e in examples], params, multi_modal=multi_modal_of(examples))
         with self.timer("reward"):
             texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
             owners = [examples[c.prompt_index] for c in completions]
@@ -315,6 +320,7 @@ class Trainer:
             rewards=rewards,
             verifier_metrics=out.metrics,
             engine_logprobs=[c.logprobs for c in completions] if has_lp else None,  # type: ignore[misc]
+            multi_modal=[e.multi_modal for e in owners] if multi_modal_of(examples) else None,
         )
 
     def _filter_metric(self, batch: Batch) -> list[float]:
@@ -382,6 +388,8 @@ class Trainer:
             for key in ("old_logp", "ref_logp", "engine_logp"):
                 if key in t:
                     mb[key] = t[key][ix, :T]
+            if batch.multi_modal is not None:
+                mb["multi_modal"] = [batch.multi_modal[i] for i in idx]
             yield idx, mb
 
     @torch.no_grad()
@@ -389,7 +397,10 @@ class Trainer:
         out = torch.zeros_like(batch.tensors["response_mask"], dtype=torch.float32)
         for idx, mb in self._micro_batches(range(batch.size), batch):
             T = mb["response_mask"].shape[1]
-            logp, _ = response_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["position_ids"], T, self.cfg.rollout.temperature)
+            logp, _ = response_logprobs(
+                model, mb["input_ids"], mb["attention_mask"], mb["position_ids"], T, self.cfg.rollout.temperature,
+                multi_modal=mb.get("multi_modal"),
+            )  # fmt: skip
             out[torch.tensor(idx), :T] = logp
         return out
 
@@ -417,7 +428,7 @@ class Trainer:
                     T = mask.shape[1]
                     logp, entropy = response_logprobs(
                         self.train_model, mb["input_ids"], mb["attention_mask"], mb["position_ids"], T,
-                        cfg.rollout.temperature, with_entropy=True,
+                        cfg.rollout.temperature, with_entropy=True, multi_modal=mb.get("multi_modal"),
                     )  # fmt: skip
                     old_logp = logp.detach() if self.on_policy else mb["old_logp"]
                     adv_BT = mb["adv"].unsqueeze(1).expand_as(logp)

@@ -1,8 +1,10 @@
 """Prompt datasets for training and validation.
 
 Rows come in the verl schema (data_source, prompt as chat messages, reward_model.ground_truth,
-extra_info) from parquet / JSONL / JSON files, or from the built-in task (`builtin:arithmetic:<split>`).
-Prompts are rendered with the tokenizer's chat template and tokenised once, up front.
+extra_info) from parquet / JSONL / JSON files, or from the built-in tasks (`builtin:arithmetic:<split>`,
+`builtin:shapes:<split>`). Prompts are rendered with the tokenizer's chat template and tokenised once,
+up front. Rows with images (`data.image_key`, `<image>` placeholders in the prompt) go through
+`postrl.vision` and carry their image inputs in `PromptExample.multi_modal`.
 """
 
 from __future__ import annotations
@@ -23,18 +25,28 @@ class PromptExample:
     ground_truth: str
     row: dict
     data_source: str
-    multi_modal: dict | None = None
+    multi_modal: dict | None = None  # VLMs: the prompt's images (postrl.vision)
 
 
-def read_rows(path: str, builtin_knobs: dict | None = None) -> list[dict]:
+def multi_modal_of(examples: list[PromptExample]) -> list[dict | None] | None:
+    """Per-prompt image inputs for a rollout engine; None when no prompt has images."""
+    return [e.multi_modal for e in examples] if any(e.multi_modal for e in examples) else None
+
+
+def read_rows(path: str, builtin_knobs: dict | None = None, shapes_knobs: dict | None = None) -> list[dict]:
     """All rows of one data file (parquet, jsonl, json list) or built-in split."""
     if path.startswith("builtin:"):
-        from postrl.data.synthetic import builtin_task_files
+        from postrl.data import synthetic, visual_task
 
         parts = path.split(":")
-        if len(parts) != 3 or parts[1] != "arithmetic" or parts[2] not in ("train", "val"):
-            raise UserError(f"unknown built-in data set '{path}'; use 'builtin:arithmetic:train' or 'builtin:arithmetic:val'.")
-        path = str(builtin_task_files(builtin_knobs or {})[parts[2]])
+        tasks = {"arithmetic": (synthetic, builtin_knobs), "shapes": (visual_task, shapes_knobs)}
+        if len(parts) != 3 or parts[1] not in tasks or parts[2] not in ("train", "val"):
+            raise UserError(
+                f"unknown built-in data set '{path}'; use 'builtin:arithmetic:train' / ':val' (text) or "
+                "'builtin:shapes:train' / ':val' (images)."
+            )
+        module, knobs = tasks[parts[1]]
+        path = str(module.builtin_task_files(knobs or {})[parts[2]])
     try:
         from postrl.data.readers import read_records  # full readers (row-numbered errors)
 
@@ -64,13 +76,29 @@ def render_prompt(tokenizer, prompt: Any) -> list[int]:
     return tokenizer(text, add_special_tokens=True)["input_ids"]
 
 
+def encode_prompt(tokenizer, row: dict, prompt: Any, data_cfg, where: str, base_dir: Path | None = None):
+    """(token ids, image inputs or None) of a row's prompt; None for a malformed image row when
+    data.skip_bad_rows is set (else a UserError that names the row: `where`)."""
+    from postrl.vision import BadImageRow, encode_image_prompt, has_images
+
+    images = row.get(data_cfg.image_key) if data_cfg.image_key else None
+    if not has_images(tokenizer, prompt, images):
+        return render_prompt(tokenizer, prompt), None
+    try:
+        return encode_image_prompt(tokenizer, prompt, images, data_cfg, base_dir)
+    except BadImageRow as exc:
+        if data_cfg.skip_bad_rows:
+            return None
+        raise UserError(f"{where}: {exc} (Or set data.skip_bad_rows: true to skip and count such rows.)") from None
+
+
 def load_prompts(files: list[str], tokenizer, data_cfg, max_rows: int | None = None) -> tuple[list[PromptExample], dict]:
     """Tokenised prompts of `files` and a summary {rows, dropped_overlong, by_source}."""
     examples: list[PromptExample] = []
-    dropped, total = 0, 0
+    dropped, total, bad = 0, 0, 0
     knobs = data_cfg.builtin.model_dump()
     for f in files:
-        rows = read_rows(f, knobs)
+        rows = read_rows(f, knobs, data_cfg.shapes.model_dump())
         name = _dataset_name(f)
         for i, row in enumerate(rows):
             if max_rows is not None and i >= max_rows:
@@ -85,7 +113,13 @@ def load_prompts(files: list[str], tokenizer, data_cfg, max_rows: int | None = N
                     f"('{data_cfg.prompt_key}') and the ground truth from data.answer_key ('{data_cfg.answer_key}'). "
                     "Fix: set those keys to your columns, or convert the file with `postrl preprocess`."
                 )
-            ids = render_prompt(tokenizer, prompt)
+            encoded = encode_prompt(tokenizer, row, prompt, data_cfg, f"{f}, row {i}", file_dir(f))
+            if encoded is None:  # malformed image row, skipped by data.skip_bad_rows
+                bad += 1
+                continue
+            ids, multi_modal = encoded
+            if multi_modal is not None:
+                row = {k: v for k, v in row.items() if k != data_cfg.image_key}  # verifiers get no image bytes
             if len(ids) > data_cfg.max_prompt_length:
                 if not data_cfg.filter_overlong_prompts:
                     raise UserError(
@@ -94,10 +128,18 @@ def load_prompts(files: list[str], tokenizer, data_cfg, max_rows: int | None = N
                     )
                 dropped += 1
                 continue
-            examples.append(PromptExample(ids, str(gt), row, row.get("data_source") or name))
+            examples.append(PromptExample(ids, str(gt), row, row.get("data_source") or name, multi_modal))
     if not examples:
-        raise UserError(f"no usable prompts in {files} ({total} rows read, {dropped} too long). Fix: check the files and data.max_prompt_length.")
-    return examples, {"rows": total, "dropped_overlong": dropped, "kept": len(examples)}
+        raise UserError(
+            f"no usable prompts in {files} ({total} rows read, {dropped} too long, {bad} malformed image rows). "
+            "Fix: check the files and data.max_prompt_length."
+        )
+    return examples, {"rows": total, "dropped_overlong": dropped, "dropped_bad": bad, "kept": len(examples)}
+
+
+def file_dir(path: str) -> Path | None:
+    """Relative image paths in a data file are taken from the file's directory (when not found from the cwd)."""
+    return None if path.startswith("builtin:") else Path(path).expanduser().resolve().parent
 
 
 def _dataset_name(path: str) -> str:

@@ -19,6 +19,9 @@ class HFEngine:
         self.model = model
         self.pad_id = tokenizer.pad_token_id
         self.eos_ids = _eos_ids(model, tokenizer)
+        from postrl.vision import media_token_ids
+
+        self.suppress_ids = media_token_ids(model) or None  # VLMs: never sample image/video placeholders
         self.max_batch_sequences = max_batch_sequences
 
     def sync_weights(self, model: torch.nn.Module) -> None:
@@ -38,6 +41,7 @@ class HFEngine:
             num_return_sequences=n,
             eos_token_id=self.eos_ids,
             pad_token_id=self.pad_id,
+            suppress_tokens=self.suppress_ids,
             use_cache=True,
         )
         was_training = self.model.training
@@ -62,7 +66,9 @@ class HFEngine:
             attention_mask[i, P - len(p) :] = 1
         extra = {}
         if multi_modal:
-            extra = _stack_multi_modal(multi_modal)
+            from postrl.vision import model_inputs
+
+            extra = model_inputs(self.model, input_ids, multi_modal)  # pixel_values, image_grid_thw, mm_token_type_ids
         seqs = self.model.generate(
             input_ids=input_ids, attention_mask=attention_mask, generation_config=gen_cfg, **extra
         )  # [len(batch) * n, P + new]
@@ -85,9 +91,3 @@ def _eos_ids(model, tokenizer) -> list[int]:
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
         ids.append(tokenizer.eos_token_id)
     return ids
-
-
-def _stack_multi_modal(items: list[dict]) -> dict:
-    """Concatenate per-prompt processor outputs (pixel_values, image_grid_thw) for one generate call."""
-    keys = [k for k in items[0] if isinstance(items[0][k], torch.Tensor)]
-    return {k: torch.cat([it[k] for it in items], dim=0) for k in keys}

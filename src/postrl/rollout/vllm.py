@@ -88,6 +88,10 @@ class VLLMEngine:
             tokenizer_dir = _tokenizer_dir(tokenizer, model_dir)
             if not self.on_gpu:
                 _check_cpu()
+            from postrl.vision import vllm_blocker
+
+            if (reason := vllm_blocker(model)) is not None:  # VLMs need torchvision inside vLLM
+                raise VLLMUnavailable(reason)
             vllm = _import_vllm()
             _check_architecture(vllm, model)
             _check_memory(cfg, self.on_gpu)

@@ -1,0 +1,159 @@
+"""Built-in visual task: count coloured shapes in a tiny rendered picture, answer in \\boxed{}.
+
+    picture (56 x 56: a 4 x 4 grid of 14-pixel cells, one vision patch each) with 1-5 shapes
+    (circle, square, triangle) in red, green or blue, at most one per cell, on white
+    "How many red shapes are there?"  ->  "red 2, green 0, blue 1. \\boxed{2}"
+    "How many shapes are there?"      ->  "red 2, green 0, blue 1. 2+0+1=3. \\boxed{3}"
+
+The answer can only come from the picture (the question names a colour, never a count), so the
+task exercises the whole vision-language path: pixels -> vision tower -> image tokens -> answer.
+The solution counts each colour first, a short chain of thought that SFT teaches and RL sharpens.
+Pictures stay tiny on purpose: a 56 x 56 picture is 16 patches and 4 image tokens after the 2 x 2
+merge, so an RL step on a 2-core CPU costs about what a text step does.
+
+Problems are deterministic from a seed. Train and validation are disjoint: no validation problem's
+(question, layout) signature appears in training. Rows are written as parquet in the verl schema
+with the picture as PNG bytes under `images` and an `<image>` placeholder in the prompt (as geo3k
+rows are), so the trainer reads them like any user data set: `builtin:shapes:train` / `:val`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import random
+from pathlib import Path
+
+from postrl.utils import cache_dir
+
+TASK_VERSION = 1  # bump when pictures, questions or solutions change (invalidates the cache)
+PATCH = 14  # pixels per cell: one vision patch of Qwen2/2.5-VL
+COLORS = {"red": (220, 30, 30), "green": (30, 160, 40), "blue": (30, 60, 220)}
+KINDS = ("circle", "square", "triangle")
+
+
+def _jitter(rng: random.Random, rgb: tuple[int, int, int]) -> tuple[int, int, int]:
+    return tuple(max(0, min(255, c + rng.randint(-25, 25))) for c in rgb)  # type: ignore[return-value]
+
+
+def render(layout: list[tuple[int, str, str]], image_size: int, rng: random.Random) -> bytes:
+    """PNG bytes of the picture: `layout` holds (cell, colour, kind) with cells numbered row-major."""
+    from PIL import Image, ImageDraw
+
+    grid = image_size // PATCH
+    im = Image.new("RGB", (image_size, image_size), (255, 255, 255))
+    draw = ImageDraw.Draw(im)
+    for cell, color, kind in layout:
+        r, c = divmod(cell, grid)
+        size = rng.randint(9, 11)
+        x0 = c * PATCH + rng.randint(1, PATCH - size - 1)
+        y0 = r * PATCH + rng.randint(1, PATCH - size - 1)
+        box = (x0, y0, x0 + size, y0 + size)
+        fill = _jitter(rng, COLORS[color])
+        if kind == "circle":
+            draw.ellipse(box, fill=fill)
+        elif kind == "square":
+            draw.rectangle(box, fill=fill)
+        else:
+            draw.polygon([(x0 + size / 2, y0), (x0, y0 + size), (x0 + size, y0 + size)], fill=fill)
+    buf = io.BytesIO()
+    im.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def make_problem(rng: random.Random, image_size: int, min_shapes: int, max_shapes: int) -> dict:
+    grid = image_size // PATCH
+    k = rng.randint(min_shapes, max_shapes)
+    cells = sorted(rng.sample(range(grid * grid), k))
+    layout = [(cell, rng.choice(list(COLORS)), rng.choice(KINDS)) for cell in cells]
+    counts = {color: sum(1 for _, c, _ in layout if c == color) for color in COLORS}
+    listing = ", ".join(f"{color} {n}" for color, n in counts.items())
+    asked = rng.choice([None, *COLORS])  # None: all shapes
+    if asked is None:
+        question = "How many shapes are there?"
+        answer = k
+        solution = f"{listing}. {'+'.join(str(n) for n in counts.values())}={k}. \\boxed{{{k}}}"
+    else:
+        question = f"How many {asked} shapes are there?"
+        answer = counts[asked]
+        solution = f"{listing}. \\boxed{{{answer}}}"
+    return {
+        "question": question,
+        "layout": layout,
+        "solution": solution,
+        "answer": str(answer),
+        "signature": (asked, tuple(layout)),
+    }
+
+
+def to_verl_row(problem: dict, png: bytes, index: int, split: str) -> dict:
+    return {
+        "data_source": "shapes",
+        "prompt": [{"role": "user", "content": "<image>" + problem["question"]}],
+        "images": [{"bytes": png, "path": None}],
+        "ability": "visual_counting",
+        "reward_model": {"style": "rule", "ground_truth": problem["answer"]},
+        "extra_info": {"index": index, "split": split, "solution": problem["solution"]},
+    }
+
+
+def generate_splits(
+    train_size: int,
+    val_size: int,
+    image_size: int = 56,
+    min_shapes: int = 1,
+    max_shapes: int = 5,
+    seed: int = 1234,
+) -> dict[str, list[dict]]:
+    """Rows of both splits; validation signatures never occur in training."""
+    if image_size % (2 * PATCH):
+        raise ValueError(f"image_size must be a multiple of {2 * PATCH} (whole 2 x 2 patch merges), got {image_size}")
+    cells = (image_size // PATCH) ** 2
+    if not 1 <= min_shapes <= max_shapes <= cells:
+        raise ValueError(f"need 1 <= min_shapes <= max_shapes <= {cells} (cells of a {image_size}-pixel picture)")
+    rng = random.Random(seed)
+    splits: dict[str, list[dict]] = {"val": [], "train": []}
+    seen: set[tuple] = set()
+    for split, size in (("val", val_size), ("train", train_size)):
+        attempts = 0
+        while len(splits[split]) < size:
+            attempts += 1
+            if attempts > 50 * size + 1000:
+                raise ValueError(f"cannot draw {size} distinct {split} pictures; raise image_size or max_shapes")
+            p = make_problem(rng, image_size, min_shapes, max_shapes)
+            if p["signature"] in seen:
+                continue
+            seen.add(p["signature"])
+            png = render(p["layout"], image_size, rng)
+            splits[split].append(to_verl_row(p, png, len(splits[split]), split))
+    return splits
+
+
+def builtin_task_files(knobs: dict) -> dict[str, Path]:
+    """Write (or reuse) the parquet files of the shapes task; returns {split: path}."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    key = hashlib.sha1(json.dumps({**knobs, "version": TASK_VERSION}, sort_keys=True).encode()).hexdigest()[:12]
+    out = cache_dir() / "data" / f"shapes-{key}"
+    paths = {s: out / f"{s}.parquet" for s in ("train", "val")}
+    if all(p.exists() for p in paths.values()):
+        return paths
+    out.mkdir(parents=True, exist_ok=True)
+    splits = generate_splits(**knobs)
+    for split, rows in splits.items():
+        tmp = out / f".{split}.parquet.tmp"
+        pq.write_table(pa.Table.from_pylist(rows), tmp)
+        tmp.rename(paths[split])
+    return paths
+
+
+def tokenizer_corpus(n: int = 2000, seed: int = 0) -> list[str]:
+    """Text of the task (questions and solutions) for the tiny vision-language tokenizer."""
+    rng = random.Random(seed)
+    texts = []
+    for _ in range(n):
+        p = make_problem(rng, 56, 1, 5)
+        texts += [p["question"], p["solution"]]
+    return texts
