@@ -4,8 +4,9 @@ Every rank runs the same trainer loop (DESIGN.md section 1). This module holds t
 the trainer only calls into it at a few clear points:
 
 - Process group: `init_process_group()` joins the group that torchrun (or Ray Train) describes in
-  the environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); gloo on CPU, nccl on
-  GPU. Every helper below is a no-op (or the identity) when the run is a single process.
+  the environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); gloo for CPU tensors,
+  nccl for CUDA tensors. Every helper below is a no-op (or the identity) when the run is a single
+  process.
 - Model: `wrap_model` shards the policy with FSDP2 (`fully_shard` per transformer block, then the
   root). FSDP2 runs on CPU over gloo too, so it is the default everywhere; DDP is the alternative
   (`POSTRL_DP_STRATEGY=ddp`: replicated weights, cheaper for small models).
@@ -72,11 +73,15 @@ def init_process_group(timeout_s: float = 1800.0) -> bool:
     """
     if dist.is_initialized() or "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return False
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
+    if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(backend(), timeout=timedelta(seconds=timeout_s))
     return True
+
+
+def backend() -> str:
+    """gloo for CPU tensors, nccl for CUDA tensors (one group with both when GPUs are present)."""
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
 
 
 def teardown() -> None:
@@ -110,17 +115,11 @@ def barrier() -> None:
         dist.barrier()
 
 
-def _device() -> torch.device:
-    if is_distributed() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def all_reduce_sum(values: list[float]) -> list[float]:
     """Element-wise sum over ranks (float64, so counts stay exact)."""
     if not is_distributed():
         return list(values)
-    t = torch.tensor(values, dtype=torch.float64, device=_device())
+    t = torch.tensor(values, dtype=torch.float64)  # small host-side reductions go over gloo
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t.tolist()
 
@@ -134,7 +133,7 @@ def all_reduce_sum_dict(values: dict[str, float]) -> dict[str, float]:
 def all_reduce_max(value: int) -> int:
     if not is_distributed():
         return value
-    t = torch.tensor([value], dtype=torch.int64, device=_device())
+    t = torch.tensor([value], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
 
@@ -267,14 +266,13 @@ def wrap_model(model: torch.nn.Module, how: str | None = None) -> torch.nn.Modul
     `fsdp2` shards `model` in place (its parameters become DTensor shards; it stays the same Python
     object, with generate() and save helpers) and returns it. `ddp` returns a DistributedDataParallel
     wrapper around the unchanged model. Both average gradients over ranks: see the module docstring
-    for why the trainer scales its loss by world_size().
+    for why the trainer scales its loss by world_size(). The model stays on the device it was loaded
+    on; the device mesh follows it (CPU: gloo, CUDA: nccl).
     """
     if not is_distributed():
         return model
     how = how or strategy()
-    device = _device()
-    if device.type == "cuda":
-        model.to(device)
+    device = next(model.parameters()).device
     if how == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -282,13 +280,15 @@ def wrap_model(model: torch.nn.Module, how: str | None = None) -> torch.nn.Modul
             return model  # a frozen model (the reference) stays a plain replica
 
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    mesh = init_device_mesh(device.type, (world_size(),))  # FSDP would otherwise move CPU weights to a GPU
     block_names = set(getattr(model, "_no_split_modules", None) or [])
     blocks = [m for m in model.modules() if type(m).__name__ in block_names]
     for block in blocks:  # one FSDP unit per transformer block: only one block is gathered at a time
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 
@@ -500,6 +500,7 @@ def launch_ray(cfg: "Config", address: str | None) -> int:
             f"cluster.launcher is 'ray' but Ray Train cannot be imported ({exc}). Fix: pip install 'postrl[ray]' "
             "(ray[train]), or use --nproc N for torchrun on one machine."
         ) from None
+    check_world(cfg, cfg.world_size)
     env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
     started_here = not ray.is_initialized()
     if started_here:
@@ -512,14 +513,37 @@ def launch_ray(cfg: "Config", address: str | None) -> int:
             _ray_train_loop,
             train_loop_config={"config": cfg.model_dump(mode="json"), "cwd": os.getcwd(), "env": env},
             scaling_config=ScalingConfig(num_workers=workers, use_gpu=gpus, resources_per_worker={"GPU": 1} if gpus else {"CPU": 1}),
-            torch_config=TorchConfig(backend="nccl" if gpus else "gloo"),
+            torch_config=TorchConfig(backend="cpu:gloo,cuda:nccl" if gpus else "gloo"),
             run_config=RunConfig(name="postrl", storage_path=str(log_dir / "ray")),
         )
-        trainer.fit()
+        try:
+            trainer.fit()
+        except Exception as exc:  # a worker's UserError reaches the driver wrapped in Ray's errors
+            user_error = _find_user_error(exc)
+            if user_error is None:
+                raise
+            raise user_error from None
     finally:
         if started_here:
             ray.shutdown()
     return 0
+
+
+def _find_user_error(exc: BaseException) -> UserError | None:
+    """The UserError a Ray Train worker raised, searched through causes and per-worker failures."""
+    seen, todo = set(), [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, UserError):
+            return e
+        todo += [e.__cause__, e.__context__, getattr(e, "cause", None)]
+        failures = getattr(e, "worker_failures", None)
+        if isinstance(failures, dict):
+            todo += list(failures.values())
+    return None
 
 
 def _ray_train_loop(loop_config: dict) -> None:

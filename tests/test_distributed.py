@@ -1,0 +1,390 @@
+"""Scale-out: token-budget micro-batches, rank helpers, 2-process FSDP2 / DDP equivalence, torchrun and Ray.
+
+The multi-process tests run on CPU over gloo, on loopback (127.0.0.1), with hard timeouts.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_overrides
+
+from postrl import distributed
+from postrl.config import load_config
+from postrl.errors import UserError
+from postrl.metrics import read_jsonl
+from postrl.rewards.registry import register
+from verifiers_for_tests import length_parity, vowel_share
+
+# In-process copies of the test verifiers: no verifier worker pool to start in every rank.
+register("dist_length_parity", in_process=True, uses_row=False)(length_parity)
+register("dist_vowel_share", in_process=True, uses_row=False)(vowel_share)
+
+PY = sys.executable
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(cmd: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """Run in a new session; on timeout the whole process group (all it started) is killed."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, **kwargs)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"timed out after {timeout} s: {' '.join(cmd)}\n{out[-4000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+
+
+# ------------------------------------------------------------------------- partitioning (in-process)
+
+
+def test_balanced_partition_equal_sizes_and_balanced_loads():
+    lengths = [50, 3, 40, 8, 22, 17, 9, 31, 12, 5, 44, 2]
+    parts = distributed.balanced_partition(lengths, 3, equal_size=True)
+    assert sorted(i for p in parts for i in p) == list(range(12))
+    assert [len(p) for p in parts] == [4, 4, 4]
+    loads = [sum(lengths[i] for i in p) for p in parts]
+    assert max(loads) - min(loads) <= max(lengths) // 2, loads
+    assert parts == distributed.balanced_partition(lengths, 3, equal_size=True)  # deterministic: same on every rank
+
+
+def test_token_budget_micro_batches_fit_the_budget_and_cover_every_sequence_once():
+    lengths = [30, 7, 12, 25, 9, 18, 3, 28, 14, 6]
+    groups = distributed.token_budget_micro_batches(lengths, max_token_len=40)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in g) <= 40 for g in groups)
+    assert len(groups) == 4  # ceil(152 / 40): as few micro-batches as the budget allows
+    # a sequence longer than the budget gets a micro-batch of its own
+    groups = distributed.token_budget_micro_batches([5, 90, 5], max_token_len=20)
+    assert [1] in groups and sorted(i for g in groups for i in g) == [0, 1, 2]
+
+
+def test_rank_helpers_are_identities_in_one_process():
+    assert (distributed.rank(), distributed.world_size(), distributed.is_main()) == (0, 1, True)
+    assert distributed.shard_range(10) == (0, 10)
+    assert distributed.shard_seed(1234, 0) == 1234
+    assert distributed.rank_rows([3, 1, 2, 5], mini_batch=2, balance=True) == [0, 1, 2, 3]
+    assert distributed.all_reduce_sum([1.5, 2.0]) == [1.5, 2.0]
+    assert distributed.all_reduce_sum_dict({"b": 1.0, "a": 2.0}) == {"a": 2.0, "b": 1.0}
+    assert distributed.all_gather_object({"x": 1}) == [{"x": 1}]
+    model = torch.nn.Linear(2, 2)
+    assert distributed.wrap_model(model) is model and not distributed.is_sharded(model)
+
+
+def test_batch_sizes_that_do_not_split_over_the_ranks_are_refused(tmp_path):
+    cfg = load_config(None, tiny_overrides(tmp_path, "train.global_batch_size=3", "rollout.n_samples_per_prompt=3"))
+    with pytest.raises(UserError) as info:
+        distributed.check_world(cfg, 2)
+    assert "do not split evenly over 2 processes" in info.value.problems[0]
+    distributed.check_world(cfg, 3)
+
+
+# ---------------------------------------------------------------------- dynamic batching (in-process)
+
+
+def test_dynamic_batching_gives_the_same_gradient_as_fixed_micro_batches(tmp_path):
+    """One mini-batch through update_policy twice from the same weights: fixed micro-batches of 3
+    sequences, then token-budget micro-batches (different composition, results scattered back by
+    position). Gradients and the old log-probs (restored to the original order) agree to 1e-6."""
+    from postrl.trainer import Trainer
+
+    cfg = load_config(
+        None,
+        tiny_overrides(
+            tmp_path, "reward.verifiers=[dist_vowel_share]", "train.micro_batch_size=3",
+            "train.max_token_len_per_device=128", "train.total_steps=1", "algorithm.loss_agg_mode=token-mean",
+        ),
+    )  # fmt: skip
+    tr = Trainer(cfg)
+    batch, _ = tr.collect_batch()
+    adv_B = torch.linspace(-1, 1, batch.size)
+    local = tr._rank_shard(batch, adv_B)
+    model0 = copy.deepcopy(tr.model.state_dict())
+    optim0 = copy.deepcopy(tr.optimizer.state_dict())
+
+    def run(dynamic: bool):
+        tr.model.load_state_dict(model0)
+        tr.optimizer.load_state_dict(copy.deepcopy(optim0))
+        tr.cfg.train.use_dynamic_bsz = dynamic
+        chunks = [idx for idx, _ in tr._micro_batches(range(local.size), local)]
+        old = tr.compute_logprobs(tr.model, local)
+        stats = tr.update_policy(local)
+        grads = {n: p.grad.detach().clone() for n, p in tr.model.named_parameters() if p.grad is not None}
+        return chunks, old, stats, grads
+
+    fixed_chunks, fixed_old, fixed_stats, fixed = run(False)
+    dyn_chunks, dyn_old, dyn_stats, dyn = run(True)
+    assert fixed_chunks != dyn_chunks and len(dyn_chunks) > 1  # a genuinely different split
+    lengths = [len(p) + len(r) for p, r in zip(local.prompt_ids, local.response_ids)]
+    assert all(sum(lengths[i] for i in c) <= 128 for c in dyn_chunks if len(c) > 1)
+    mask = local.tensors["response_mask"].bool()
+    assert float((fixed_old - dyn_old)[mask].abs().max()) <= 1e-5
+    assert fixed.keys() == dyn.keys() and len(fixed) > 10
+    worst = max(float((fixed[k] - dyn[k]).abs().max()) for k in fixed)
+    assert worst <= 1e-6, worst
+    assert fixed_stats["actor/pg_loss"] == pytest.approx(dyn_stats["actor/pg_loss"], abs=1e-6)
+
+
+# ----------------------------------------------------------------- 2 ranks vs 1 rank (multi-process)
+
+
+class ScriptedRollout:
+    """A rollout engine whose completions depend only on each prompt's tokens, not on the batch.
+
+    The real engines seed a whole generate call, so the same 8 prompts split 8 / 2 x 4 would draw
+    different samples. This engine derives each group from a hash of its prompt: a third of the
+    prompts get n identical completions (zero spread: dropped by dynamic sampling), the others n
+    random ones of 2..12 tokens (some end with EOS).
+    """
+
+    name = "scripted"
+
+    def __init__(self, tokenizer):
+        self.eos = tokenizer.eos_token_id
+        self.vocab = range(3, len(tokenizer))  # ids 0-2 are the special tokens
+
+    def generate(self, prompts, params, multi_modal=None):
+        from postrl.rollout.base import Completion
+
+        out = []
+        for i, ids in enumerate(prompts):
+            h = zlib.crc32(repr(list(ids)).encode())
+            rng = random.Random(h)
+            same = h % 3 == 0
+            first = None
+            for _ in range(params.n):
+                if same and first is not None:
+                    tokens = list(first)
+                else:
+                    tokens = [rng.choice(self.vocab) for _ in range(rng.randint(2, params.max_tokens))]
+                    if len(tokens) < params.max_tokens and rng.random() < 0.5:
+                        tokens.append(self.eos)
+                    first = tokens
+                out.append(Completion(prompt_index=i, token_ids=tokens, finished=tokens[-1] == self.eos))
+        return out
+
+    def sync_weights(self, model):
+        pass
+
+
+EQUIV_MODES = ("token-mean", "seq-mean-token-mean")
+
+
+def _equiv_overrides(tmp_path: Path, mode: str) -> list[str]:
+    return tiny_overrides(
+        tmp_path, "algorithm.name=dapo", "algorithm.overlong_buffer.enable=false", f"algorithm.loss_agg_mode={mode}",
+        "reward.verifiers=[dist_length_parity]", "train.global_batch_size=8", "train.gen_batch_size=8",
+        "train.micro_batch_size=3", "train.lr=1e-4", "train.total_steps=1", "algorithm.filter_groups.max_num_gen_batches=0",
+    )  # fmt: skip
+
+
+def one_step(cfg) -> dict:
+    """One train_step with the scripted rollout; the full parameters, gradients and batch afterwards."""
+    from postrl.trainer import Trainer
+
+    tr = Trainer(cfg)
+    tr.engine = ScriptedRollout(tr.tokenizer)
+    batch, gen_stats = tr.collect_batch()
+    tr.collect_batch = lambda: (batch, gen_stats)  # the step below trains on exactly this batch
+    before = {n: t.clone() for n, t in distributed.full_state_dict(tr.model)}
+    metrics = tr.train_step()
+    tr.logger.close()
+    tr.reward_fn.close()
+    grads = {}
+    for name, p in tr.model.named_parameters():
+        g = p.grad
+        grads[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
+    params = {n: t.clone() for n, t in distributed.full_state_dict(tr.model)}
+    return {
+        "params": params,
+        "sharded": distributed.is_sharded(tr.model),
+        "moved": max(float((params[n] - t).abs().max()) for n, t in before.items()),
+        "grads": grads,
+        "responses": batch.response_ids,
+        "prompts": [e.prompt_ids for e in batch.examples],
+        "metrics": {k: metrics[k] for k in ("dapo/kept_groups_ratio", "dapo/num_gen_batches", "actor/pg_loss", "actor/grad_norm")},
+    }
+
+
+STRATEGIES = ("fsdp2", "ddp")
+
+
+def _equiv_worker(local_rank: int, port: int, out_dir: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank), LOCAL_RANK=str(local_rank),
+        WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    distributed.init_process_group(timeout_s=120)
+    try:
+        for strategy in STRATEGIES:
+            os.environ["POSTRL_DP_STRATEGY"] = strategy
+            for mode in EQUIV_MODES:
+                cfg = load_config(None, _equiv_overrides(Path(out_dir) / f"r{local_rank}", mode))
+                result = one_step(cfg)
+                seen = distributed.all_gather_object((result["responses"], result["metrics"]["dapo/kept_groups_ratio"]))
+                result["same_batch_on_every_rank"] = all(s == seen[0] for s in seen)
+                if distributed.is_main():
+                    torch.save(result, Path(out_dir) / f"{strategy}_{mode}.pt")
+    finally:
+        distributed.teardown()
+
+
+@pytest.mark.slow
+def test_two_ranks_of_four_prompts_update_like_one_rank_of_eight(tmp_path):
+    """One DAPO step (dynamic sampling on) with 2 ranks x 4 prompts gives the parameters of 1 rank x 8.
+
+    Choice of rollout: both runs must train on the same global batch, so completions come from
+    `ScriptedRollout`, which derives each group from its prompt's tokens alone (the real engines seed
+    a whole generate call, so their samples depend on how prompts are split). Everything after the
+    engine is the real path: per-rank prompt slices, rewards, the gather, dynamic sampling (a third
+    of the groups have zero spread, so several generation batches are drawn and the batch is cut),
+    advantages, the per-rank shard, normalisers summed over ranks, FSDP2 or DDP gradient reduction.
+    Checked for token-mean and seq-mean-token-mean: the batch, the dynamic-sampling counts, the
+    gradients and the updated parameters. Micro-batches of 3 sequences make each rank accumulate
+    gradients over several passes. Updated parameters must agree within 1e-5 and gradients within
+    1e-5 of their scale (AdamW's first step is close to lr x sign(gradient), so the gradient is the
+    sharper check). HF generation under FSDP2 is covered by the torchrun and Ray tests.
+    """
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_equiv_worker, args=(_free_port(), str(tmp_path)), nprocs=2, start_method="spawn", join=True)
+    for mode, strategy in [(m, s) for m in EQUIV_MODES for s in STRATEGIES]:
+        if strategy == STRATEGIES[0]:
+            one = one_step(load_config(None, _equiv_overrides(tmp_path / "single", mode)))
+        two = torch.load(tmp_path / f"{strategy}_{mode}.pt", weights_only=False)
+        assert two["sharded"] == (strategy == "fsdp2") and two["same_batch_on_every_rank"]
+        assert two["prompts"] == one["prompts"] and two["responses"] == one["responses"]
+        for key in ("dapo/kept_groups_ratio", "dapo/num_gen_batches"):
+            assert two["metrics"][key] == one["metrics"][key]
+        assert one["metrics"]["dapo/kept_groups_ratio"] < 1 and one["metrics"]["dapo/num_gen_batches"] > 1  # refilled
+        assert two["metrics"]["actor/pg_loss"] == pytest.approx(one["metrics"]["actor/pg_loss"], abs=1e-6)
+        assert two["metrics"]["actor/grad_norm"] == pytest.approx(one["metrics"]["actor/grad_norm"], rel=1e-5)
+        grad_err = max(float((two["grads"][n] - g).abs().max()) / max(float(g.abs().max()), 1e-6) for n, g in one["grads"].items())
+        assert two["params"].keys() == one["params"].keys()
+        param_err = max(float((two["params"][n] - p).abs().max()) for n, p in one["params"].items())
+        print(f"{strategy} {mode}: max |grad diff| / max |grad| {grad_err:.1e}, max |param diff| {param_err:.1e}")
+        assert grad_err <= 1e-5 and param_err <= 1e-5, (strategy, mode, grad_err, param_err)
+        assert one["moved"] > 5e-5  # the step did update the weights (lr 1e-4)
+
+
+# ------------------------------------------------------------------------------- launchers (real runs)
+
+
+def _session_pids(sid: int) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getsid(int(entry)) == sid:
+                    pids.append(int(entry))
+            except (ProcessLookupError, PermissionError):
+                pass
+    return pids
+
+
+def _launcher_overrides(tmp_path: Path, *extra: str) -> list[str]:
+    return tiny_overrides(
+        tmp_path, "reward.verifiers=[acc_for_dapo]", "train.total_steps=2", "checkpoint.save_final=true", *extra
+    )
+
+
+def _check_run(run_dir: Path, out: str, steps: int) -> None:
+    """Rank 0 alone wrote the metrics and the checkpoint; every rank wrote its optimizer shard and RNG."""
+    rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "timing/all" in r]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1)), out[-3000:]  # one line per step, not per rank
+    ckpt = run_dir / "checkpoints"
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(steps)
+    it = ckpt / f"iter_{steps:07d}"
+    assert {p.name for p in (it / "optimizer").iterdir()} == {"rank0.pt", "rank1.pt"}
+    assert (it / "rng_rank1.pt").exists() and (it / "model" / "model.safetensors").exists()
+    config = (it / "model" / "config.json").read_text()
+    assert '"Qwen2ForCausalLM"' in config  # the plain class name, not the FSDP wrapper's
+    assert out.count("step    1 |") == 1, out[-3000:]  # only rank 0 prints
+
+
+@pytest.mark.slow
+def test_nproc_2_trains_under_torchrun_with_dynamic_batch_size(tmp_path):
+    """`postrl train --nproc 2`: torchrun on loopback, FSDP2, HF rollout on the unsharded weights,
+    token-budget micro-batches with counts synced over ranks; 2 steps and a checkpoint."""
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text("model:\n  path: builtin:tiny-qwen2\n")
+    overrides = _launcher_overrides(tmp_path, "train.use_dynamic_bsz=true", "train.max_token_len_per_device=160")
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    res = _run([PY, "-m", "postrl.cli", "train", str(cfg), *overrides, "--nproc", "2"], timeout=200, env=env, cwd=tmp_path)
+    assert res.returncode == 0, res.stdout[-4000:]
+    _check_run(tmp_path / "run", res.stdout, steps=2)
+
+
+RAY_DRIVER = """
+import sys
+import ray
+from postrl.cli import main
+
+# A one-node cluster on loopback, started (and stopped) by this driver: the head plus the
+# TorchTrainer's 2 one-CPU workers.
+ray.init(address="local", num_cpus=2, object_store_memory=200 * 2**20, include_dashboard=False,
+         _node_ip_address="127.0.0.1")
+try:
+    address = ray.get_runtime_context().gcs_address
+    assert address.startswith("127.0.0.1:"), address
+    code = main(["train", *sys.argv[1:], "--ray-address", address])
+finally:
+    ray.shutdown()
+sys.exit(code)
+"""
+
+
+@pytest.mark.slow
+def test_ray_cluster_on_loopback_trains_two_steps_and_checkpoints(tmp_path):
+    """cluster.launcher: ray through --ray-address: Ray Train's TorchTrainer runs 2 CPU workers of the
+    same SPMD loop (FSDP2 over gloo); afterwards no process of the Ray cluster is left running."""
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text("model:\n  path: builtin:tiny-qwen2\n")
+    overrides = _launcher_overrides(tmp_path, "cluster.launcher=ray", "cluster.devices_per_node=2")
+    env = dict(
+        os.environ, GLOO_SOCKET_IFNAME="lo", RAY_USAGE_STATS_ENABLED="0",
+        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",  # keep every Ray address on 127.0.0.1 (Ray would pick the LAN IP)
+    )  # fmt: skip
+    proc = subprocess.Popen(
+        [PY, "-c", RAY_DRIVER, str(cfg), *overrides], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=300)
+        left = _session_pids(proc.pid)
+        for _ in range(20):  # ray.shutdown() stops the node; give its processes a moment to exit
+            if not left:
+                break
+            subprocess.run(["sleep", "1"])
+            left = _session_pids(proc.pid)
+    except subprocess.TimeoutExpired:
+        out, left = "timed out after 300 s", None
+    finally:
+        for pid in _session_pids(proc.pid):  # whatever is left of this test's cluster
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if proc.poll() is None:
+            proc.kill()
+    assert left is not None and proc.returncode == 0, out[-4000:]
+    assert not left, f"Ray processes still running after ray.shutdown(): {left}"
+    assert "RayTrainWorker" in out and "world_rank=1" in out, out[-3000:]
+    _check_run(tmp_path / "run", out, steps=2)
