@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import zlib
 from pathlib import Path
 
@@ -264,7 +265,16 @@ def test_two_ranks_of_four_prompts_update_like_one_rank_of_eight(tmp_path):
     """
     import torch.multiprocessing as mp
 
-    mp.start_processes(_equiv_worker, args=(_free_port(), str(tmp_path)), nprocs=2, start_method="spawn", join=True)
+    ranks = mp.start_processes(_equiv_worker, args=(_free_port(), str(tmp_path)), nprocs=2, start_method="spawn", join=False)
+    deadline = time.monotonic() + 300
+    try:
+        while not ranks.join(timeout=5):  # raises if a rank failed
+            if time.monotonic() > deadline:
+                pytest.fail("the 2 ranks did not finish within 300 s")
+    finally:
+        for p in ranks.processes:
+            if p.is_alive():
+                p.kill()
     for mode, strategy in [(m, s) for m in EQUIV_MODES for s in STRATEGIES]:
         if strategy == STRATEGIES[0]:
             one = one_step(load_config(None, _equiv_overrides(tmp_path / "single", mode)))
