@@ -95,7 +95,10 @@ def evaluate_model(cfg, log: Any = None) -> tuple[dict[str, float], str]:
         cfg.model.path = str(_resolve(cfg.model.path))
     model, tokenizer, path = load_policy(cfg.model)
     model.eval()
-    engine = make_engine(cfg.rollout, model, tokenizer, log=log)
+    engine = make_engine(
+        cfg.rollout, model, tokenizer, log=log,
+        max_model_len=cfg.data.max_prompt_length + (cfg.eval.max_tokens or cfg.rollout.max_tokens), seed=cfg.train.seed,
+    )  # fmt: skip
     reward_fn = RewardFunction(cfg.reward)
     results: dict[str, float] = {}
     try:

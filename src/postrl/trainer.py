@@ -172,7 +172,11 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(t.warmup_steps, t.total_steps, t.lr_schedule, t.min_lr_ratio))
         self.step = 0
         self.timer = Timer()
-        self.engine = distributed.colocate(make_engine(cfg.rollout, self.model, self.tokenizer, log=self.log), self.model)
+        engine = make_engine(
+            cfg.rollout, self.model, self.tokenizer, log=self.log,
+            max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_tokens, seed=cfg.train.seed,
+        )  # fmt: skip
+        self.engine = distributed.colocate(engine, self.model)
         self.on_policy = t.mini_batch_size == t.global_batch_size and t.epochs_per_batch == 1
         self.logger = MetricsLogger(cfg.logging.dir, cfg.logging.sinks, cfg.model_dump(mode="json"), enabled=distributed.is_main())
 
@@ -234,12 +238,28 @@ class Trainer:
             self.checkpoint.save(self)
         self.logger.close()
         self.reward_fn.close()
+        if hasattr(self.engine, "close"):
+            self.engine.close()
+        self._plot()
         return {**last, **final}
+
+    def _plot(self) -> None:
+        from pathlib import Path
+
+        from postrl.metrics import plot_run
+
+        metrics_path = Path(self.cfg.logging.dir) / "metrics.jsonl"
+        if distributed.is_main() and "jsonl" in self.cfg.logging.sinks and metrics_path.exists():
+            png = plot_run(metrics_path, Path(self.cfg.logging.dir) / "training.png", self.algo_name)
+            self.log(f"metrics: {metrics_path}; plot: {png}")
 
     def train_step(self) -> dict[str, float]:
         self.timer = Timer()
         with self.timer("all"):
             batch, gen_stats = self.collect_batch()  # the global batch, the same on every rank
+            with self.timer("resharding_to_train"):
+                # GPU vLLM: free the KV cache and offload weights for the update (no-op on CPU / HF)
+                getattr(self.engine, "sleep", lambda: None)()
             with self.timer("adv"):
                 rewards_B = torch.tensor(batch.rewards)
                 adv_B = algo.grpo_advantages(rewards_B, self.G, self.cfg.algorithm.norm_adv_by_std, self.cfg.algorithm.epsilon)

@@ -67,8 +67,19 @@ class RolloutEngine(Protocol):
         ...
 
 
-def make_engine(cfg: "RolloutConfig", model: "torch.nn.Module", tokenizer: Any, log: Any = None) -> RolloutEngine:
-    """Build the engine that `cfg.engine` names; `auto` tries vLLM and falls back to HF."""
+def make_engine(
+    cfg: "RolloutConfig",
+    model: "torch.nn.Module",
+    tokenizer: Any,
+    log: Any = None,
+    max_model_len: int | None = None,
+    seed: int = 0,
+) -> RolloutEngine:
+    """Build the engine that `cfg.engine` names; `auto` tries vLLM and falls back to HF.
+
+    `max_model_len` (prompt + response tokens) keeps vLLM's KV cache to what the run needs; without it
+    a long-context model would not fit a small CPU cache.
+    """
     from postrl.rollout.hf import HFEngine
 
     def say(msg: str) -> None:
@@ -88,7 +99,7 @@ def make_engine(cfg: "RolloutConfig", model: "torch.nn.Module", tokenizer: Any, 
         say(f"rollout engine: hf (vLLM unavailable: {exc})")
         return HFEngine(model, tokenizer)
     try:
-        engine = VLLMEngine(model, tokenizer, cfg)
+        engine = VLLMEngine(model, tokenizer, cfg, max_model_len=max_model_len, seed=seed)
     except VLLMUnavailable as exc:
         if cfg.engine == "vllm":
             from postrl.errors import UserError
