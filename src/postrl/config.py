@@ -57,17 +57,22 @@ class BuiltinTaskConfig(Section):
     min_operands: int = Field(2, ge=2, description="Fewest numbers in a problem.")
     max_operands: int = Field(3, ge=2, description="Most numbers in a problem.")
     subtraction: bool = Field(True, description="Allow 'gives away' steps (subtraction, never below zero).")
+    terse_ratio: float = Field(
+        0.0, ge=0, le=1, description="Fraction of training rows whose reference solution is the bare boxed answer."
+    )
     seed: int = Field(1234, description="Seed of the problem generator.")
 
 
 class ShapesTaskConfig(Section):
-    """Knobs of the built-in visual task: count coloured shapes in a picture (`builtin:shapes:<split>`)."""
+    """Knobs of the built-in visual task: count the shapes in a picture, then add / take away (`builtin:shapes:<split>`)."""
 
     train_size: int = Field(4000, ge=1, description="Number of training pictures.")
     val_size: int = Field(200, ge=1, description="Number of held-out pictures (disjoint from training).")
     image_size: int = Field(56, ge=28, description="Picture side in pixels, a multiple of 28 (56: 4 image tokens).")
     min_shapes: int = Field(1, ge=1, description="Fewest shapes in a picture.")
     max_shapes: int = Field(5, ge=1, description="Most shapes in a picture (at most one per 14-pixel cell).")
+    max_value: int = Field(20, ge=1, description="Numbers added are drawn from 1..max_value.")
+    max_ops: int = Field(2, ge=1, description="Most add / take-away steps after counting.")
     seed: int = Field(1234, description="Seed of the picture generator.")
 
     @model_validator(mode="after")

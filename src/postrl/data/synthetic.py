@@ -6,6 +6,10 @@
 Prompts and solutions are kept short on purpose: on a 2-core CPU the cost of an RL step is the
 number of tokens it processes.
 
+Two answer styles, as in distilled SFT data from a mixed teacher: a worked solution (above) and a
+bare answer ("\\boxed{32}"); a fraction `terse_ratio` (default 0) of the training rows carries the
+bare answer as its reference solution, so RL has a choice of style to make.
+
 Problems are deterministic from a seed. Train and validation are disjoint: no validation problem's
 numbers-and-operations signature appears in training. Rows are written as parquet in the verl schema,
 so the trainer reads them like any user data set.
@@ -51,18 +55,23 @@ def make_problem(rng: random.Random, max_value: int, n_operands: int, subtractio
     return {
         "question": " ".join(sentences),
         "solution": " ".join(steps) + f" \\boxed{{{total}}}",
+        "terse_solution": f"\\boxed{{{total}}}",
         "answer": str(total),
         "signature": tuple(signature),
     }
 
 
-def to_verl_row(problem: dict, index: int, split: str) -> dict:
+def to_verl_row(problem: dict, index: int, split: str, terse: bool = False) -> dict:
     return {
         "data_source": "arithmetic",
         "prompt": [{"role": "user", "content": problem["question"]}],
         "ability": "math",
         "reward_model": {"style": "rule", "ground_truth": problem["answer"]},
-        "extra_info": {"index": index, "split": split, "solution": problem["solution"]},
+        "extra_info": {
+            "index": index,
+            "split": split,
+            "solution": problem["terse_solution"] if terse else problem["solution"],
+        },
     }
 
 
@@ -73,6 +82,7 @@ def generate_splits(
     min_operands: int = 2,
     max_operands: int = 3,
     subtraction: bool = True,
+    terse_ratio: float = 0.0,
     seed: int = 1234,
 ) -> dict[str, list[dict]]:
     """Rows of both splits; validation signatures never occur in training."""
@@ -92,7 +102,8 @@ def generate_splits(
             if p["signature"] in seen:
                 continue
             seen.add(p["signature"])
-            splits[split].append(to_verl_row(p, len(splits[split]), split))
+            terse = split == "train" and rng.random() < terse_ratio
+            splits[split].append(to_verl_row(p, len(splits[split]), split, terse))
     return splits
 
 
