@@ -101,7 +101,7 @@ def test_three_steps_from_a_fixed_seed_pin_the_losses(tmp_path):
     )  # fmt: skip
     train(cfg)
     steps = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "timing/all" in r]
-    got = [(round(r["actor/pg_loss"], 6), round(r["actor/grad_norm"], 5), round(r["grpo/rewards/mean"], 6)) for r in steps]
+    got = [[round(r["actor/pg_loss"], 6), round(r["actor/grad_norm"], 5), round(r["grpo/rewards/mean"], 6)] for r in steps]
     print(json.dumps(got))
     assert got == PINNED
 
