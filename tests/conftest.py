@@ -18,7 +18,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Tiny models gain nothing from a second intra-op thread, and with verifier workers, vLLM and
 # subprocess tests beside them two threads per process oversubscribe a 2-core machine badly
 # (measured: a 3-step run took 82 s with 2 threads under load, 5 s with 1).
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ["OMP_NUM_THREADS"] = "1"
 
 
 @pytest.fixture(scope="session")
