@@ -17,3 +17,11 @@ def vowel_share(completion: str, ground_truth: str, row: dict) -> dict:
     letters = [c for c in completion.lower() if c.isalpha()]
     share = sum(c in "aeiou" for c in letters) / max(len(letters), 1)
     return {"score": share, "acc": float(share > 0.5)}
+
+
+def parity_unless_multiple_of_three(completion: str, ground_truth: str, row: dict) -> dict:
+    """length_parity, but 0 for every completion of a problem whose answer is a multiple of 3: about a
+    third of the groups are uniform whatever the model does, so dynamic sampling refills almost every step."""
+    if int(ground_truth) % 3 == 0:
+        return {"score": 0.0, "acc": 0.0}
+    return length_parity(completion, ground_truth, row)

@@ -78,8 +78,11 @@ def make_engine(
     """Build the engine that `cfg.engine` names; `auto` tries vLLM and falls back to HF.
 
     `max_model_len` (prompt + response tokens) keeps vLLM's KV cache to what the run needs; without it
-    a long-context model would not fit a small CPU cache.
+    a long-context model would not fit a small CPU cache. It is capped at the model's own maximum.
     """
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if max_model_len is not None and isinstance(limit, int) and max_model_len > limit:
+        max_model_len = limit
     from postrl.rollout.hf import HFEngine
 
     def say(msg: str) -> None:
