@@ -17,7 +17,7 @@ from postrl.config import Config
 from postrl.data.dataset import encode_prompt, file_dir, load_prompts, read_rows
 from postrl.errors import UserError
 from postrl.models import load_policy
-from postrl.utils import get_dotted, seed_everything
+from postrl.utils import configure_cpu_threads, get_dotted, seed_everything
 from postrl.vision import model_inputs
 
 
@@ -70,6 +70,7 @@ def run_sft(cfg: Config, console: Any = None) -> dict[str, float]:
     s = cfg.sft
     seed_everything(s.seed)
     model, tokenizer, path = load_policy(cfg.model)
+    configure_cpu_threads(model, console.print)
     model.train()
     pairs = []
     for f in cfg.data.train_files:

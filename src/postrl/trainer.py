@@ -35,7 +35,7 @@ from postrl.metrics import MetricsLogger, Timer, summary_stats, throughput
 from postrl.models import build_sequences, load_model, load_policy, response_logprobs
 from postrl.rewards import RewardFunction
 from postrl.rollout import SamplingParams, make_engine
-from postrl.utils import seed_everything
+from postrl.utils import configure_cpu_threads, seed_everything
 
 
 # ------------------------------------------------------------------------------------------ batch
@@ -148,6 +148,7 @@ class Trainer:
             torch.use_deterministic_algorithms(True)
 
         self.model, self.tokenizer, self.model_path = load_policy(cfg.model)
+        configure_cpu_threads(self.model, self.log)
         self.model.train()
         self.ref_model = None
         if cfg.algorithm.kl.coef > 0:
