@@ -401,6 +401,8 @@ def _check_cpu() -> None:
 def _import_vllm():
     # In-process engine core: weights are handed over by reference, and no subprocess can hang.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # vLLM logs every weight reload at INFO; the trainer's step line says what matters.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     try:
         import vllm
     except ModuleNotFoundError as exc:
