@@ -46,7 +46,7 @@ from postrl.errors import UserError
 from postrl.utils import cache_dir
 
 TINY_VL_NAME = "tiny-qwen2.5-vl"
-TINY_VL_VERSION = 1
+TINY_VL_VERSION = 3  # bump when the architecture or the tokenizer corpus changes (invalidates the cache)
 TINY_VL_DEFAULTS: dict[str, Any] = {
     "vocab_size": 512,
     "hidden_size": 128,

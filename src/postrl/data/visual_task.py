@@ -1,18 +1,25 @@
-"""Built-in visual task: count coloured shapes in a tiny rendered picture, answer in \\boxed{}.
+"""Built-in visual task: picture arithmetic, "count the shapes, add 12, then take away 3" -> \\boxed{}.
 
     picture (56 x 56: a 4 x 4 grid of 14-pixel cells, one vision patch each) with 1-5 shapes
-    (circle, square, triangle) in red, green or blue, at most one per cell, on white
-    "How many red shapes are there?"  ->  "red 2, green 0, blue 1. \\boxed{2}"
-    "How many shapes are there?"      ->  "red 2, green 0, blue 1. 2+0+1=3. \\boxed{3}"
+    (circle, square, triangle; red, green or blue), at most one per cell, on white
+    "Count the shapes, add 12, then take away 3."  ->  "4+12=16. 16-3=13. \\boxed{13}"
 
-The answer can only come from the picture (the question names a colour, never a count), so the
-task exercises the whole vision-language path: pixels -> vision tower -> image tokens -> answer.
-The solution counts each colour first, a short chain of thought that SFT teaches and RL sharpens.
-Pictures stay tiny on purpose: a 56 x 56 picture is 16 patches and 4 image tokens after the 2 x 2
-merge, so an RL step on a 2-core CPU costs about what a text step does.
+The starting number is only in the picture, as a geo3k diagram holds part of its problem, so the
+task exercises the whole vision-language path (pixels -> vision tower -> image tokens -> answer);
+the arithmetic is a short chain of thought in which every number feeds the answer. Pictures stay
+tiny on purpose: a 56 x 56 picture is 16 patches and 4 image tokens after the 2 x 2 merge, so an RL
+step on a 2-core CPU costs about what a text step does.
+
+Why this shape of task (measured on the tiny Qwen2.5-VL, see docs/vision.md): questions about one
+colour ("How many red shapes?") need the vision features to separate colours per cell; a short SFT
+does not get them there, and RL with the vision tower frozen cannot either (even supervised
+training with the tower frozen gained nothing). A chain of thought that only listed the counts
+("red 2, green 0, blue 1. \\boxed{2}") was worse: the answer did not follow from the listing, so
+DAPO let the unrewarded listing drift into noise. Counting all shapes is learned early; the
+arithmetic leaves RL room to gain, as on the text task.
 
 Problems are deterministic from a seed. Train and validation are disjoint: no validation problem's
-(question, layout) signature appears in training. Rows are written as parquet in the verl schema
+(layout, operations) signature appears in training. Rows are written as parquet in the verl schema
 with the picture as PNG bytes under `images` and an `<image>` placeholder in the prompt (as geo3k
 rows are), so the trainer reads them like any user data set: `builtin:shapes:train` / `:val`.
 """
@@ -27,7 +34,7 @@ from pathlib import Path
 
 from postrl.utils import cache_dir
 
-TASK_VERSION = 1  # bump when pictures, questions or solutions change (invalidates the cache)
+TASK_VERSION = 3  # bump when pictures, questions or solutions change (invalidates the cache)
 PATCH = 14  # pixels per cell: one vision patch of Qwen2/2.5-VL
 COLORS = {"red": (220, 30, 30), "green": (30, 160, 40), "blue": (30, 60, 220)}
 KINDS = ("circle", "square", "triangle")
@@ -62,28 +69,34 @@ def render(layout: list[tuple[int, str, str]], image_size: int, rng: random.Rand
     return buf.getvalue()
 
 
-def make_problem(rng: random.Random, image_size: int, min_shapes: int, max_shapes: int) -> dict:
+def make_problem(
+    rng: random.Random, image_size: int, min_shapes: int, max_shapes: int, max_value: int = 20, max_ops: int = 2
+) -> dict:
     grid = image_size // PATCH
     k = rng.randint(min_shapes, max_shapes)
     cells = sorted(rng.sample(range(grid * grid), k))
     layout = [(cell, rng.choice(list(COLORS)), rng.choice(KINDS)) for cell in cells]
-    counts = {color: sum(1 for _, c, _ in layout if c == color) for color in COLORS}
-    listing = ", ".join(f"{color} {n}" for color, n in counts.items())
-    asked = rng.choice([None, *COLORS])  # None: all shapes
-    if asked is None:
-        question = "How many shapes are there?"
-        answer = k
-        solution = f"{listing}. {'+'.join(str(n) for n in counts.values())}={k}. \\boxed{{{k}}}"
-    else:
-        question = f"How many {asked} shapes are there?"
-        answer = counts[asked]
-        solution = f"{listing}. \\boxed{{{answer}}}"
+    total, words, steps, ops = k, [], [], []
+    for _ in range(rng.randint(1, max_ops)):
+        if total > 1 and rng.random() < 0.4:
+            x = rng.randint(1, total - 1)
+            words.append(f"take away {x}")
+            steps.append(f"{total}-{x}={total - x}.")
+            ops.append(-x)
+            total -= x
+        else:
+            x = rng.randint(1, max_value)
+            words.append(f"add {x}")
+            steps.append(f"{total}+{x}={total + x}.")
+            ops.append(x)
+            total += x
+    said = words[0] if len(words) == 1 else ", ".join(words[:-1]) + ", then " + words[-1]
     return {
-        "question": question,
+        "question": f"Count the shapes, {said}.",
         "layout": layout,
-        "solution": solution,
-        "answer": str(answer),
-        "signature": (asked, tuple(layout)),
+        "solution": " ".join(steps) + f" \\boxed{{{total}}}",
+        "answer": str(total),
+        "signature": (tuple(layout), tuple(ops)),
     }
 
 
@@ -92,7 +105,7 @@ def to_verl_row(problem: dict, png: bytes, index: int, split: str) -> dict:
         "data_source": "shapes",
         "prompt": [{"role": "user", "content": "<image>" + problem["question"]}],
         "images": [{"bytes": png, "path": None}],
-        "ability": "visual_counting",
+        "ability": "visual_math",
         "reward_model": {"style": "rule", "ground_truth": problem["answer"]},
         "extra_info": {"index": index, "split": split, "solution": problem["solution"]},
     }
@@ -104,6 +117,8 @@ def generate_splits(
     image_size: int = 56,
     min_shapes: int = 1,
     max_shapes: int = 5,
+    max_value: int = 20,
+    max_ops: int = 2,
     seed: int = 1234,
 ) -> dict[str, list[dict]]:
     """Rows of both splits; validation signatures never occur in training."""
@@ -121,7 +136,7 @@ def generate_splits(
             attempts += 1
             if attempts > 50 * size + 1000:
                 raise ValueError(f"cannot draw {size} distinct {split} pictures; raise image_size or max_shapes")
-            p = make_problem(rng, image_size, min_shapes, max_shapes)
+            p = make_problem(rng, image_size, min_shapes, max_shapes, max_value, max_ops)
             if p["signature"] in seen:
                 continue
             seen.add(p["signature"])
@@ -154,6 +169,6 @@ def tokenizer_corpus(n: int = 2000, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     texts = []
     for _ in range(n):
-        p = make_problem(rng, 56, 1, 5)
+        p = make_problem(rng, 56, 1, 9, 30, 3)
         texts += [p["question"], p["solution"]]
     return texts
