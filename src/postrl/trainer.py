@@ -108,24 +108,10 @@ def _select_rows(batch: Batch, rows: list[int]) -> Batch:
 
 
 def _select_groups(batch: Batch, keep_groups: list[int]) -> Batch:
+    """Whole groups of `batch`, in the order given."""
     G = batch.group_size
-    rows = [g * G + j for g in keep_groups for j in range(G)]
-
-    def pick(xs):
-        return [xs[i] for i in rows]
-
-    return Batch(
-        examples=[batch.examples[g] for g in keep_groups],
-        group_size=G,
-        prompt_ids=pick(batch.prompt_ids),
-        response_ids=pick(batch.response_ids),
-        finished=pick(batch.finished),
-        scores=pick(batch.scores),
-        rewards=pick(batch.rewards),
-        verifier_metrics={k: pick(v) for k, v in batch.verifier_metrics.items()},
-        engine_logprobs=pick(batch.engine_logprobs) if batch.engine_logprobs is not None else None,
-        multi_modal=pick(batch.multi_modal) if batch.multi_modal is not None else None,
-    )
+    rows = _select_rows(batch, [g * G + j for g in keep_groups for j in range(G)])
+    return replace(rows, examples=[batch.examples[g] for g in keep_groups])
 
 
 # ---------------------------------------------------------------------------------------- trainer
