@@ -73,6 +73,9 @@ class ShapesTaskConfig(Section):
     max_shapes: int = Field(5, ge=1, description="Most shapes in a picture (at most one per 14-pixel cell).")
     max_value: int = Field(20, ge=1, description="Numbers added are drawn from 1..max_value.")
     max_ops: int = Field(2, ge=1, description="Most add / take-away steps after counting.")
+    terse_ratio: float = Field(
+        0.0, ge=0, le=1, description="Fraction of training rows whose reference solution is the bare boxed answer."
+    )
     seed: int = Field(1234, description="Seed of the picture generator.")
 
     @model_validator(mode="after")

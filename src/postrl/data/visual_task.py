@@ -18,6 +18,11 @@ training with the tower frozen gained nothing). A chain of thought that only lis
 DAPO let the unrewarded listing drift into noise. Counting all shapes is learned early; the
 arithmetic leaves RL room to gain, as on the text task.
 
+Two answer styles, as in the text task (postrl.data.synthetic): the worked solution above and a bare
+answer ("\\boxed{13}"); a fraction `terse_ratio` (default 0) of the training rows carries the bare
+answer as its reference solution, so the SFT model sometimes skips the arithmetic and RL has a
+choice of style to make. Prompts and answers do not depend on `terse_ratio`.
+
 Problems are deterministic from a seed. Train and validation are disjoint: no validation problem's
 (layout, operations) signature appears in training. Rows are written as parquet in the verl schema
 with the picture as PNG bytes under `images` and an `<image>` placeholder in the prompt (as geo3k
@@ -34,7 +39,7 @@ from pathlib import Path
 
 from postrl.utils import cache_dir
 
-TASK_VERSION = 3  # bump when pictures, questions or solutions change (invalidates the cache)
+TASK_VERSION = 4  # bump when pictures, questions or solutions change (invalidates the cache)
 PATCH = 14  # pixels per cell: one vision patch of Qwen2/2.5-VL
 COLORS = {"red": (220, 30, 30), "green": (30, 160, 40), "blue": (30, 60, 220)}
 KINDS = ("circle", "square", "triangle")
@@ -95,19 +100,20 @@ def make_problem(
         "question": f"Count the shapes, {said}.",
         "layout": layout,
         "solution": " ".join(steps) + f" \\boxed{{{total}}}",
+        "terse_solution": f"\\boxed{{{total}}}",
         "answer": str(total),
         "signature": (tuple(layout), tuple(ops)),
     }
 
 
-def to_verl_row(problem: dict, png: bytes, index: int, split: str) -> dict:
+def to_verl_row(problem: dict, png: bytes, index: int, split: str, terse: bool = False) -> dict:
     return {
         "data_source": "shapes",
         "prompt": [{"role": "user", "content": "<image>" + problem["question"]}],
         "images": [{"bytes": png, "path": None}],
         "ability": "visual_math",
         "reward_model": {"style": "rule", "ground_truth": problem["answer"]},
-        "extra_info": {"index": index, "split": split, "solution": problem["solution"]},
+        "extra_info": {"index": index, "split": split, "solution": problem["terse_solution" if terse else "solution"]},
     }
 
 
@@ -119,6 +125,7 @@ def generate_splits(
     max_shapes: int = 5,
     max_value: int = 20,
     max_ops: int = 2,
+    terse_ratio: float = 0.0,
     seed: int = 1234,
 ) -> dict[str, list[dict]]:
     """Rows of both splits; validation signatures never occur in training."""
@@ -141,7 +148,9 @@ def generate_splits(
                 continue
             seen.add(p["signature"])
             png = render(p["layout"], image_size, rng)
-            splits[split].append(to_verl_row(p, png, len(splits[split]), split))
+            # one draw per training row whatever the ratio, so prompts do not depend on it (validation: none)
+            terse = split == "train" and rng.random() < terse_ratio
+            splits[split].append(to_verl_row(p, png, len(splits[split]), split, terse))
     return splits
 
 
