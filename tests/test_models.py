@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -51,6 +52,29 @@ def test_builtin_task_splits_are_disjoint_and_deterministic():
     assert not {sig(r) for r in a["val"]} & {sig(r) for r in a["train"]}
     row = a["train"][0]
     assert row["reward_model"]["ground_truth"] == row["extra_info"]["solution"].split("\\boxed{")[1].rstrip("}")
+
+
+def test_mixed_teacher_styles_change_only_training_solutions():
+    """terse_ratio / hasty_ratio rewrite reference solutions of training rows, never prompts or answers."""
+    plain = generate_splits(2000, 50, max_value=9, min_operands=3, max_operands=4, seed=3)
+    mixed = generate_splits(2000, 50, max_value=9, min_operands=3, max_operands=4, terse_ratio=0.6, hasty_ratio=0.5, seed=3)
+    assert mixed["val"] == plain["val"]
+    styles = {"worked": 0, "terse": 0, "hasty": 0}
+    for row in mixed["train"]:
+        solution, answer = row["extra_info"]["solution"], row["reward_model"]["ground_truth"]
+        boxed = solution.split("\\boxed{")[1].rstrip("}")
+        if not solution.startswith("\\boxed"):
+            styles["worked"] += 1
+            assert boxed == answer
+        elif boxed == answer:
+            styles["terse"] += 1
+        else:  # the hasty answer is the running total before the last step
+            styles["hasty"] += 1
+            numbers = [int(x) for x in re.findall(r"\d+", row["prompt"][0]["content"])]
+            assert int(boxed) != int(answer) and abs(int(answer) - int(boxed)) == numbers[-1]
+    n = len(mixed["train"])
+    assert abs(styles["worked"] / n - 0.4) < 0.04
+    assert abs(styles["hasty"] / n - 0.3) < 0.04 and abs(styles["terse"] / n - 0.3) < 0.04
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

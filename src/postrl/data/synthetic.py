@@ -7,8 +7,11 @@ Prompts and solutions are kept short on purpose: on a 2-core CPU the cost of an 
 number of tokens it processes.
 
 Two answer styles, as in distilled SFT data from a mixed teacher: a worked solution (above) and a
-bare answer ("\\boxed{32}"); a fraction `terse_ratio` (default 0) of the training rows carries the
-bare answer as its reference solution, so RL has a choice of style to make.
+bare answer ("\\boxed{32}"). A fraction `terse_ratio` of the training rows carries the bare answer as
+its reference solution, and a fraction `hasty_ratio` of those bare answers is wrong the way a hasty
+solver is wrong: it stops before the last step ("\\boxed{37}"). Worked solutions are always right.
+The SFT model inherits the mix, and RL with the verifiable reward has something real to learn: that
+working the problem out pays. Rewards and validation always use the true answer.
 
 Problems are deterministic from a seed. Train and validation are disjoint: no validation problem's
 numbers-and-operations signature appears in training. Rows are written as parquet in the verl schema,
@@ -56,12 +59,18 @@ def make_problem(rng: random.Random, max_value: int, n_operands: int, subtractio
         "question": " ".join(sentences),
         "solution": " ".join(steps) + f" \\boxed{{{total}}}",
         "terse_solution": f"\\boxed{{{total}}}",
+        "hasty_solution": f"\\boxed{{{signature[0] if n_operands == 2 else _before_last(steps)}}}",
         "answer": str(total),
         "signature": tuple(signature),
     }
 
 
-def to_verl_row(problem: dict, index: int, split: str, terse: bool = False) -> dict:
+def _before_last(steps: list[str]) -> int:
+    """The running total before the last step ("23+14=37." -> 37)."""
+    return int(steps[-2].rstrip(".").split("=")[1])
+
+
+def to_verl_row(problem: dict, index: int, split: str, style: str = "solution") -> dict:
     return {
         "data_source": "arithmetic",
         "prompt": [{"role": "user", "content": problem["question"]}],
@@ -70,7 +79,7 @@ def to_verl_row(problem: dict, index: int, split: str, terse: bool = False) -> d
         "extra_info": {
             "index": index,
             "split": split,
-            "solution": problem["terse_solution"] if terse else problem["solution"],
+            "solution": problem[style],
         },
     }
 
@@ -83,6 +92,7 @@ def generate_splits(
     max_operands: int = 3,
     subtraction: bool = True,
     terse_ratio: float = 0.0,
+    hasty_ratio: float = 0.0,
     seed: int = 1234,
 ) -> dict[str, list[dict]]:
     """Rows of both splits; validation signatures never occur in training."""
@@ -102,8 +112,10 @@ def generate_splits(
             if p["signature"] in seen:
                 continue
             seen.add(p["signature"])
-            terse = split == "train" and rng.random() < terse_ratio
-            splits[split].append(to_verl_row(p, len(splits[split]), split, terse))
+            style = "solution"
+            if split == "train" and rng.random() < terse_ratio:
+                style = "hasty_solution" if rng.random() < hasty_ratio else "terse_solution"
+            splits[split].append(to_verl_row(p, len(splits[split]), split, style))
     return splits
 
 
