@@ -24,15 +24,21 @@ $(STAMP): pyproject.toml
 	$(PY) -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 	touch $(STAMP)
 
-SFT_DIR := runs/tiny_sft
+SFT_MODEL := runs/tiny_sft/model/config.json
 
 # The whole pipeline on the built-in default: tiny Qwen2 + arithmetic word problems.
-# 1. SFT warm start (skipped when its checkpoint exists), 2. DAPO, with held-out accuracy
-#    printed before and after RL.
-run: $(STAMP)
-	@if [ -f $(SFT_DIR)/model/config.json ]; then echo "SFT checkpoint $(SFT_DIR)/model exists; skipping SFT"; \
-	 else $(POSTRL) sft configs/tiny_sft.yaml; fi
+# 1. SFT warm start (rerun only when configs/tiny_sft.yaml is newer than its checkpoint),
+# 2. DAPO, with held-out greedy accuracy printed before and after RL (a finished run is resumed and
+#    stops at once; `rm -rf runs/tiny_dapo` to run it again).
+run: $(STAMP) $(SFT_MODEL)
 	$(POSTRL) train configs/tiny_dapo.yaml
+
+sft: $(SFT_MODEL)
+
+# A new SFT model makes the RL runs that started from the old one stale (they would resume).
+$(SFT_MODEL): configs/tiny_sft.yaml | $(STAMP)
+	rm -rf runs/tiny_dapo runs/tiny_grpo
+	$(POSTRL) sft configs/tiny_sft.yaml
 
 test: $(STAMP)
 	$(PY) -m pytest -q

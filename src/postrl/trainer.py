@@ -173,6 +173,12 @@ class Trainer:
         resumed = checkpoint.maybe_resume(self)
         if resumed:
             self.log(f"resumed from {resumed} at step {self.step}")
+            if self.step >= cfg.train.total_steps:
+                self.log(
+                    f"[yellow]nothing to train: the checkpoint is at step {self.step} and train.total_steps is "
+                    f"{cfg.train.total_steps}. To start over, use a new logging.dir or checkpoint.resume=none; "
+                    "to train on, raise train.total_steps.[/yellow]"
+                )
             self.engine.sync_weights(self.model)
 
     def log(self, msg: str) -> None:
