@@ -82,6 +82,12 @@ class ShapesTaskConfig(Section):
     terse_ratio: float = Field(
         0.0, ge=0, le=1, description="Fraction of training rows whose reference solution is the bare boxed answer."
     )
+    hasty_ratio: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Fraction of those bare answers that are wrong: the total before the last step (a hasty solver).",
+    )
     seed: int = Field(1234, description="Seed of the picture generator.")
 
     @model_validator(mode="after")

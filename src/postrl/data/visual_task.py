@@ -19,9 +19,12 @@ DAPO let the unrewarded listing drift into noise. Counting all shapes is learned
 arithmetic leaves RL room to gain, as on the text task.
 
 Two answer styles, as in the text task (postrl.data.synthetic): the worked solution above and a bare
-answer ("\\boxed{13}"); a fraction `terse_ratio` (default 0) of the training rows carries the bare
-answer as its reference solution, so the SFT model sometimes skips the arithmetic and RL has a
-choice of style to make. Prompts and answers do not depend on `terse_ratio`.
+answer ("\\boxed{13}"). A fraction `terse_ratio` (default 0) of the training rows carries the bare
+answer as its reference solution, and a fraction `hasty_ratio` (default 0) of those bare answers is
+wrong the way a hasty solver is: it stops before the last step ("\\boxed{16}"; with one step, the
+bare count). Worked solutions are always right. The SFT model inherits the mix, and RL with the
+verifiable reward has something real to learn: that working the steps out pays. Prompts, rewards
+and validation rows do not depend on either ratio.
 
 Problems are deterministic from a seed. Train and validation are disjoint: no validation problem's
 (layout, operations) signature appears in training. Rows are written as parquet in the verl schema
@@ -39,7 +42,7 @@ from pathlib import Path
 
 from postrl.utils import cache_dir
 
-TASK_VERSION = 4  # bump when pictures, questions or solutions change (invalidates the cache)
+TASK_VERSION = 5  # bump when pictures, questions or solutions change (invalidates the cache)
 PATCH = 14  # pixels per cell: one vision patch of Qwen2/2.5-VL
 COLORS = {"red": (220, 30, 30), "green": (30, 160, 40), "blue": (30, 60, 220)}
 KINDS = ("circle", "square", "triangle")
@@ -101,19 +104,20 @@ def make_problem(
         "layout": layout,
         "solution": " ".join(steps) + f" \\boxed{{{total}}}",
         "terse_solution": f"\\boxed{{{total}}}",
+        "hasty_solution": f"\\boxed{{{total - ops[-1]}}}",  # the total before the last step
         "answer": str(total),
         "signature": (tuple(layout), tuple(ops)),
     }
 
 
-def to_verl_row(problem: dict, png: bytes, index: int, split: str, terse: bool = False) -> dict:
+def to_verl_row(problem: dict, png: bytes, index: int, split: str, style: str = "solution") -> dict:
     return {
         "data_source": "shapes",
         "prompt": [{"role": "user", "content": "<image>" + problem["question"]}],
         "images": [{"bytes": png, "path": None}],
         "ability": "visual_math",
         "reward_model": {"style": "rule", "ground_truth": problem["answer"]},
-        "extra_info": {"index": index, "split": split, "solution": problem["terse_solution" if terse else "solution"]},
+        "extra_info": {"index": index, "split": split, "solution": problem[style]},
     }
 
 
@@ -126,6 +130,7 @@ def generate_splits(
     max_value: int = 20,
     max_ops: int = 2,
     terse_ratio: float = 0.0,
+    hasty_ratio: float = 0.0,
     seed: int = 1234,
 ) -> dict[str, list[dict]]:
     """Rows of both splits; validation signatures never occur in training."""
@@ -148,9 +153,11 @@ def generate_splits(
                 continue
             seen.add(p["signature"])
             png = render(p["layout"], image_size, rng)
-            # one draw per training row whatever the ratio, so prompts do not depend on it (validation: none)
-            terse = split == "train" and rng.random() < terse_ratio
-            splits[split].append(to_verl_row(p, png, len(splits[split]), split, terse))
+            style = "solution"
+            if split == "train":  # two draws per training row whatever the ratios, so prompts do not depend on them
+                terse, hasty = rng.random() < terse_ratio, rng.random() < hasty_ratio
+                style = ("hasty_solution" if hasty else "terse_solution") if terse else "solution"
+            splits[split].append(to_verl_row(p, png, len(splits[split]), split, style))
     return splits
 
 
