@@ -42,6 +42,7 @@ def make_problem(rng: random.Random, max_value: int, n_operands: int, subtractio
     sentences = [f"{name} has {total} {item}."]
     steps, signature = [], [total]
     for _ in range(n_operands - 1):
+        before_last = total
         x = rng.randint(1, max_value)
         if subtraction and total >= 1 and rng.random() < 0.4:
             x = rng.randint(1, total)
@@ -59,15 +60,10 @@ def make_problem(rng: random.Random, max_value: int, n_operands: int, subtractio
         "question": " ".join(sentences),
         "solution": " ".join(steps) + f" \\boxed{{{total}}}",
         "terse_solution": f"\\boxed{{{total}}}",
-        "hasty_solution": f"\\boxed{{{signature[0] if n_operands == 2 else _before_last(steps)}}}",
+        "hasty_solution": f"\\boxed{{{before_last}}}",  # a hasty solver stops before the last step
         "answer": str(total),
         "signature": tuple(signature),
     }
-
-
-def _before_last(steps: list[str]) -> int:
-    """The running total before the last step ("23+14=37." -> 37)."""
-    return int(steps[-2].rstrip(".").split("=")[1])
 
 
 def to_verl_row(problem: dict, index: int, split: str, style: str = "solution") -> dict:
