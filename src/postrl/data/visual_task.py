@@ -16,7 +16,7 @@ does not get them there, and RL with the vision tower frozen cannot either (even
 training with the tower frozen gained nothing). A chain of thought that only listed the counts
 ("red 2, green 0, blue 1. \\boxed{2}") was worse: the answer did not follow from the listing, so
 DAPO let the unrewarded listing drift into noise. Counting all shapes is learned early; the
-arithmetic leaves RL room to gain, as on the text task.
+arithmetic is what the tiny model gets wrong, and RL does not teach it arithmetic in minutes.
 
 Two answer styles, as in the text task (postrl.data.synthetic): the worked solution above and a bare
 answer ("\\boxed{13}"). A fraction `terse_ratio` (default 0) of the training rows carries the bare
