@@ -1,6 +1,8 @@
 """Rollout throughput: transformers `generate` (HFEngine) vs vLLM (VLLMEngine), same workload, one process.
 
     python benchmarks/rollout_engines.py                 # 32 prompts x n=8 x 64 tokens, tiny Qwen2
+    python benchmarks/rollout_engines.py --tiny hidden_size=256,intermediate_size=768   # 3.3M params
+    OMP_NUM_THREADS=2 python benchmarks/rollout_engines.py ...   # both engines on two threads
     python benchmarks/rollout_engines.py --tiny hidden_size=512,num_layers=8,intermediate_size=1536
 
 The workload is one GRPO rollout batch: `--prompts` chat prompts (built-in arithmetic problems),
@@ -67,10 +69,12 @@ def main() -> None:
     vllm_engine = VLLMEngine(model, tokenizer, RolloutConfig(kv_cache_space_gb=args.kv_cache_gb, max_num_seqs=256))
     startup = time.perf_counter() - start
     hf_engine = HFEngine(model, tokenizer)
-    runs = {f"hf ({threads} threads)": (hf_engine, threads)}
+    runs = {f"hf ({threads} thread{'s' if threads > 1 else ''})": (hf_engine, threads)}
     if threads > 1:
         runs["hf (1 thread)"] = (hf_engine, 1)
-    runs["vllm"] = (vllm_engine, threads)  # VLLMEngine drops to one thread itself while generating
+    # VLLMEngine generates on one thread unless OMP_NUM_THREADS is set (then on that many).
+    vllm_name = f"vllm ({vllm_engine.rollout_threads} thread{'s' if vllm_engine.rollout_threads > 1 else ''})"
+    runs[vllm_name] = (vllm_engine, threads)
 
     def once(engine, n_threads: int) -> tuple[float, int]:
         torch.set_num_threads(n_threads)
@@ -96,8 +100,8 @@ def main() -> None:
     print("|---|---:|---:|---:|")
     for name, r in rates.items():
         print(f"| {name} | {max(r):,.0f} | {statistics.median(r):,.0f} | {tokens[name]:,} |")
-    vl = rates["vllm"]
-    best_hf = max((r for name, r in rates.items() if name != "vllm"), key=statistics.median)
+    vl = rates[vllm_name]
+    best_hf = max((r for name, r in rates.items() if name != vllm_name), key=statistics.median)
     print(f"| vLLM / best HF | {max(vl) / max(best_hf):.1f}x | {statistics.median(vl) / statistics.median(best_hf):.1f}x | |")
     print(f"\nvLLM engine start-up (build + first weight sync): {startup:.1f} s")
 
