@@ -48,15 +48,9 @@ class ModelConfig(Section):
 
 
 # ---------------------------------------------------------------------------------------------- data
-class BuiltinTaskConfig(Section):
-    """Knobs of the built-in synthetic arithmetic word problems (`builtin:arithmetic:<split>`)."""
+class MixedTeacherKnobs(Section):
+    """SFT reference solutions from a mixed teacher (both built-in tasks); prompts and answers never change."""
 
-    train_size: int = Field(20000, ge=1, description="Number of training problems.")
-    val_size: int = Field(500, ge=1, description="Number of held-out problems (disjoint from training).")
-    max_value: int = Field(20, ge=2, description="Operands are drawn from 1..max_value.")
-    min_operands: int = Field(2, ge=2, description="Fewest numbers in a problem.")
-    max_operands: int = Field(3, ge=2, description="Most numbers in a problem.")
-    subtraction: bool = Field(True, description="Allow 'gives away' steps (subtraction, never below zero).")
     terse_ratio: float = Field(
         0.0, ge=0, le=1, description="Fraction of training rows whose reference solution is the bare boxed answer."
     )
@@ -66,10 +60,21 @@ class BuiltinTaskConfig(Section):
         le=1,
         description="Fraction of those bare answers that are wrong: the total before the last step (a hasty solver).",
     )
+
+
+class BuiltinTaskConfig(MixedTeacherKnobs):
+    """Knobs of the built-in synthetic arithmetic word problems (`builtin:arithmetic:<split>`)."""
+
+    train_size: int = Field(20000, ge=1, description="Number of training problems.")
+    val_size: int = Field(500, ge=1, description="Number of held-out problems (disjoint from training).")
+    max_value: int = Field(20, ge=2, description="Operands are drawn from 1..max_value.")
+    min_operands: int = Field(2, ge=2, description="Fewest numbers in a problem.")
+    max_operands: int = Field(3, ge=2, description="Most numbers in a problem.")
+    subtraction: bool = Field(True, description="Allow 'gives away' steps (subtraction, never below zero).")
     seed: int = Field(1234, description="Seed of the problem generator.")
 
 
-class ShapesTaskConfig(Section):
+class ShapesTaskConfig(MixedTeacherKnobs):
     """Knobs of the built-in visual task: count the shapes in a picture, then add / take away (`builtin:shapes:<split>`)."""
 
     train_size: int = Field(4000, ge=1, description="Number of training pictures.")
@@ -79,15 +84,6 @@ class ShapesTaskConfig(Section):
     max_shapes: int = Field(5, ge=1, description="Most shapes in a picture (at most one per 14-pixel cell).")
     max_value: int = Field(20, ge=1, description="Numbers added are drawn from 1..max_value.")
     max_ops: int = Field(2, ge=1, description="Most add / take-away steps after counting.")
-    terse_ratio: float = Field(
-        0.0, ge=0, le=1, description="Fraction of training rows whose reference solution is the bare boxed answer."
-    )
-    hasty_ratio: float = Field(
-        0.0,
-        ge=0,
-        le=1,
-        description="Fraction of those bare answers that are wrong: the total before the last step (a hasty solver).",
-    )
     seed: int = Field(1234, description="Seed of the picture generator.")
 
     @model_validator(mode="after")
