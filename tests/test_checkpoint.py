@@ -117,7 +117,7 @@ def test_interrupted_and_resumed_run_equals_an_uninterrupted_one(tmp_path):
     assert a.keys() == b.keys()
     differ = [k for k in a if not torch.equal(a[k], b[k])]
     assert not differ, f"parameters differ after resume: {differ[:5]}"
-    sa, sb = full.optimizer.state_dict(), resumed.optimizer.state_dict()
+    sa, sb = full.actor.optimizer.state_dict(), resumed.actor.optimizer.state_dict()
     for i in sa["state"]:
         for key in sa["state"][i]:
             assert torch.equal(sa["state"][i][key], sb["state"][i][key]), (i, key)
@@ -193,7 +193,7 @@ def test_a_crash_between_rename_and_tracker_keeps_the_previous_checkpoint(traine
 
     monkeypatch.setattr(checkpoint, "_write_atomic", crash)
     with pytest.raises(KeyboardInterrupt):
-        checkpoint.save(tr)
+        checkpoint.save(tr.cfg, tr.state_dict())
     monkeypatch.undo()
     assert (root / "iter_0000003" / checkpoint.STATE_FILE).is_file()
     assert checkpoint.find_resume_dir(cfg) == root / "iter_0000002"
@@ -245,8 +245,8 @@ def test_resume_picks_the_tracker_iteration_and_restores_every_piece(trained, tm
     for name, p in tr.model.named_parameters():
         assert torch.equal(p.detach(), weights[name]) or name == "lm_head.weight", name
     saved_opt = torch.load(ck / "optimizer" / "rank0.pt", weights_only=False)
-    assert all(torch.equal(v, saved_opt["state"][0][k]) for k, v in tr.optimizer.state_dict()["state"][0].items())
-    assert tr.scheduler.last_epoch == 1
+    assert all(torch.equal(v, saved_opt["state"][0][k]) for k, v in tr.actor.optimizer.state_dict()["state"][0].items())
+    assert tr.actor.scheduler.last_epoch == 1
     assert tr.sampler.state_dict()["position"] == 4
     assert torch.equal(torch.get_rng_state(), torch.load(ck / "rng_rank0.pt", weights_only=False)["torch"])
     _close(tr)
@@ -264,14 +264,14 @@ def test_finetune_and_load_switches(trained, tmp_path):
     base = (PARITY, f"checkpoint.dir={root}")
 
     ft = Trainer(_cfg(tmp_path, *base, "checkpoint.finetune=true"), _quiet())
-    assert ft.step == 0 and ft.optimizer.state_dict()["state"] == {} and ft.sampler.state_dict()["position"] == 0
+    assert ft.step == 0 and ft.actor.optimizer.state_dict()["state"] == {} and ft.sampler.state_dict()["position"] == 0
     assert torch.equal(ft.model.model.norm.weight, _safetensors(ck / "model")["model.norm.weight"])
     _close(ft)
 
     no_opt = Trainer(_cfg(tmp_path, *base, "checkpoint.load_optimizer=false", "train.lr_schedule=cosine", "train.total_steps=4"), _quiet())
-    assert no_opt.step == 2 and no_opt.optimizer.state_dict()["state"] == {}
-    assert no_opt.scheduler.last_epoch == 2  # the LR schedule continues at the resumed step
-    assert no_opt.optimizer.param_groups[0]["lr"] == pytest.approx(no_opt.cfg.train.lr * 0.5)  # cosine half-way
+    assert no_opt.step == 2 and no_opt.actor.optimizer.state_dict()["state"] == {}
+    assert no_opt.actor.scheduler.last_epoch == 2  # the LR schedule continues at the resumed step
+    assert no_opt.actor.optimizer.param_groups[0]["lr"] == pytest.approx(no_opt.cfg.train.lr * 0.5)  # cosine half-way
     _close(no_opt)
 
     # This loop never draws from the global RNGs (generation is seeded per call, no dropout), so give
@@ -298,8 +298,8 @@ def test_changed_settings_on_resume_warn_and_name_the_override(trained, tmp_path
     text = _output(out)
     assert "train.global_batch_size 4 -> 2" in text and "train.global_batch_size=4" in text, text
     assert "train.lr 0.002 -> 0.001" in text
-    assert out.optimizer.param_groups[0]["lr"] == 1e-3  # the config's LR applies; the moments are kept
-    assert out.optimizer.state_dict()["state"] != {}
+    assert out.actor.optimizer.param_groups[0]["lr"] == 1e-3  # the config's LR applies; the moments are kept
+    assert out.actor.optimizer.state_dict()["state"] != {}
     _close(out)
 
 
@@ -339,12 +339,12 @@ def test_rotation_keeps_the_last_n_and_never_a_half_deleted_checkpoint(trained, 
         tr.cfg = cfg
         for step in (1, 2, 3):
             tr.step = step
-            checkpoint.save(tr)
+            checkpoint.save(tr.cfg, tr.state_dict())
         assert sorted(p.name for p in root.iterdir()) == ["iter_0000002", "iter_0000003", checkpoint.TRACKER]
         # going back: iteration 2 is re-saved in place; 3 (ahead of the run) is kept until overwritten
         (root / ".tmp_iter_0000009").mkdir()  # debris of a crashed save
         tr.step = 2
-        checkpoint.save(tr)
+        checkpoint.save(tr.cfg, tr.state_dict())
         assert sorted(p.name for p in root.iterdir()) == ["iter_0000002", "iter_0000003", checkpoint.TRACKER]
         assert (root / checkpoint.TRACKER).read_text().strip() == "2"
     finally:

@@ -20,7 +20,7 @@ import pytest
 import torch
 from conftest import tiny_overrides
 
-from postrl import distributed
+from postrl import distributed, launch, partition
 from postrl.config import load_config
 from postrl.errors import UserError
 from postrl.metrics import read_jsonl
@@ -57,30 +57,30 @@ def _run(cmd: list[str], timeout: float, **kwargs) -> subprocess.CompletedProces
 
 def test_balanced_partition_equal_sizes_and_balanced_loads():
     lengths = [50, 3, 40, 8, 22, 17, 9, 31, 12, 5, 44, 2]
-    parts = distributed.balanced_partition(lengths, 3, equal_size=True)
+    parts = partition.balanced_partition(lengths, 3, equal_size=True)
     assert sorted(i for p in parts for i in p) == list(range(12))
     assert [len(p) for p in parts] == [4, 4, 4]
     loads = [sum(lengths[i] for i in p) for p in parts]
     assert max(loads) - min(loads) <= max(lengths) // 2, loads
-    assert parts == distributed.balanced_partition(lengths, 3, equal_size=True)  # deterministic: same on every rank
+    assert parts == partition.balanced_partition(lengths, 3, equal_size=True)  # deterministic: same on every rank
 
 
 def test_token_budget_micro_batches_fit_the_budget_and_cover_every_sequence_once():
     lengths = [30, 7, 12, 25, 9, 18, 3, 28, 14, 6]
-    groups = distributed.token_budget_micro_batches(lengths, max_token_len=40)
+    groups = partition.token_budget_micro_batches(lengths, max_token_len=40)
     assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
     assert all(sum(lengths[i] for i in g) <= 40 for g in groups)
     assert len(groups) == 4  # ceil(152 / 40): as few micro-batches as the budget allows
     # a sequence longer than the budget gets a micro-batch of its own
-    groups = distributed.token_budget_micro_batches([5, 90, 5], max_token_len=20)
+    groups = partition.token_budget_micro_batches([5, 90, 5], max_token_len=20)
     assert [1] in groups and sorted(i for g in groups for i in g) == [0, 1, 2]
 
 
 def test_rank_helpers_are_identities_in_one_process():
     assert (distributed.rank(), distributed.world_size(), distributed.is_main()) == (0, 1, True)
-    assert distributed.shard_range(10) == (0, 10)
-    assert distributed.shard_seed(1234, 0) == 1234
-    assert distributed.rank_rows([3, 1, 2, 5], mini_batch=2, balance=True) == [0, 1, 2, 3]
+    assert partition.shard_range(10) == (0, 10)
+    assert partition.shard_seed(1234, 0) == 1234
+    assert partition.rank_rows([3, 1, 2, 5], mini_batch=2, balance=True) == [0, 1, 2, 3]
     assert distributed.all_reduce_sum([1.5, 2.0]) == [1.5, 2.0]
     assert distributed.all_reduce_sum_dict({"b": 1.0, "a": 2.0}) == {"a": 2.0, "b": 1.0}
     assert distributed.all_gather_object({"x": 1}) == [{"x": 1}]
@@ -91,9 +91,9 @@ def test_rank_helpers_are_identities_in_one_process():
 def test_batch_sizes_that_do_not_split_over_the_ranks_are_refused(tmp_path):
     cfg = load_config(None, tiny_overrides(tmp_path, "train.global_batch_size=3", "rollout.n_samples_per_prompt=3"))
     with pytest.raises(UserError) as info:
-        distributed.check_world(cfg, 2)
+        launch.check_world(cfg, 2)
     assert "do not split evenly over 2 processes" in info.value.problems[0]
-    distributed.check_world(cfg, 3)
+    launch.check_world(cfg, 3)
 
 
 # ---------------------------------------------------------------------- dynamic batching (in-process)
@@ -113,26 +113,26 @@ def test_dynamic_batching_gives_the_same_gradient_as_fixed_micro_batches(tmp_pat
         ),
     )  # fmt: skip
     tr = Trainer(cfg)
-    batch, _ = tr.collect_batch()
+    batch, _ = tr.experience.collect(tr.step, tr.timer)
     adv_B = torch.linspace(-1, 1, batch.size)
-    local = tr._rank_shard(batch, adv_B)
+    local = tr.actor.pack(batch, adv_B)
     model0 = copy.deepcopy(tr.model.state_dict())
-    optim0 = copy.deepcopy(tr.optimizer.state_dict())
+    optim0 = copy.deepcopy(tr.actor.optimizer.state_dict())
 
     def run(dynamic: bool):
         tr.model.load_state_dict(model0)
-        tr.optimizer.load_state_dict(copy.deepcopy(optim0))
+        tr.actor.optimizer.load_state_dict(copy.deepcopy(optim0))
         tr.cfg.train.use_dynamic_bsz = dynamic
-        chunks = [idx for idx, _ in tr._micro_batches(range(local.size), local)]
-        old = tr.compute_logprobs(tr.model, local)
-        stats = tr.update_policy(local)
+        chunks = [idx for idx, _ in tr.actor.micro_batches(range(local.size), local)]
+        old = tr.actor.compute_logprobs(tr.model, local)
+        stats = tr.actor.update(local)
         grads = {n: p.grad.detach().clone() for n, p in tr.model.named_parameters() if p.grad is not None}
         return chunks, old, stats, grads
 
     fixed_chunks, fixed_old, fixed_stats, fixed = run(False)
     dyn_chunks, dyn_old, dyn_stats, dyn = run(True)
     assert fixed_chunks != dyn_chunks and len(dyn_chunks) > 1  # a genuinely different split
-    lengths = [len(p) + len(r) for p, r in zip(local.prompt_ids, local.response_ids)]
+    lengths = local.lengths
     assert all(sum(lengths[i] for i in c) <= 128 for c in dyn_chunks if len(c) > 1)
     mask = local.tensors["response_mask"].bool()
     assert float((fixed_old - dyn_old)[mask].abs().max()) <= 1e-5
@@ -183,13 +183,19 @@ class ScriptedRollout:
     def sync_weights(self, model):
         pass
 
+    def sleep(self):
+        pass
+
+    def close(self):
+        pass
+
 
 EQUIV_MODES = ("token-mean", "seq-mean-token-mean")
 
 
-def _equiv_overrides(tmp_path: Path, mode: str) -> list[str]:
+def _equiv_overrides(tmp_path: Path, mode: str, strategy: str = "fsdp2") -> list[str]:
     return tiny_overrides(
-        tmp_path, "algorithm.name=dapo", "algorithm.overlong_buffer.enable=false", f"algorithm.loss_agg_mode={mode}",
+        tmp_path, f"train.strategy={strategy}", "algorithm.name=dapo", "algorithm.overlong_buffer.enable=false", f"algorithm.loss_agg_mode={mode}",
         "reward.verifiers=[dist_length_parity]", "train.global_batch_size=8", "train.gen_batch_size=8",
         "train.micro_batch_size=3", "train.lr=1e-4", "train.total_steps=1", "algorithm.filter_groups.max_num_gen_batches=0",
     )  # fmt: skip
@@ -200,9 +206,9 @@ def one_step(cfg) -> dict:
     from postrl.trainer import Trainer
 
     tr = Trainer(cfg)
-    tr.engine = ScriptedRollout(tr.tokenizer)
-    batch, gen_stats = tr.collect_batch()
-    tr.collect_batch = lambda: (batch, gen_stats)  # the step below trains on exactly this batch
+    tr.engine = tr.experience.engine = ScriptedRollout(tr.tokenizer)
+    batch, gen_stats = tr.experience.collect(tr.step, tr.timer)
+    tr.experience.collect = lambda step, timer: (batch, gen_stats)  # the step below trains on exactly this batch
     before = {n: t.clone() for n, t in distributed.full_state_dict(tr.model)}
     metrics = tr.train_step()
     tr.logger.close()
@@ -218,7 +224,7 @@ def one_step(cfg) -> dict:
         "moved": max(float((params[n] - t).abs().max()) for n, t in before.items()),
         "grads": grads,
         "responses": batch.response_ids,
-        "prompts": [e.prompt_ids for e in batch.examples],
+        "prompts": batch.prompt_ids[:: cfg.rollout.n_samples_per_prompt],
         "metrics": {k: metrics[k] for k in ("dapo/kept_groups_ratio", "dapo/num_gen_batches", "actor/pg_loss", "actor/grad_norm")},
     }
 
@@ -235,9 +241,8 @@ def _equiv_worker(local_rank: int, port: int, out_dir: str) -> None:
     distributed.init_process_group(timeout_s=120)
     try:
         for strategy in STRATEGIES:
-            os.environ["POSTRL_DP_STRATEGY"] = strategy
             for mode in EQUIV_MODES:
-                cfg = load_config(None, _equiv_overrides(Path(out_dir) / f"r{local_rank}", mode))
+                cfg = load_config(None, _equiv_overrides(Path(out_dir) / f"r{local_rank}", mode, strategy))
                 result = one_step(cfg)
                 seen = distributed.all_gather_object((result["responses"], result["metrics"]["dapo/kept_groups_ratio"]))
                 result["same_batch_on_every_rank"] = all(s == seen[0] for s in seen)

@@ -130,12 +130,12 @@ def test_logprobs_of_the_update_pass_equal_a_separate_no_grad_pass(tmp_path):
     """The on-policy shortcut is exact: old log-probs from the update pass equal those of a separate pass."""
     cfg = load_config(None, tiny_overrides(tmp_path, "reward.verifiers=[verifiers_for_tests:length_parity]"))
     tr = Trainer(cfg)
-    batch, _ = tr.collect_batch()
-    tr._pack(batch, torch.zeros(batch.size))
-    separate = tr.compute_logprobs(tr.model, batch)
+    batch, _ = tr.experience.collect(tr.step, tr.timer)
+    packed = tr.actor.pack(batch, torch.zeros(batch.size))
+    separate = tr.actor.compute_logprobs(tr.model, packed)
     from postrl.models import response_logprobs
 
-    t = batch.tensors
+    t = packed.tensors
     T = t["response_mask"].shape[1]
     full, _ = response_logprobs(tr.model, t["input_ids"], t["attention_mask"], t["position_ids"], T, 1.0)
     mask = t["response_mask"].bool()

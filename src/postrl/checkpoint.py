@@ -1,4 +1,4 @@
-"""Checkpoints: save, exact resume and export (DESIGN.md section 6; user guide: docs/checkpoints.md).
+"""Checkpoints: save, exact resume and export (user guide: docs/checkpoints.md).
 
     <checkpoint.dir>/
       latest_checkpointed_iteration.txt      "N"; edit it to resume from another iteration
@@ -18,8 +18,12 @@ Resume reads only the tracker, so a crash at any moment leaves the previous chec
 it). Rotation renames a checkpoint to `.del_iter_N` before deleting it, so a crash mid-delete never
 leaves a half checkpoint under an `iter_*` name either.
 
+What is saved is a state dict the trainer hands over (`Trainer.state_dict`: step, model, tokenizer,
+the actor's optimizer and scheduler, the sampler, the RNG); `resume` hands back what was saved
+(`Restored`) and the trainer puts it in place. This module imports nothing from the trainer.
+
 Exact resume. Weights, AdamW state, the scheduler position, the sampler position and the RNG states
-are restored, and the step counter continues, so the per-step generation seeds (`Trainer._seed`)
+are restored, and the step counter continues, so the per-step generation seeds (`Experience._seed`)
 line up. The rollout engines keep no RNG between calls (every generate call is seeded), and the
 dynamic-sampling loop ends within its step (surplus groups are dropped, as verl does), so the
 sampler position is its whole cross-step state. With `train.deterministic: true`, a resumed CPU run
@@ -34,21 +38,16 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import signal
-import warnings
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import numpy as np
 import torch
 
 from postrl import distributed
 from postrl.errors import UserError
-
-if TYPE_CHECKING:
-    from postrl.trainer import Trainer
 
 TRACKER = "latest_checkpointed_iteration.txt"
 STATE_FILE = "trainer_state.json"
@@ -71,13 +70,6 @@ def _complete_iters(root: Path) -> list[Path]:
     """The complete iter_* checkpoints under `root`, oldest first."""
     found = [(s, p) for p in root.glob("iter_*") if (s := _iter_step(p)) is not None and (p / STATE_FILE).is_file()]
     return [p for _, p in sorted(found)]
-
-
-# --------------------------------------------------------------------------------- distributed
-
-
-def _rank_world() -> tuple[int, int]:
-    return distributed.rank(), distributed.world_size()
 
 
 # --------------------------------------------------------------------------------- small pieces
@@ -143,35 +135,22 @@ def _test_crash_point(step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 # ----------------------------------------------------------------------------------------- save
 
 
-def save(trainer: "Trainer") -> Path:
+def save(cfg: Any, state: dict[str, Any]) -> Path:
     """Write iter_<step> atomically, point the tracker at it, then rotate old checkpoints.
 
-    Every rank writes its own optimizer state and RNG; rank 0 writes the rest and renames.
+    `state` (from `Trainer.state_dict`): step, model, tokenizer, optimizer and scheduler (this
+    rank's), sampler, rng, train_prompts. Every rank writes its own optimizer state and RNG; rank 0
+    writes the rest and renames.
     """
     from postrl.config import dump_config
 
-    cfg = trainer.cfg
-    rank, world = _rank_world()
+    step = state["step"]
+    rank, world = distributed.rank(), distributed.world_size()
     root = Path(cfg.checkpoint.dir)
-    final = iter_dir(root, trainer.step)
+    final = iter_dir(root, step)
     tmp = root / f".tmp_{final.name}"
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
@@ -179,29 +158,29 @@ def save(trainer: "Trainer") -> Path:
         (tmp / "optimizer").mkdir(parents=True)
     distributed.barrier()
 
-    distributed.save_pretrained(trainer.model, tmp / "model", write=rank == 0)  # FSDP2: every rank gathers
+    distributed.save_pretrained(state["model"], tmp / "model", write=rank == 0)  # FSDP2: every rank gathers
     if rank == 0:
-        trainer.tokenizer.save_pretrained(tmp / "model")
-    torch.save(trainer.optimizer.state_dict(), tmp / "optimizer" / f"rank{rank}.pt")
-    _test_crash_point(trainer.step)
-    torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+        state["tokenizer"].save_pretrained(tmp / "model")
+    torch.save(state["optimizer"], tmp / "optimizer" / f"rank{rank}.pt")
+    _test_crash_point(step)
+    torch.save(state["rng"], tmp / f"rng_rank{rank}.pt")
     if rank == 0:
-        torch.save(trainer.scheduler.state_dict(), tmp / "scheduler.pt")
-        torch.save({"sampler": trainer.sampler.state_dict()}, tmp / "dataloader.pt")
+        torch.save(state["scheduler"], tmp / "scheduler.pt")
+        torch.save({"sampler": state["sampler"]}, tmp / "dataloader.pt")
         (tmp / "config.yaml").write_text(dump_config(cfg))
-        state = {
+        meta = {
             "format_version": FORMAT_VERSION,
-            "step": trainer.step,
+            "step": step,
             "algorithm": cfg.algorithm.name,
             "world_size": world,
             "batch": _batch_settings(cfg),
             "optimizer": _optim_settings(cfg),
             "total_steps": cfg.train.total_steps,
-            "train_prompts": len(trainer.train_examples),
+            "train_prompts": state["train_prompts"],
             "data_seed": cfg.data.seed,
             "model_path": cfg.model.path,
         }
-        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
+        (tmp / STATE_FILE).write_text(json.dumps(meta, indent=2))
     distributed.barrier()  # every rank's files are in place
 
     if rank == 0:
@@ -212,9 +191,9 @@ def save(trainer: "Trainer") -> Path:
             os.replace(final, old)
         os.replace(tmp, final)
         _fsync_dir(root)
-        _write_atomic(root / TRACKER, f"{trainer.step}\n")
+        _write_atomic(root / TRACKER, f"{step}\n")
         shutil.rmtree(old, ignore_errors=True)
-        _rotate(root, cfg.checkpoint.keep_last, current=trainer.step)
+        _rotate(root, cfg.checkpoint.keep_last, current=step)
         _clean_leftovers(root)
     distributed.barrier()
     return final
@@ -315,70 +294,81 @@ def load_weights(model: torch.nn.Module, model_dir: Path) -> None:
         )
 
 
-def maybe_resume(trainer: "Trainer") -> Path | None:
-    """Restore the trainer from the checkpoint named by `checkpoint.resume`; returns its path.
+@dataclass
+class Restored:
+    """What a checkpoint holds for this rank; the trainer puts each piece in place.
+
+    With `finetune` only `path` (the weights) is meant to be used. `optimizer` / `scheduler` are None
+    with checkpoint.load_optimizer false, `rng` is None with checkpoint.load_rng false.
+    """
+
+    path: Path
+    finetune: bool
+    step: int = 0
+    optimizer: dict | None = None
+    scheduler: dict | None = None
+    rng: dict | None = None
+    sampler: dict | None = None
+
+    @property
+    def model_dir(self) -> Path:
+        return self.path / "model"
+
+
+def resume(cfg: Any, train_prompts: int, log=print) -> Restored | None:
+    """Read the checkpoint named by `checkpoint.resume` for this rank; None for a fresh start.
 
     finetune:        weights only; step 0, fresh optimizer, sampler and RNG.
     load_optimizer:  false = fresh AdamW moments (Megatron's --no-load-optim); the LR schedule still
                      continues at the resumed step.
     load_rng:        false = keep the RNG seeded from train.seed (--no-load-rng).
     """
-    cfg, ck = trainer.cfg, trainer.cfg.checkpoint
-    rank, world = _rank_world()
+    ck = cfg.checkpoint
+    rank, world = distributed.rank(), distributed.world_size()
     path = find_resume_dir(cfg)
     if path is None:
         root = Path(ck.dir)
         if ck.resume == "none" and root.is_dir() and _complete_iters(root):
-            trainer.log(
+            log(
                 f"[yellow]note: checkpoint.resume is 'none' but {root} holds checkpoints; this run starts at step 0 "
                 "and will overwrite them when it reaches their steps.[/yellow]"
             )
         return None
-    load_weights(trainer.model, path / "model")
     if ck.finetune:
-        trainer.log(f"finetune: loaded the weights of {path}; starting a fresh run at step 0")
-        return path
+        return Restored(path=path, finetune=True)
 
-    state = json.loads((path / STATE_FILE).read_text())
-    _warn_on_changes(trainer, state, path, world)
-    trainer.step = int(state["step"])
-
+    meta = json.loads((path / STATE_FILE).read_text())
+    for problem in _changes(cfg, meta, world, train_prompts):
+        log(f"[yellow]warning (resuming from {path}): {problem}[/yellow]")
+    restored = Restored(path=path, finetune=False, step=int(meta["step"]))
     if ck.load_optimizer:
         opt_file = path / "optimizer" / f"rank{rank}.pt"
         if not opt_file.exists():
             raise UserError(
                 f"{path} has no optimizer state for rank {rank} ({opt_file.name}); it was written by a run with "
-                f"{state.get('world_size', 1)} rank(s). Fix: resume with the same number of processes, or set "
+                f"{meta.get('world_size', 1)} rank(s). Fix: resume with the same number of processes, or set "
                 "checkpoint.load_optimizer=false to start the optimizer afresh."
             )
-        trainer.optimizer.load_state_dict(torch.load(opt_file, weights_only=False))
-        trainer.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
-        _apply_optimizer_settings(trainer)
-    else:
-        with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": intended here
-            warnings.simplefilter("ignore")
-            for _ in range(trainer.step):
-                trainer.scheduler.step()
-
+        restored.optimizer = torch.load(opt_file, weights_only=False)
+        restored.scheduler = torch.load(path / "scheduler.pt", weights_only=False)
     rng_file = path / f"rng_rank{rank}.pt"
     if ck.load_rng and rng_file.exists():
-        set_rng_state(torch.load(rng_file, weights_only=False))
+        restored.rng = torch.load(rng_file, weights_only=False)
     elif ck.load_rng:
-        trainer.log(f"[yellow]warning: {path} has no RNG state for rank {rank}; keeping the RNG seeded from train.seed.[/yellow]")
-    trainer.sampler.load_state_dict(torch.load(path / "dataloader.pt", weights_only=False)["sampler"])
+        log(f"[yellow]warning: {path} has no RNG state for rank {rank}; keeping the RNG seeded from train.seed.[/yellow]")
+    restored.sampler = torch.load(path / "dataloader.pt", weights_only=False)["sampler"]
 
-    later = [p.name for p in _complete_iters(path.parent) if (_iter_step(p) or -1) > trainer.step]
+    later = [p.name for p in _complete_iters(path.parent) if (_iter_step(p) or -1) > restored.step]
     if later:
-        trainer.log(
-            f"[yellow]note: resuming from step {trainer.step} although {', '.join(later)} exist(s); this run will "
+        log(
+            f"[yellow]note: resuming from step {restored.step} although {', '.join(later)} exist(s); this run will "
             "overwrite them when it reaches their steps.[/yellow]"
         )
-    return path
+    return restored
 
 
-def _warn_on_changes(trainer: "Trainer", state: dict, path: Path, world: int) -> None:
-    """Say clearly which settings differ from the checkpoint's and what that does to the run."""
-    cfg = trainer.cfg
+def _changes(cfg: Any, state: dict, world: int, train_prompts: int) -> list[str]:
+    """Which settings differ from the checkpoint's, and what that does to the run."""
     problems = []
     changed = {k: (state["batch"].get(k), v) for k, v in _batch_settings(cfg).items() if state["batch"].get(k) != v}
     if changed:
@@ -393,10 +383,10 @@ def _warn_on_changes(trainer: "Trainer", state: dict, path: Path, world: int) ->
             f"the checkpoint was written by {state.get('world_size', 1)} rank(s), this run has {world}: RNG states "
             "per rank no longer line up, so the run will not match an uninterrupted one."
         )
-    if "train_prompts" in state and (state["train_prompts"], state.get("data_seed")) != (len(trainer.train_examples), cfg.data.seed):
+    if "train_prompts" in state and (state["train_prompts"], state.get("data_seed")) != (train_prompts, cfg.data.seed):
         problems.append(
             f"the training data differ from the checkpoint's ({state['train_prompts']} prompts, data.seed "
-            f"{state.get('data_seed')} -> {len(trainer.train_examples)} prompts, data.seed {cfg.data.seed}): "
+            f"{state.get('data_seed')} -> {train_prompts} prompts, data.seed {cfg.data.seed}): "
             "the sampler keeps its epoch and position, but the prompt order is not the original one."
         )
     if state.get("total_steps") not in (None, cfg.train.total_steps) and cfg.train.lr_schedule != "constant":
@@ -413,30 +403,11 @@ def _warn_on_changes(trainer: "Trainer", state: dict, path: Path, world: int) ->
                 + ", ".join(f"train.{k} {a} -> {b}" for k, (a, b) in diffs.items())
                 + "): the config's values apply from now on; the AdamW moments are kept."
             )
-    for p in problems:
-        trainer.log(f"[yellow]warning (resuming from {path}): {p}[/yellow]")
+    return problems
 
 
 def _key(name: str) -> str:
     return f"rollout.{name}" if name == "n_samples_per_prompt" else f"train.{name}"
-
-
-def _apply_optimizer_settings(trainer: "Trainer") -> None:
-    """The config, not the checkpoint, sets lr / weight decay / betas (the moments come from the checkpoint).
-
-    `optimizer.load_state_dict` restores the saved param-group hyperparameters; when the config
-    names the same values this is a no-op, so an unchanged resume stays bit-exact.
-    """
-    t = trainer.cfg.train
-    sched = trainer.scheduler
-    for i, group in enumerate(trainer.optimizer.param_groups):
-        if group.get("initial_lr") == t.lr and group["weight_decay"] == t.weight_decay and tuple(group["betas"]) == tuple(t.betas):
-            continue
-        group["initial_lr"] = t.lr
-        group["weight_decay"] = t.weight_decay
-        group["betas"] = tuple(t.betas)
-        sched.base_lrs[i] = t.lr
-        group["lr"] = t.lr * sched.lr_lambdas[i](sched.last_epoch)
 
 
 # --------------------------------------------------------------------------------------- export

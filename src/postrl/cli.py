@@ -32,7 +32,7 @@ def cmd_train(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     if args.nproc and args.nproc > 1 or cfg.cluster.launcher != "local" or args.ray_address or "LOCAL_RANK" in os.environ:
-        from postrl.distributed import launch  # starts torchrun / Ray, or runs one rank under them
+        from postrl.launch import launch  # starts torchrun / Ray, or runs one rank under them
 
         return launch(args, cfg)
     train(cfg, console)

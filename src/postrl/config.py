@@ -267,6 +267,15 @@ class TrainConfig(Section):
     total_steps: int = Field(100, ge=1, description="Training steps (one batch of global_batch_size groups each).")
     seed: int = Field(42, description="Seed of everything random in the run.")
     deterministic: bool = Field(False, description="Deterministic algorithms (the guides' use_deter_comp).")
+    device: Literal["auto", "cpu", "cuda", "npu"] = Field(
+        "auto", description="Where this process computes: auto = cuda:LOCAL_RANK / npu:LOCAL_RANK when present, else cpu."
+    )
+    strategy: Literal["fsdp2", "ddp"] = Field(
+        "fsdp2", description="Data parallelism with more than one process: fsdp2 (sharded) or ddp (replicated)."
+    )
+    num_threads: int | None = Field(
+        None, ge=1, description="CPU intra-op threads of each process (default: one for small models on CPU, else torch's)."
+    )
 
     # Field validators (not a model validator) so these run even when another train field is invalid.
     @field_validator("gen_batch_size")

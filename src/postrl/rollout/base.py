@@ -66,6 +66,14 @@ class RolloutEngine(Protocol):
         """Load the trainer's current weights into the engine (no disk) and reset its caches."""
         ...
 
+    def sleep(self) -> None:
+        """Free what the engine holds on the device during the update (GPU vLLM); a no-op elsewhere."""
+        ...
+
+    def close(self) -> None:
+        """Release the engine at the end of the run."""
+        ...
+
 
 def make_engine(
     cfg: "RolloutConfig",

@@ -31,6 +31,12 @@ class HFEngine:
     def sync_weights(self, model: torch.nn.Module) -> None:
         assert model is self.model, "HFEngine generates with the trainer's own model object"
 
+    def sleep(self) -> None:
+        """Nothing to free: the engine is the trainer's model."""
+
+    def close(self) -> None:
+        """Nothing to release."""
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, multi_modal: list[dict] | None = None) -> list[Completion]:
         from transformers import GenerationConfig

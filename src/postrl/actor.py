@@ -1,0 +1,270 @@
+"""The actor: the policy under training, its optimizer and LR schedule, and the clipped policy update.
+
+    rows of the global batch -> this rank's rows, packed on runtime.device (`pack`)
+      -> micro-batches trimmed to their own padding (`micro_batches`)
+      -> old / ref log-probs (`compute_logprobs`, no grad)
+      -> per mini-batch: normalisers over all ranks, then forward + loss + backward per micro-batch,
+         clip, AdamW step (`update`); the LR scheduler steps once per training step.
+
+Where it departs from a textbook reading:
+- On-policy shortcut (as TRL does): with one optimizer step per batch (mini_batch_size ==
+  global_batch_size, epochs_per_batch == 1) the "old" policy is the current one, so old log-probs
+  are the detached log-probs of the update pass itself; the extra forward pass is skipped and the
+  ratio is exactly 1 (its gradient is the policy gradient). Otherwise they come from a separate
+  no-grad pass before the update (the guides' old_log_p step).
+- Loss normalisers (token and sequence counts) are taken over the whole mini-batch on all ranks
+  before the first micro-batch, so the gradient does not depend on micro-batching or world size
+  (`algorithms.loss_normalizers` / `aggregate_loss`).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from postrl import algorithms as algo
+from postrl import distributed
+from postrl.experience import Batch
+from postrl.models import build_sequences, response_logprobs
+from postrl.partition import rank_rows, token_budget_micro_batches
+from postrl.runtime import Runtime
+
+LOGPROB_KEYS = ("old_logp", "ref_logp", "engine_logp")  # [B, T] tensors sliced with each micro-batch
+
+
+@dataclass
+class Packed:
+    """This rank's rows as tensors on the runtime device: prompts left-padded to P, responses right-padded to T.
+
+    tensors: input_ids / attention_mask / position_ids [B, P+T], response_mask [B, T], adv [B], and
+    the [B, T] log-prob tensors of LOGPROB_KEYS once computed.
+    """
+
+    tensors: dict[str, torch.Tensor]
+    lengths: list[int]  # prompt + response tokens per row (dynamic batch size)
+    multi_modal: list[dict | None] | None
+
+    @property
+    def size(self) -> int:
+        return len(self.lengths)
+
+
+class Actor:
+    """Owns the trained model's optimizer and scheduler; `update` is one training step's update."""
+
+    def __init__(self, cfg: Any, model: torch.nn.Module, train_model: torch.nn.Module, pad_id: int, runtime: Runtime, log=print):
+        self.cfg = cfg
+        self.model = model  # the policy (FSDP2 shards it in place)
+        self.train_model = train_model  # what forward/backward go through (a DDP wrapper, or the model)
+        self.pad_id = pad_id
+        self.runtime = runtime
+        self.log = log
+        self.G = cfg.rollout.n_samples_per_prompt
+        t = cfg.train
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(t.warmup_steps, t.total_steps, t.lr_schedule, t.min_lr_ratio))
+        self.on_policy = t.mini_batch_size == t.global_batch_size and t.epochs_per_batch == 1
+
+    # --------------------------------------------------------------------------------- tensors
+    def pack(self, batch: Batch, adv_B: torch.Tensor) -> Packed:
+        """This rank's rows of the global batch as tensors on the runtime device.
+
+        Each mini-batch is dealt to the ranks in equal parts, token-balanced with dynamic batch size.
+        """
+        rows = rank_rows(batch.lengths, self.cfg.train.mini_batch_size * self.G, balance=self.cfg.train.use_dynamic_bsz)
+        prompts = [batch.prompt_ids[i] for i in rows]
+        responses = [batch.response_ids[i] for i in rows]
+        t = build_sequences(prompts, responses, self.pad_id)
+        t["adv"] = adv_B[rows]
+        if batch.has_engine_logprobs:
+            lp = torch.zeros_like(t["response_mask"], dtype=torch.float32)
+            for i, row in enumerate(rows):
+                lp[i, : len(batch.engine_logprobs[row])] = torch.tensor(batch.engine_logprobs[row], dtype=torch.float32)
+            t["engine_logp"] = lp
+        device = self.runtime.device
+        mm = [batch.multi_modal[i] for i in rows]
+        return Packed(
+            tensors={k: v.to(device) for k, v in t.items()},
+            lengths=[batch.lengths[i] for i in rows],
+            multi_modal=mm if any(mm) else None,
+        )
+
+    def micro_batches(self, rows: range | list[int], packed: Packed) -> Iterator[tuple[list[int], dict[str, Any]]]:
+        """Slices of `rows` of micro_batch_size (or by token budget), trimmed to their own padding."""
+        rows = list(rows)
+        t = self.cfg.train
+        if t.use_dynamic_bsz:
+            groups = token_budget_micro_batches([packed.lengths[i] for i in rows], t.max_token_len_per_device)
+            chunks = [[rows[j] for j in g] for g in groups]
+        else:
+            chunks = [rows[i : i + t.micro_batch_size] for i in range(0, len(rows), t.micro_batch_size)]
+        x = packed.tensors
+        P = x["input_ids"].shape[1] - x["response_mask"].shape[1]
+        for idx in chunks:
+            ix = torch.tensor(idx, device=self.runtime.device)
+            attn = x["attention_mask"][ix]
+            resp_mask = x["response_mask"][ix]
+            left = int((attn.sum(0) > 0).nonzero()[0])  # first column any sequence uses
+            T = max(int(resp_mask.sum(1).max()), 1)
+            mb = {
+                "input_ids": x["input_ids"][ix, left : P + T],
+                "attention_mask": attn[:, left : P + T],
+                "position_ids": x["position_ids"][ix, left : P + T],
+                "response_mask": resp_mask[:, :T].float(),
+                "adv": x["adv"][ix],
+            }
+            for key in LOGPROB_KEYS:
+                if key in x:
+                    mb[key] = x[key][ix, :T]
+            if packed.multi_modal is not None:
+                mb["multi_modal"] = [packed.multi_modal[i] for i in idx]
+            yield idx, mb
+
+    @torch.no_grad()
+    def compute_logprobs(self, model: torch.nn.Module, packed: Packed) -> torch.Tensor:
+        """Log-probs [B, T] of every row's response under `model` (the policy or the reference)."""
+        out = torch.zeros_like(packed.tensors["response_mask"], dtype=torch.float32)
+        for idx, mb in self.micro_batches(range(packed.size), packed):
+            T = mb["response_mask"].shape[1]
+            logp, _ = response_logprobs(
+                model, mb["input_ids"], mb["attention_mask"], mb["position_ids"], T, self.cfg.rollout.temperature,
+                multi_modal=mb.get("multi_modal"),
+            )  # fmt: skip
+            out[torch.tensor(idx, device=out.device), :T] = logp
+        return out
+
+    # ---------------------------------------------------------------------------------- update
+    def update(self, packed: Packed, use_ref: bool = False) -> dict[str, float]:
+        """Mini-batches x micro-batches with gradient accumulation; returns the actor/* metrics."""
+        t = self.cfg.train
+        mini = t.mini_batch_size * self.G // distributed.world_size()  # this rank's rows of a mini-batch
+        sums = _WeightedSums()
+        grad_norms = []
+        for epoch in range(t.epochs_per_batch):
+            for start in range(0, packed.size, mini):
+                rows = range(start, min(start + mini, packed.size))
+                mask = packed.tensors["response_mask"][start : start + mini]
+                norms = distributed.all_reduce_sum_dict(algo.loss_normalizers(mask))
+                self.optimizer.zero_grad(set_to_none=True)
+                pg_total = kl_total = 0.0
+                for _idx, mb in self.micro_batches(rows, packed):
+                    pg, kl = self._micro_step(mb, norms, use_ref, sums, log_drift=epoch == 0)
+                    pg_total += pg
+                    kl_total += kl
+                grad_norm = distributed.clip_grad_norm_(self.params, t.grad_clip)
+                if torch.isfinite(grad_norm):
+                    self.optimizer.step()
+                else:
+                    self.log("[yellow]non-finite grad norm: this optimizer step is skipped[/yellow]")
+                grad_norms.append(float(grad_norm))
+                pg_total, kl_total = distributed.all_reduce_sum([pg_total, kl_total])
+                sums.add("actor/pg_loss", pg_total)
+                sums.add("actor/kl_loss", kl_total)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.scheduler.step()
+        out = sums.means()
+        out["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        out["actor/lr"] = lr
+        return out
+
+    def _micro_step(self, mb: dict, norms: dict, use_ref: bool, sums: "_WeightedSums", log_drift: bool) -> tuple[float, float]:
+        """Forward, loss and backward of one micro-batch; returns its (pg, kl) loss shares."""
+        a = self.cfg.algorithm
+        mask = mb["response_mask"]
+        logp, entropy = response_logprobs(
+            self.train_model, mb["input_ids"], mb["attention_mask"], mb["position_ids"], mask.shape[1],
+            self.cfg.rollout.temperature, with_entropy=True, multi_modal=mb.get("multi_modal"),
+        )  # fmt: skip
+        old_logp = logp.detach() if self.on_policy else mb["old_logp"]
+        adv_BT = mb["adv"].unsqueeze(1).expand_as(logp)
+        pg_BT, stats = algo.policy_loss(
+            logp, old_logp, adv_BT, mask,
+            clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
+        )  # fmt: skip
+        agg = dict(mode=a.loss_agg_mode, **norms, max_response_len=self.cfg.rollout.max_tokens)
+        pg = algo.aggregate_loss(pg_BT, mask, **agg)
+        loss = pg
+        if a.entropy_coef:
+            loss = loss - a.entropy_coef * algo.aggregate_loss(entropy, mask, **agg)
+        kl_value = 0.0
+        if use_ref:
+            kl = algo.aggregate_loss(algo.kl_penalty(logp, mb["ref_logp"], a.kl.estimator), mask, **agg)
+            loss = loss + a.kl.coef * kl
+            kl_value = float(kl.detach())
+        # DDP / FSDP average gradients over ranks; the loss is this rank's share of the global loss,
+        # so the global gradient is the sum: scale by the world size.
+        (loss * distributed.world_size()).backward()
+        n_tok = float(mask.sum())
+        for k, v in stats.items():
+            sums.add(f"actor/{k}", float(v), n_tok)
+        sums.add("actor/entropy", float(algo.masked_mean(entropy.detach(), mask)), n_tok)
+        if "engine_logp" in mb and log_drift:
+            diff = algo.masked_mean((old_logp.detach() - mb["engine_logp"]).abs(), mask)
+            sums.add("rollout/logprob_diff_mean", float(diff), n_tok)
+        return float(pg.detach()), kl_value
+
+    # ----------------------------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """Optimizer and scheduler state of this rank (the weights are saved in HF format apart)."""
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore optimizer and scheduler; the config, not the checkpoint, sets lr / weight decay / betas.
+
+        `optimizer.load_state_dict` restores the saved param-group hyperparameters; when the config
+        names the same values the override below is a no-op, so an unchanged resume stays bit-exact.
+        """
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        t, sched = self.cfg.train, self.scheduler
+        for i, group in enumerate(self.optimizer.param_groups):
+            if group.get("initial_lr") == t.lr and group["weight_decay"] == t.weight_decay and tuple(group["betas"]) == tuple(t.betas):
+                continue
+            group["initial_lr"] = t.lr
+            group["weight_decay"] = t.weight_decay
+            group["betas"] = tuple(t.betas)
+            sched.base_lrs[i] = t.lr
+            group["lr"] = t.lr * sched.lr_lambdas[i](sched.last_epoch)
+
+    def skip_schedule_to(self, step: int) -> None:
+        """Fresh optimizer moments at a resumed step: the LR schedule still continues from `step`."""
+        with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": intended here
+            warnings.simplefilter("ignore")
+            for _ in range(step):
+                self.scheduler.step()
+
+
+class _WeightedSums:
+    """Token-weighted means of per-micro-batch statistics, summed over ranks."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, list[float]] = {}  # key -> [sum of value x weight, sum of weights]
+
+    def add(self, key: str, value: float, weight: float = 1.0) -> None:
+        acc = self.sums.setdefault(key, [0.0, 0.0])
+        acc[0] += value * weight
+        acc[1] += weight
+
+    def means(self) -> dict[str, float]:
+        flat = {f"{k}\0{i}": v[i] for k, v in self.sums.items() for i in (0, 1)}
+        total = distributed.all_reduce_sum_dict(flat)
+        return {k: total[f"{k}\0{0}"] / max(total[f"{k}\0{1}"], 1e-12) for k in self.sums}
+
+
+def lr_lambda(warmup_steps: int, total_steps: int, schedule: str, min_ratio: float):
+    """Linear warmup to 1, then constant or cosine down to min_ratio (as a LambdaLR factor)."""
+
+    def f(step: int) -> float:
+        if warmup_steps and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f

@@ -1,0 +1,177 @@
+"""Experience: prompts -> rollout -> rule rewards (+ overlong shaping) -> dynamic sampling -> advantages.
+
+`Batch` is one record of B sequences, every field a per-sequence list, prompt-major (the G samples
+of a prompt are contiguous). Because every field has one entry per sequence, concatenation and row
+selection are generic (`concat`, `select`), not field by field.
+
+`Experience.collect` draws generation batches until `train.global_batch_size` groups survive dynamic
+sampling (DAPO: a group is kept iff its raw verifier metric has non-zero spread), then cuts the batch
+to exactly that many groups; surplus groups are dropped, as verl does, so the prompt sampler's
+position is the only state that crosses steps. Under several ranks each rank generates and scores a
+contiguous slice of the prompts (a group stays on one rank) and the scored slices are gathered, so
+every rank takes the same keep decisions and holds the same global batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Callable
+
+import torch
+
+from postrl import algorithms as algo
+from postrl import distributed
+from postrl.data.dataset import PromptExample, PromptSampler, multi_modal_of
+from postrl.errors import UserError
+from postrl.metrics import Timer
+from postrl.partition import shard_range, shard_seed
+from postrl.rollout import SamplingParams
+
+
+@dataclass
+class Batch:
+    """B sequences, prompt-major. Each field holds one entry per sequence."""
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    finished: list[bool]  # stopped at EOS (else cut at max_tokens)
+    scores: list[float]  # raw weighted verifier score
+    rewards: list[float]  # score after overlong shaping
+    verifier_metrics: list[dict[str, float]]  # each verifier's named metrics (acc, ...)
+    engine_logprobs: list[list[float] | None]  # the engine's sampling log-probs, when it reports them
+    multi_modal: list[dict | None]  # each sequence's image inputs (VLMs), else None
+
+    @property
+    def size(self) -> int:
+        return len(self.response_ids)
+
+    @property
+    def has_engine_logprobs(self) -> bool:
+        return self.size > 0 and all(lp is not None for lp in self.engine_logprobs)
+
+    @property
+    def lengths(self) -> list[int]:
+        """Prompt + response tokens of each sequence."""
+        return [len(p) + len(r) for p, r in zip(self.prompt_ids, self.response_ids)]
+
+    def metric(self, name: str) -> list[float]:
+        """One verifier metric (or 'score' / 'seq_reward') of every sequence."""
+        if name == "score":
+            return self.scores
+        if name == "seq_reward":
+            return self.rewards
+        return [m[name] for m in self.verifier_metrics]
+
+
+def concat(batches: list[Batch]) -> Batch:
+    return Batch(**{f.name: [x for b in batches for x in getattr(b, f.name)] for f in fields(Batch)})
+
+
+def select(batch: Batch, rows: list[int]) -> Batch:
+    return Batch(**{f.name: [getattr(batch, f.name)[i] for i in rows] for f in fields(Batch)})
+
+
+def select_groups(batch: Batch, groups: list[int], group_size: int) -> Batch:
+    """Whole groups of `batch`, in the order given."""
+    return select(batch, [g * group_size + j for g in groups for j in range(group_size)])
+
+
+class Experience:
+    """Produces the training batch of a step: rollout, rewards, dynamic sampling, advantages."""
+
+    def __init__(self, cfg: Any, engine: Any, tokenizer: Any, reward_fn: Callable, examples: list[PromptExample], sampler: PromptSampler):
+        self.cfg = cfg
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.reward_fn = reward_fn
+        self.examples = examples
+        self.sampler = sampler
+        self.G = cfg.rollout.n_samples_per_prompt
+        self.prefix = cfg.algorithm.name  # metric namespace: dapo/..., grpo/...
+
+    def collect(self, step: int, timer: Timer) -> tuple[Batch, dict[str, float]]:
+        """Draw generation batches until global_batch_size groups survive dynamic sampling."""
+        cfg, G = self.cfg, self.G
+        fg = cfg.algorithm.filter_groups
+        want = cfg.train.global_batch_size
+        kept: list[Batch] = []
+        n_kept = n_generated = num_gen_batches = 0
+        while n_kept < want:
+            num_gen_batches += 1
+            if fg.enable and 0 < fg.max_num_gen_batches < num_gen_batches:
+                raise UserError(
+                    f"dynamic sampling drew {fg.max_num_gen_batches} generation batches of {cfg.train.gen_batch_size} "
+                    f"prompts at step {step} and kept only {n_kept} of the {want} groups it needs: almost every "
+                    f"group's '{fg.metric}' has zero spread, i.e. the data is too hard or too easy for this model. "
+                    "Fix: use data matched to the model's level (or an SFT warm start), raise "
+                    "rollout.n_samples_per_prompt or train.gen_batch_size, or set "
+                    "algorithm.filter_groups.max_num_gen_batches: 0 (no limit)."
+                )
+            examples = [self.examples[i] for i in self.sampler.next_indices(cfg.train.gen_batch_size)]
+            lo, hi = shard_range(len(examples))  # this rank's prompts: a group stays on one rank
+            seed = shard_seed(self._seed(step, num_gen_batches), lo)
+            batch = gather(self.generate_and_score(examples[lo:hi], seed, timer))  # every rank sees every score
+            n_generated += len(examples)
+            if fg.enable:
+                keep = algo.group_keep_mask(torch.tensor(self._filter_metric(batch)), G)
+                batch = select_groups(batch, keep.nonzero().flatten().tolist(), G)
+            kept.append(batch)
+            n_kept += batch.size // G
+        full = select(concat(kept), list(range(want * G)))
+        stats = {f"{self.prefix}/num_gen_batches": num_gen_batches, f"{self.prefix}/kept_groups_ratio": n_kept / n_generated}
+        return full, stats
+
+    def _seed(self, step: int, gen_batch: int) -> int:
+        """The sampling seed of one generation batch: a function of the step, so resume lines up."""
+        return (self.cfg.train.seed * 1_000_003 + step * 1009 + gen_batch) % 2**31
+
+    def generate_and_score(self, examples: list[PromptExample], seed: int, timer: Timer) -> Batch:
+        cfg, G = self.cfg, self.G
+        r = cfg.rollout
+        params = SamplingParams(r.temperature, r.top_p, r.top_k, r.max_tokens, G, seed)
+        with timer("rollout"):
+            completions = self.engine.generate([e.prompt_ids for e in examples], params, multi_modal=multi_modal_of(examples))
+        with timer("reward"):
+            texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+            owners = [examples[c.prompt_index] for c in completions]
+            out = self.reward_fn(texts, [e.ground_truth for e in owners], [e.row for e in owners])
+            scores = list(out.scores)
+            rewards = scores
+            ob = cfg.algorithm.overlong_buffer
+            if ob.enable:
+                lengths = torch.tensor([len(c.token_ids) for c in completions])
+                penalty = algo.overlong_penalty(lengths, r.max_tokens, ob.len, ob.penalty_factor)
+                rewards = [s + p for s, p in zip(scores, penalty.tolist())]
+        names = list(out.metrics)
+        return Batch(
+            prompt_ids=[e.prompt_ids for e in owners],
+            response_ids=[c.token_ids for c in completions],
+            finished=[c.finished for c in completions],
+            scores=scores,
+            rewards=rewards,
+            verifier_metrics=[{k: out.metrics[k][i] for k in names} for i in range(len(completions))],
+            engine_logprobs=[c.logprobs for c in completions],
+            multi_modal=[e.multi_modal for e in owners],
+        )
+
+    def _filter_metric(self, batch: Batch) -> list[float]:
+        name = self.cfg.algorithm.filter_groups.metric
+        known = sorted(batch.verifier_metrics[0]) if batch.size else []
+        if name not in ("score", "seq_reward") and name not in known:
+            raise UserError(
+                f"algorithm.filter_groups.metric is '{name}', but the verifiers report only "
+                f"{known} (plus 'score' and 'seq_reward'). Fix: pick one of those."
+            )
+        return batch.metric(name)
+
+    def advantages(self, batch: Batch) -> torch.Tensor:
+        """adv_B of the global batch (group-relative, broadcast to every token by the actor)."""
+        a = self.cfg.algorithm
+        return algo.grpo_advantages(torch.tensor(batch.rewards), self.G, a.norm_adv_by_std, a.epsilon)
+
+
+def gather(part: Batch) -> Batch:
+    """The whole generation batch from every rank's scored slice (the slice itself on one process)."""
+    if not distributed.is_distributed():
+        return part
+    return concat(distributed.all_gather_object(part))

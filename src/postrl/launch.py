@@ -1,0 +1,187 @@
+"""Launchers above the trainer: torchrun on one machine, one rank under torchrun, or Ray Train.
+
+- `postrl train --nproc N` (or `cluster.devices_per_node: N`) starts N ranks of `postrl train` on
+  this machine with torchrun, rendezvous on loopback.
+- Inside torchrun (multi-node: torchrun on every node) `launch` runs this process's rank.
+- `cluster.launcher: ray` (or `--ray-address`) runs the same SPMD loop through Ray Train's
+  TorchTrainer: on an existing cluster (`ray start --head` printed its address; `auto` finds the
+  local one), or on a single-node cluster started in this process.
+
+Every rank then runs `trainer.train` (SPMD); distributed.py holds the process group and wrapping.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from postrl import distributed
+from postrl.errors import UserError
+from postrl.trainer import train
+
+if TYPE_CHECKING:
+    from postrl.config import Config
+
+# Environment that Ray workers on other machines need to see as the driver does.
+_FORWARDED_ENV = (
+    "PYTHONPATH", "POSTRL_CACHE", "VLLM_ENABLE_V1_MULTIPROCESSING", "TOKENIZERS_PARALLELISM",
+    "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "HCCL_SOCKET_IFNAME", "HF_HOME", "HF_HUB_OFFLINE",
+)  # fmt: skip
+
+
+def check_world(cfg: "Config", world: int) -> None:
+    """Batch sizes that do not split over `world` ranks, as one UserError listing every problem."""
+    t, n = cfg.train, cfg.rollout.n_samples_per_prompt
+    problems = []
+    if (t.mini_batch_size * n) % world:
+        problems.append(
+            f"train.mini_batch_size x rollout.n_samples_per_prompt = {t.mini_batch_size} x {n} sequences per optimizer "
+            f"step do not split evenly over {world} processes. Fix: make mini_batch_size x n_samples_per_prompt a "
+            f"multiple of {world} (or change the number of processes)."
+        )
+    if t.gen_batch_size < world:
+        problems.append(
+            f"train.gen_batch_size ({t.gen_batch_size}) is smaller than the {world} processes: every process "
+            f"generates for its share of the prompts. Fix: set train.gen_batch_size >= {world}."
+        )
+    if problems:
+        raise UserError(*problems, title=f"batch sizes do not fit {world} processes")
+
+
+def _inside_launched_worker() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_initialized() or ("RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ)
+
+
+def adopt_world(cfg: "Config") -> None:
+    """Record the actual process layout in cfg.cluster (throughput per device, checkpoint metadata)."""
+    world, local = distributed.world_size(), distributed.local_world_size()
+    if world > 1 and world % local == 0:
+        cfg.cluster.nnodes, cfg.cluster.devices_per_node = world // local, local
+
+
+def run_worker(cfg: "Config", console: Any = None) -> dict[str, float]:
+    """One rank: join the process group, train, leave it (a group made by Ray Train is left to Ray)."""
+    created = distributed.init_process_group()
+    try:
+        adopt_world(cfg)
+        check_world(cfg, distributed.world_size())
+        return train(cfg, console)
+    finally:
+        if created:
+            distributed.teardown()
+
+
+def launch(args: Any, cfg: "Config") -> int:
+    """`postrl train` with --nproc > 1 or cluster.launcher torchrun | ray."""
+    if _inside_launched_worker():
+        run_worker(cfg)
+        return 0
+    ray_address = getattr(args, "ray_address", None) or cfg.cluster.ray_address
+    if cfg.cluster.launcher == "ray" or ray_address:
+        return launch_ray(cfg, ray_address)
+    if cfg.cluster.nnodes > 1:
+        raise UserError(
+            f"cluster.nnodes is {cfg.cluster.nnodes}: a multi-node torchrun job is started on every node, not from "
+            "one. Fix: on node i run `torchrun --nnodes $NNODES --nproc-per-node $DEVICES_PER_NODE --node-rank i "
+            "--master-addr $MASTER_ADDR --master-port 29500 -m postrl.cli train CONFIG`, or use cluster.launcher: ray "
+            "(see docs/distributed.md)."
+        )
+    nproc = getattr(args, "nproc", 0) or cfg.cluster.devices_per_node
+    check_world(cfg, nproc)
+    return launch_torchrun(args.config, list(args.overrides), nproc)
+
+
+def launch_torchrun(config: str, overrides: list[str], nproc: int) -> int:
+    """Start `nproc` ranks of `postrl train` on this machine with torchrun (rendezvous on loopback)."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "--master-addr", "127.0.0.1",
+        "-m", "postrl.cli", "train", config, *overrides,
+    ]  # fmt: skip
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    if Path("/sys/class/net/lo").exists():
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # all ranks are on this machine: talk over loopback
+    return subprocess.run(cmd, env=env).returncode
+
+
+def launch_ray(cfg: "Config", address: str | None) -> int:
+    """Run the SPMD loop on a Ray cluster with Ray Train's TorchTrainer.
+
+    Workers = cluster.nnodes x cluster.devices_per_node, one device (GPU) or one CPU each. With an
+    address (`ray start --head` printed it; `auto` finds the local one) the driver joins that cluster;
+    without one, Ray starts a single-node cluster in this process and stops it at the end.
+    """
+    try:
+        import ray
+        from ray.train import RunConfig, ScalingConfig
+        from ray.train.torch import TorchConfig, TorchTrainer
+    except ImportError as exc:
+        raise UserError(
+            f"cluster.launcher is 'ray' but Ray Train cannot be imported ({exc}). Fix: pip install 'postrl[ray]' "
+            "(ray[train]), or use --nproc N for torchrun on one machine."
+        ) from None
+    check_world(cfg, cfg.world_size)
+    env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
+    started_here = not ray.is_initialized()
+    if started_here:
+        ray.init(address=address, runtime_env={"env_vars": env}, include_dashboard=False if address is None else None)
+    try:
+        gpus = ray.cluster_resources().get("GPU", 0) > 0
+        workers = cfg.world_size
+        log_dir = Path(cfg.logging.dir).resolve()
+        trainer = TorchTrainer(
+            _ray_train_loop,
+            train_loop_config={"config": cfg.model_dump(mode="json"), "cwd": os.getcwd(), "env": env},
+            scaling_config=ScalingConfig(num_workers=workers, use_gpu=gpus, resources_per_worker={"GPU": 1} if gpus else {"CPU": 1}),
+            torch_config=TorchConfig(backend="cpu:gloo,cuda:nccl" if gpus else "gloo"),
+            run_config=RunConfig(name="postrl", storage_path=str(log_dir / "ray")),
+        )
+        try:
+            trainer.fit()
+        except Exception as exc:  # a worker's UserError reaches the driver wrapped in Ray's errors
+            user_error = _find_user_error(exc)
+            if user_error is None:
+                raise
+            raise user_error from None
+    finally:
+        if started_here:
+            ray.shutdown()
+    return 0
+
+
+def _find_user_error(exc: BaseException) -> UserError | None:
+    """The UserError a Ray Train worker raised, searched through causes and per-worker failures."""
+    seen, todo = set(), [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, UserError):
+            return e
+        todo += [e.__cause__, e.__context__, getattr(e, "cause", None)]
+        failures = getattr(e, "worker_failures", None)
+        if isinstance(failures, dict):
+            todo += list(failures.values())
+    return None
+
+
+def _ray_train_loop(loop_config: dict) -> None:
+    """The body of each Ray Train worker: the same SPMD loop torchrun runs."""
+    import ray.train
+
+    from postrl.config import Config
+
+    for key, value in loop_config.get("env", {}).items():
+        os.environ.setdefault(key, value)
+    if os.path.isdir(loop_config["cwd"]):
+        os.chdir(loop_config["cwd"])  # relative data / output paths mean what they meant to the driver
+    ctx = ray.train.get_context()
+    os.environ.setdefault("LOCAL_WORLD_SIZE", str(ctx.get_local_world_size()))
+    run_worker(Config.model_validate(loop_config["config"]))
