@@ -21,6 +21,18 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ["OMP_NUM_THREADS"] = "1"
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` are skipped, not failed, where CUDA is absent."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_path() -> str:
     from postrl.models import build_tiny_model
