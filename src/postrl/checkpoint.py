@@ -36,10 +36,13 @@ before the rest). It exists for the crash-safety test; never set it in a real ru
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 import signal
+import socket
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -139,6 +142,30 @@ def _test_crash_point(step: int) -> None:
 
 
 def save(cfg: Any, state: dict[str, Any]) -> Path:
+    """`_save`, with a full disk reported as what it is: the previous checkpoint is untouched."""
+    try:
+        return _save(cfg, state)
+    except Exception as exc:  # safetensors reports a full disk as its own error type, not OSError
+        if not _disk_full(exc):
+            raise
+        root = Path(cfg.checkpoint.dir)
+        shutil.rmtree(root / f".tmp_{iter_dir(root, state['step']).name}", ignore_errors=True)
+        kept = _complete_iters(root)
+        raise UserError(
+            f"the disk holding {root} is full ({exc}) while writing the checkpoint of step {state['step']}; "
+            f"the partial files were removed and the previous checkpoint ({kept[-1].name if kept else 'none yet'}) is "
+            "intact. Fix: free space (or lower checkpoint.keep_last, or point checkpoint.dir at a larger disk), then "
+            "run the same command again: checkpoint.resume: auto continues from the last complete checkpoint."
+        ) from None
+
+
+def _disk_full(exc: BaseException) -> bool:
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return "No space left on device" in str(exc) or "StorageFull" in str(exc)
+
+
+def _save(cfg: Any, state: dict[str, Any]) -> Path:
     """Write iter_<step> atomically, point the tracker at it, then rotate old checkpoints.
 
     `state` (from `Trainer.state_dict`): step, model, tokenizer, optimizer and scheduler (this
@@ -281,7 +308,7 @@ def load_weights(model: torch.nn.Module, model_dir: Path) -> None:
 
     state: dict[str, torch.Tensor] = {}
     for f in sorted(Path(model_dir).glob("*.safetensors")):
-        state.update(load_file(str(f)))
+        state.update(_read(f, lambda p: load_file(str(p))))
     if not state:
         raise UserError(f"{model_dir} holds no *.safetensors weights. Fix: point at a checkpoint written by postrl.")
     missing, unexpected = distributed.load_full_state_dict(model, state)  # into FSDP2 shards too
@@ -349,14 +376,14 @@ def resume(cfg: Any, train_prompts: int, log=print) -> Restored | None:
                 f"{meta.get('world_size', 1)} rank(s). Fix: resume with the same number of processes, or set "
                 "checkpoint.load_optimizer=false to start the optimizer afresh."
             )
-        restored.optimizer = torch.load(opt_file, weights_only=False)
-        restored.scheduler = torch.load(path / "scheduler.pt", weights_only=False)
+        restored.optimizer = _read(opt_file, _torch_load)
+        restored.scheduler = _read(path / "scheduler.pt", _torch_load)
     rng_file = path / f"rng_rank{rank}.pt"
     if ck.load_rng and rng_file.exists():
-        restored.rng = torch.load(rng_file, weights_only=False)
+        restored.rng = _read(rng_file, _torch_load)
     elif ck.load_rng:
         log(f"[yellow]warning: {path} has no RNG state for rank {rank}; keeping the RNG seeded from train.seed.[/yellow]")
-    restored.sampler = torch.load(path / "dataloader.pt", weights_only=False)["sampler"]
+    restored.sampler = _read(path / "dataloader.pt", _torch_load)["sampler"]
 
     later = [p.name for p in _complete_iters(path.parent) if (_iter_step(p) or -1) > restored.step]
     if later:
@@ -365,6 +392,34 @@ def resume(cfg: Any, train_prompts: int, log=print) -> Restored | None:
             "overwrite them when it reaches their steps.[/yellow]"
         )
     return restored
+
+
+def _torch_load(path: Path) -> Any:
+    return torch.load(path, weights_only=False)
+
+
+def _read(path: Path, load) -> Any:
+    """`load(path)`, with a truncated or garbage file reported by name and with the way back."""
+    try:
+        return load(path)
+    except Exception as exc:  # noqa: BLE001 - torch / safetensors / pickle each raise their own types
+        ckpt = next((p for p in [path, *path.parents] if _iter_step(p) is not None), None)
+        if ckpt is None:  # a model directory, not a checkpoint
+            raise UserError(
+                f"{path} is damaged and cannot be read ({type(exc).__name__}: {exc}). "
+                "Fix: restore the file from its source (re-export or re-download the model)."
+            ) from None
+        earlier = [p.name for p in _complete_iters(ckpt.parent) if (_iter_step(p) or 0) < (_iter_step(ckpt) or 0)]
+        way_back = (
+            f"the earlier checkpoint {earlier[-1]} is intact: write {_iter_step(ckpt.parent / earlier[-1])} into "
+            f"{ckpt.parent / TRACKER} and run the same command again to resume from it"
+            if earlier
+            else "no earlier checkpoint exists: set checkpoint.resume=none to start over (or restore the file)"
+        )
+        raise UserError(
+            f"{path} is damaged and cannot be read ({type(exc).__name__}: {str(exc)[:200]}), so checkpoint {ckpt.name} "
+            f"cannot be resumed from. Fix: {way_back}."
+        ) from None
 
 
 def _changes(cfg: Any, state: dict, world: int, train_prompts: int) -> list[str]:
@@ -436,6 +491,7 @@ def export(checkpoint: str | Path, out: str | Path) -> Path:
     The copy is made in a temporary directory and renamed, so `out` is either complete or absent.
     """
     src = resolve_model_dir(checkpoint)
+    _verify_model_dir(src)
     out = Path(out).expanduser()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"export target '{out}' exists and is not empty. Fix: choose a new directory or remove it.")
@@ -447,6 +503,83 @@ def export(checkpoint: str | Path, out: str | Path) -> Path:
         out.rmdir()
     os.replace(tmp, out)
     return out
+
+
+def _verify_model_dir(model_dir: Path) -> None:
+    """Every weight file of `model_dir` reads back whole and config.json parses (a UserError otherwise)."""
+    from safetensors.torch import load_file
+
+    _read(model_dir / "config.json", lambda p: json.loads(p.read_text()))
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise UserError(f"{model_dir} holds no *.safetensors weights, so there is nothing to export. Fix: export a checkpoint written by postrl.")
+    for f in files:
+        _read(f, lambda p: load_file(str(p)))
+
+
+# ------------------------------------------------------------------------------ the run directory
+
+
+def check_run_dirs(cfg: Any) -> None:
+    """logging.dir and checkpoint.dir must be writable directories: found now, not at the first save."""
+    problems = []
+    for key, value in (("logging.dir", cfg.logging.dir), ("checkpoint.dir", cfg.checkpoint.dir)):
+        path = Path(value)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            probe = path / f".postrl_write_test_{os.getpid()}"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as exc:
+            what = "is a file, not a directory" if path.is_file() or any(p.is_file() for p in path.parents) else f"is not writable ({exc.strerror})"
+            problems.append(
+                f"{key} '{value}' {what}: the run would train and then lose everything at its first save. "
+                f"Fix: point {key} at a directory you can write to."
+            )
+    if problems:
+        raise UserError(*problems, title="the run directories cannot be written")
+
+
+class RunLock:
+    """An exclusive lock on a run directory, so that two runs never share checkpoints and metrics.
+
+    flock on <logging.dir>/.postrl.lock: released by the kernel when the process ends, however it ends,
+    so a crashed run never leaves a stale lock behind. The file says who holds it. Within one process
+    a later Trainer on the same directory takes the lock over (runs in one process are sequential).
+    """
+
+    NAME = ".postrl.lock"
+    _held: dict[Path, Any] = {}  # run directory -> the open lock file of this process
+
+    def __init__(self, run_dir: str | Path):
+        import fcntl
+
+        self.path = (Path(run_dir) / self.NAME).resolve()
+        if self.path in RunLock._held and not RunLock._held[self.path].closed:
+            self.file = RunLock._held[self.path]
+            return
+        self.file = open(self.path, "a+")
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.file.seek(0)
+            holder = self.file.read().strip() or "another process"
+            self.file.close()
+            raise UserError(
+                f"the run directory {run_dir} is in use by {holder}. Two runs on one directory would overwrite "
+                "each other's checkpoints and write every step twice into metrics.jsonl. Fix: wait for that run to "
+                "finish (or stop it), or give this run its own logging.dir."
+            ) from None
+        self.file.seek(0)
+        self.file.truncate()
+        self.file.write(f"pid {os.getpid()} on {socket.gethostname()} ({' '.join(sys.argv[:3])})\n")
+        self.file.flush()
+        RunLock._held[self.path] = self.file
+
+    def release(self) -> None:
+        RunLock._held.pop(self.path, None)
+        if not self.file.closed:
+            self.file.close()  # closing drops the flock
 
 
 def describe(path: Path) -> dict[str, Any]:

@@ -16,7 +16,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from rich.console import Console  # noqa: E402
 
-from postrl.errors import UserError  # noqa: E402
+from postrl.errors import Stopped, UserError  # noqa: E402
 
 console = Console()
 
@@ -158,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/yellow]")
         return 130
+    except Stopped as exc:  # SIGTERM / SIGINT: the trainer saved a checkpoint and said so
+        return 128 + exc.signum
 
 
 if __name__ == "__main__":

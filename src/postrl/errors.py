@@ -15,3 +15,11 @@ class UserError(Exception):
         self.problems = [p for p in problems if p]
         self.title = title
         super().__init__("\n".join(self.problems))
+
+
+class Stopped(Exception):
+    """The run stopped on a signal (SIGTERM, SIGINT) after saving a checkpoint; the CLI exits 128 + signum."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped on signal {signum}")
+        self.signum = signum

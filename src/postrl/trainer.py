@@ -12,6 +12,9 @@ then only composes them; formulas live in algorithms.py, files in checkpoint.py.
 from __future__ import annotations
 
 import copy
+import os
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +25,7 @@ from postrl import checkpoint, distributed
 from postrl.actor import Actor, Packed, lr_lambda  # noqa: F401  (lr_lambda: shared with sft)
 from postrl.config import Config
 from postrl.data.dataset import PromptSampler, load_prompts
+from postrl.errors import Stopped
 from postrl.evaluate import evaluate, load_val_sets
 from postrl.experience import Batch, Experience
 from postrl.metrics import MetricsLogger, Timer, plot_run, summary_stats, throughput
@@ -42,6 +46,8 @@ class Trainer:
         self.console = console or Console()
         if not rt.is_main:
             self.console = Console(quiet=True)  # rank 0 prints for the run
+        checkpoint.check_run_dirs(cfg)  # before the model loads: a bad directory costs nothing yet
+        self.lock = checkpoint.RunLock(cfg.logging.dir) if rt.is_main else None
         self.algo_name = cfg.algorithm.name
         self.G = cfg.rollout.n_samples_per_prompt
         seed_everything(cfg.train.seed)
@@ -100,7 +106,7 @@ class Trainer:
             TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             TimeRemainingColumn(), console=self.console, disable=not cfg.logging.progress, transient=True,
         )  # fmt: skip
-        with progress:
+        with progress, _StopOnSignal() as stop:
             task = progress.add_task(f"{self.algo_name} training", total=cfg.train.total_steps, completed=self.step)
             while self.step < cfg.train.total_steps:
                 metrics = self.train_step()
@@ -116,6 +122,8 @@ class Trainer:
                     progress.console.print(self._step_line(metrics))
                 progress.update(task, completed=self.step)
                 last = metrics
+                if distributed.all_reduce_max(stop.signum):  # every rank stops after the same step
+                    self._stop_for_signal(stop.signum)
         final: dict[str, float] = {}
         if cfg.eval.after_train and self.val_sets:
             final = self.validate()
@@ -147,10 +155,25 @@ class Trainer:
                 self.engine.sync_weights(self.model)
         return self._step_metrics(batch, gen_stats, update_stats)
 
+    def _stop_for_signal(self, signum: int) -> None:
+        """Preemption (SIGTERM) or Ctrl-C: checkpoint the finished step, release everything, exit cleanly."""
+        cfg = self.cfg
+        if not (cfg.checkpoint.save_freq and self.step % cfg.checkpoint.save_freq == 0):
+            checkpoint.save(cfg, self.state_dict())
+        self.close()
+        name = signal.Signals(signum).name if signum > 0 else "a stop signal"
+        self.log(
+            f"[yellow]{name} received: stopped after step {self.step} with a checkpoint in {cfg.checkpoint.dir}; "
+            "run the same command again to continue (checkpoint.resume: auto).[/yellow]"
+        )
+        raise Stopped(signum)
+
     def close(self) -> None:
         self.logger.close()
         self.reward_fn.close()
         self.engine.close()
+        if self.lock is not None:
+            self.lock.release()
 
     # ------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -236,6 +259,34 @@ class Trainer:
             out.update(evaluate(self.engine, self.tokenizer, self.reward_fn, examples, self.cfg.eval, name, self.cfg.train.seed))
         out["timing/eval"] = time.perf_counter() - start
         return out
+
+
+class _StopOnSignal:
+    """SIGTERM / SIGINT set a flag that the loop reads after each step; a second one stops at once.
+
+    A scheduler sends SIGTERM before it preempts a job: the step in flight finishes (its length
+    bounds the wait), a checkpoint is written, and the run exits cleanly. Only the main thread can
+    install handlers; elsewhere (a Ray worker thread) signals keep their default meaning.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __enter__(self) -> "_StopOnSignal":
+        self.signum = 0
+        self.previous = {}
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:  # noqa: ARG002
+        if self.signum:  # asked twice: stop now, the last checkpoint stays the one to resume from
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        self.signum = signum
+
+    def __exit__(self, *exc: Any) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
 
 
 def train(cfg: Config, console: Any = None) -> dict[str, float]:
