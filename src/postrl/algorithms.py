@@ -40,6 +40,21 @@ def _unknown(kind: str, name: str, valid) -> ValueError:
     return ValueError(f"unknown {kind} '{name}'; valid: {', '.join(valid)}")
 
 
+def _lookup(table: dict, kind: str, name: str):
+    if name not in table:
+        raise _unknown(kind, name, table)
+    return table[name]
+
+
+def _register_into(table: dict, kind: str, name: str) -> Callable:
+    def deco(fn):
+        assert name not in table, f"{kind} '{name}' is registered twice"
+        table[name] = fn
+        return fn
+
+    return deco
+
+
 # ------------------------------------------------------------------------------------- advantages
 
 
@@ -54,20 +69,12 @@ ADV_ESTIMATORS: dict[str, AdvEstimator] = {}
 
 def register_adv_estimator(name: str) -> Callable[[AdvEstimator], AdvEstimator]:
     """Register an advantage estimator under `name` (decorator)."""
-
-    def deco(fn: AdvEstimator) -> AdvEstimator:
-        assert name not in ADV_ESTIMATORS, f"advantage estimator '{name}' is registered twice"
-        ADV_ESTIMATORS[name] = fn
-        return fn
-
-    return deco
+    return _register_into(ADV_ESTIMATORS, "advantage estimator", name)
 
 
 def get_adv_estimator(name: str) -> AdvEstimator:
     """The estimator registered as `name`; a ValueError lists the valid names otherwise."""
-    if name not in ADV_ESTIMATORS:
-        raise _unknown("advantage estimator", name, ADV_ESTIMATORS)
-    return ADV_ESTIMATORS[name]
+    return _lookup(ADV_ESTIMATORS, "advantage estimator", name)
 
 
 def _groups(rewards_B: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -210,20 +217,21 @@ POLICY_LOSSES: dict[str, PolicyLossFn] = {}
 
 def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Register a per-token policy loss under `name` (decorator)."""
-
-    def deco(fn: PolicyLossFn) -> PolicyLossFn:
-        assert name not in POLICY_LOSSES, f"policy loss '{name}' is registered twice"
-        POLICY_LOSSES[name] = fn
-        return fn
-
-    return deco
+    return _register_into(POLICY_LOSSES, "policy loss", name)
 
 
 def get_policy_loss_fn(name: str) -> PolicyLossFn:
     """The policy loss registered as `name`; a ValueError lists the valid names otherwise."""
-    if name not in POLICY_LOSSES:
-        raise _unknown("policy loss", name, POLICY_LOSSES)
-    return POLICY_LOSSES[name]
+    return _lookup(POLICY_LOSSES, "policy loss", name)
+
+
+def _clipped_surrogate(
+    ratio_BT: torch.Tensor, adv_BT: torch.Tensor, clip_ratio_low: float, clip_ratio_high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)) and where the clipped term is the active one."""
+    loss_unclipped_BT = -adv_BT * ratio_BT
+    loss_clipped_BT = -adv_BT * torch.clamp(ratio_BT, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    return torch.maximum(loss_unclipped_BT, loss_clipped_BT), loss_clipped_BT > loss_unclipped_BT
 
 
 def _loss_stats(
@@ -257,11 +265,7 @@ def policy_loss(
     """
     mask_BT = mask_BT.to(logp_BT.dtype)
     log_ratio_BT = torch.clamp(logp_BT - old_logp_BT, -20.0, 20.0)
-    ratio_BT = torch.exp(log_ratio_BT)
-    loss_unclipped_BT = -adv_BT * ratio_BT
-    loss_clipped_BT = -adv_BT * torch.clamp(ratio_BT, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    loss_BT = torch.maximum(loss_unclipped_BT, loss_clipped_BT)
-    clipped_BT = loss_clipped_BT > loss_unclipped_BT
+    loss_BT, clipped_BT = _clipped_surrogate(torch.exp(log_ratio_BT), adv_BT, clip_ratio_low, clip_ratio_high)
     lower_BT = torch.zeros_like(loss_BT)
     if clip_ratio_c is not None:
         assert clip_ratio_c > 1.0, f"clip_ratio_c must be > 1, got {clip_ratio_c}"
@@ -298,10 +302,7 @@ def gspo_policy_loss(
     seq_log_ratio_B = (log_ratio_BT * mask_BT).sum(-1) / mask_BT.sum(-1).clamp(min=1)
     seq_log_ratio_B = torch.clamp(seq_log_ratio_B, -20.0, 20.0).detach()
     ratio_BT = torch.exp(logp_BT - logp_BT.detach() + seq_log_ratio_B[:, None])  # [B, T], s_i on every token
-    loss_unclipped_BT = -adv_BT * ratio_BT
-    loss_clipped_BT = -adv_BT * torch.clamp(ratio_BT, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    loss_BT = torch.maximum(loss_unclipped_BT, loss_clipped_BT)
-    clipped_BT = loss_clipped_BT > loss_unclipped_BT
+    loss_BT, clipped_BT = _clipped_surrogate(ratio_BT, adv_BT, clip_ratio_low, clip_ratio_high)
     return loss_BT, _loss_stats(clipped_BT, torch.zeros_like(loss_BT), log_ratio_BT, mask_BT)
 
 
@@ -375,12 +376,11 @@ def rollout_correction(
     response tokens): rollout_corr/weight_mean, rollout_corr/weight_max, and rollout_corr/capped_frac
     (token share above the cap) or rollout_corr/masked_frac (share of sequences masked out).
     """
-    if level not in ROLLOUT_CORRECTIONS:
-        raise _unknown("rollout correction level", level, ROLLOUT_CORRECTIONS)
+    correct = _lookup(ROLLOUT_CORRECTIONS, "rollout correction level", level)
     assert cap > 1.0, f"the rollout correction cap must be > 1, got {cap}"
     mask_BT = mask_BT.to(old_logp_BT.dtype)
     log_w_BT = torch.clamp(old_logp_BT - engine_logp_BT, -20.0, 20.0).detach()
-    weight_BT, extra = ROLLOUT_CORRECTIONS[level](log_w_BT, mask_BT, cap)
+    weight_BT, extra = correct(log_w_BT, mask_BT, cap)
     valid_BT = mask_BT > 0
     stats = {
         "rollout_corr/weight_mean": masked_mean(weight_BT, mask_BT),
@@ -441,8 +441,7 @@ def aggregate_loss(
     seq-mean-token-sum       sum(m l) / num_seqs
     seq-mean-token-sum-norm  sum(m l) / (num_seqs * max_response_len)
     """
-    if mode not in LOSS_AGGREGATIONS:
-        raise _unknown("loss_agg_mode", mode, LOSS_AGGREGATIONS)
+    aggregate = _lookup(LOSS_AGGREGATIONS, "loss_agg_mode", mode)
     mask_BT = mask_BT.to(loss_BT.dtype)
     if num_tokens is None:
         num_tokens = float(mask_BT.sum().clamp(min=1))
@@ -450,7 +449,7 @@ def aggregate_loss(
         num_seqs = float(mask_BT.shape[0])
     if max_response_len is None:
         max_response_len = mask_BT.shape[1]
-    return LOSS_AGGREGATIONS[mode](loss_BT, mask_BT, max(num_tokens, 1.0), max(num_seqs, 1.0), max_response_len)
+    return aggregate(loss_BT, mask_BT, max(num_tokens, 1.0), max(num_seqs, 1.0), max_response_len)
 
 
 # ------------------------------------------------------------------------------------ KL, entropy
@@ -488,9 +487,7 @@ def kl_penalty(logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor, estimator: str 
     k1 = -d; abs = |d|; k2 = d^2 / 2; k3 (low_var_kl, Schulman 2020) = exp(d') - d' - 1 with
     d' = clamp(d, -20, 20), clamped to [-10, 10].
     """
-    if estimator not in KL_ESTIMATORS:
-        raise _unknown("KL estimator", estimator, KL_ESTIMATORS)
-    return KL_ESTIMATORS[estimator](ref_logp_BT - logp_BT)
+    return _lookup(KL_ESTIMATORS, "KL estimator", estimator)(ref_logp_BT - logp_BT)
 
 
 def entropy_from_logits(logits_BTV: torch.Tensor) -> torch.Tensor:
