@@ -14,15 +14,28 @@ import pytest
 import torch
 
 from postrl.algorithms import (
+    ADV_ESTIMATORS,
+    KL_ESTIMATORS,
     LOSS_AGGREGATIONS,
+    POLICY_LOSSES,
+    ROLLOUT_CORRECTIONS,
     aggregate_loss,
+    cispo_policy_loss,
+    drgrpo_advantages,
     entropy_from_logits,
+    get_adv_estimator,
+    get_policy_loss_fn,
     grpo_advantages,
     group_keep_mask,
+    gspo_policy_loss,
     kl_penalty,
     loss_normalizers,
     overlong_penalty,
     policy_loss,
+    reinforce_plus_plus_advantages,
+    reinforce_plus_plus_baseline_advantages,
+    rloo_advantages,
+    rollout_correction,
 )
 
 F64 = torch.float64
@@ -103,6 +116,105 @@ def test_grpo_advantages_rejects_bad_group_size():
         grpo_advantages(t([1.0, 0.0]), group_size=1)
     with pytest.raises(AssertionError):
         grpo_advantages(t([1.0, 0.0, 1.0]), group_size=2)
+
+
+# A reward that float32 cannot represent: the mean of three copies is not the value itself, so a
+# naive R - mean(R) leaves a rounding error that the std division blows up (~0.03 for GRPO).
+NON_REPRESENTABLE = 0.48918265
+
+
+def test_non_representable_uniform_reward_really_leaves_a_rounding_error():
+    # guard for the tests below: the naive float32 computation is not 0 on this input
+    rewards_BG = torch.tensor([[NON_REPRESENTABLE] * 3])
+    centered_BG = rewards_BG - rewards_BG.mean(dim=1, keepdim=True)
+    assert centered_BG.abs().max() > 0
+    assert (centered_BG / (rewards_BG.std(dim=1, keepdim=True) + 1e-6)).abs().max() > 0.01
+
+
+@pytest.mark.parametrize("name", ["grpo", "drgrpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"])
+@pytest.mark.parametrize("norm_adv_by_std", [True, False])
+def test_uniform_groups_give_exactly_zero_advantage(name, norm_adv_by_std):
+    fn = get_adv_estimator(name)
+    for group_size in (2, 3, 5):
+        rewards_B = torch.full((2 * group_size,), NON_REPRESENTABLE)  # float32, two uniform groups
+        adv_B = fn(rewards_B, group_size, norm_adv_by_std=norm_adv_by_std)
+        assert adv_B.dtype == torch.float32 and adv_B.shape == (2 * group_size,)
+        assert torch.equal(adv_B, torch.zeros(2 * group_size)), (name, group_size, adv_B)
+
+
+@pytest.mark.parametrize("name", ["grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline"])
+def test_uniform_group_is_zero_next_to_a_mixed_group(name):
+    # group 0 is uniform at a non-representable value, group 1 = (0, 1, 1) has spread
+    rewards_B = torch.tensor([NON_REPRESENTABLE] * 3 + [0.0, 1.0, 1.0])
+    adv_B = get_adv_estimator(name)(rewards_B, 3)
+    assert torch.equal(adv_B[:3], torch.zeros(3))
+    if name == "reinforce_plus_plus_baseline":
+        # R' = (0, 0, 0, -2/3, 1/3, 1/3): batch mean 0, sum of squares 6/9, unbiased var (2/3) / 5 = 2/15,
+        #   std 0.365148 -> A = R' / 0.365149 = (-1.825737, 0.912868, 0.912868)
+        close(adv_B[3:].double(), [(-2 / 3) / (math.sqrt(2 / 15) + 1e-6), (1 / 3) / (math.sqrt(2 / 15) + 1e-6)] + [
+            (1 / 3) / (math.sqrt(2 / 15) + 1e-6)])
+    else:
+        # the mixed group is untouched: the same advantages as when it stands alone
+        assert torch.equal(adv_B[3:], get_adv_estimator(name)(rewards_B[3:], 3))
+
+
+def test_drgrpo_centres_and_ignores_norm_flag():
+    # group 0: mean 0.25 -> 0.75, -0.25 x 3; group 1 (0, 4, 2, 2): mean 2 -> -2, 2, 0, 0 (std 1.63 is not used)
+    rewards_B = t([1, 0, 0, 0, 0, 4, 2, 2])
+    expected = [0.75, -0.25, -0.25, -0.25, -2.0, 2.0, 0.0, 0.0]
+    close(drgrpo_advantages(rewards_B, 4).double(), expected)
+    close(drgrpo_advantages(rewards_B, 4, norm_adv_by_std=True, epsilon=0.5).double(), expected)
+
+
+def test_rloo_leave_one_out_baseline():
+    # group 0 (1, 0, 0, 0): A_0 = 1 - (0 + 0 + 0) / 3 = 1; A_j = 0 - (1 + 0 + 0) / 3 = -1/3
+    # group 1 (0, 4, 2, 2): A_0 = 0 - 8/3 = -2.666667; A_1 = 4 - 4/3 = 2.666667; A_2 = 2 - 6/3 = 0; A_3 = 0
+    #   (= G / (G - 1) x (R - mean): 4/3 x (-2, 2, 0, 0); GRPO's Dr. variant would give -2, 2, 0, 0)
+    adv_B = rloo_advantages(t([1, 0, 0, 0, 0, 4, 2, 2]), 4)
+    close(adv_B.double(), [1.0, -1 / 3, -1 / 3, -1 / 3, -8 / 3, 8 / 3, 0.0, 0.0])
+    # G = 2: (1, 0) -> 1 - 0 = 1, 0 - 1 = -1 (twice Dr. GRPO's +-0.5); norm_adv_by_std is ignored
+    close(rloo_advantages(t([1, 0]), 2, norm_adv_by_std=True).double(), [1.0, -1.0])
+    with pytest.raises(AssertionError):
+        rloo_advantages(t([1.0, 0.0, 1.0]), 2)
+
+
+def test_reinforce_plus_plus_normalises_over_the_whole_batch():
+    # rewards (1, 1 | 0, 1), groups ignored: mean 0.75, deviations (0.25, 0.25, -0.75, 0.25),
+    #   sum of squares 3 x 0.0625 + 0.5625 = 0.75, unbiased var 0.75 / 3 = 0.25, std 0.5
+    #   -> A = (0.25, 0.25, -0.75, 0.25) / 0.500001 = (0.499999, 0.499999, -1.499997, 0.499999)
+    # the uniform group (1, 1) gets a non-zero advantage: there are no groups (GRPO would give 0, 0)
+    adv_B = reinforce_plus_plus_advantages(t([1, 1, 0, 1]), 2)
+    close(adv_B.double(), [0.25 / 0.500001, 0.25 / 0.500001, -0.75 / 0.500001, 0.25 / 0.500001])
+    # the same with any group size: 4 or 1 changes nothing
+    assert torch.equal(reinforce_plus_plus_advantages(t([1, 1, 0, 1]), 4), adv_B)
+    # norm_adv_by_std=False only centres: (0.25, 0.25, -0.75, 0.25)
+    close(reinforce_plus_plus_advantages(t([1, 1, 0, 1]), 2, norm_adv_by_std=False).double(), [0.25, 0.25, -0.75, 0.25])
+
+
+def test_reinforce_plus_plus_baseline_group_mean_then_batch_std():
+    # rewards (1, 1 | 0, 1): R' = R - group mean = (0, 0 | -0.5, 0.5); batch std of R': mean 0,
+    #   sum of squares 0.5, unbiased var 0.5 / 3 = 1/6, std 0.408248 -> A = +-0.5 / 0.408249 = +-1.224742
+    #   (GRPO's group std would give +-0.5 / 0.707108 = +-0.707106; REINFORCE++ would not zero group 0)
+    adv_B = reinforce_plus_plus_baseline_advantages(t([1, 1, 0, 1]), 2)
+    a = 0.5 / (math.sqrt(1 / 6) + 1e-6)
+    close(adv_B.double(), [0.0, 0.0, -a, a])
+    close(reinforce_plus_plus_baseline_advantages(t([1, 1, 0, 1]), 2, norm_adv_by_std=False).double(),
+          [0.0, 0.0, -0.5, 0.5])
+
+
+def test_estimator_registry_by_name():
+    assert sorted(ADV_ESTIMATORS) == sorted(
+        ["grpo", "drgrpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
+    )
+    assert get_adv_estimator("grpo") is grpo_advantages and get_adv_estimator("rloo") is rloo_advantages
+    # every estimator takes the common signature: rewards, group size, keyword norm flag and epsilon
+    for name, fn in ADV_ESTIMATORS.items():
+        adv_B = fn(torch.tensor([1.0, 0.0, 0.0, 1.0]), 2, norm_adv_by_std=True, epsilon=1e-6)
+        assert adv_B.shape == (4,) and adv_B.dtype == torch.float32, name
+    with pytest.raises(ValueError, match="unknown advantage estimator 'gae'") as excinfo:
+        get_adv_estimator("gae")
+    for name in ADV_ESTIMATORS:
+        assert name in str(excinfo.value)
 
 
 # ------------------------------------------------------------------------------------ policy loss
@@ -209,6 +321,183 @@ def test_policy_loss_stats_on_masked_batch():
     # ppo_kl = mean(logp_old - logp) = -(ln 1.5 + ln 1.1 + ln 0.5 + ln 5 + ln 0.5) / 5 = -ln(2.0625) / 5 = -0.144784
     close(stats["ppo_kl"], -math.log(2.0625) / 5)
     assert all(not v.requires_grad for v in stats.values())
+
+
+# ------------------------------------------------------------------------------- GSPO, CISPO, registry
+
+
+def test_policy_loss_registry_by_name():
+    assert sorted(POLICY_LOSSES) == ["cispo", "gspo", "vanilla"]
+    assert get_policy_loss_fn("vanilla") is policy_loss  # `policy_loss` stays the name of the vanilla loss
+    assert get_policy_loss_fn("gspo") is gspo_policy_loss and get_policy_loss_fn("cispo") is cispo_policy_loss
+    with pytest.raises(ValueError, match="unknown policy loss 'ppo'") as excinfo:
+        get_policy_loss_fn("ppo")
+    for name in POLICY_LOSSES:
+        assert name in str(excinfo.value)
+
+
+# one sequence of three tokens, the last masked: logp - logp_old = (0.1, 0.3, 5.0)
+GSPO_LOG_RATIO_BT = [[0.1, 0.3, 5.0]]
+GSPO_MASK_BT = [[1, 1, 0]]
+PAPER_EPS = dict(clip_ratio_low=3e-4, clip_ratio_high=4e-4)
+
+
+def gspo(log_ratio_BT, adv: float, mask_BT=GSPO_MASK_BT, **eps):
+    logp_BT = t(log_ratio_BT).requires_grad_(True)
+    adv_BT = torch.full_like(logp_BT, adv)
+    loss_BT, stats = gspo_policy_loss(logp_BT, torch.zeros_like(logp_BT), adv_BT, t(mask_BT), **eps)
+    (loss_BT * t(mask_BT)).sum().backward()
+    return loss_BT.detach(), logp_BT.grad, stats
+
+
+def test_gspo_sequence_ratio_is_the_geometric_mean_over_valid_tokens():
+    # s = exp((0.1 + 0.3) / 2) = e^0.2 = 1.221403 (the masked 5.0 does not count: with it, e^1.8 = 6.05);
+    # the per-token ratios' mean (e^0.1 + e^0.3) / 2 = 1.227507 would be the token-level view.
+    # eps 0.2 / 0.28: 1.2214 < 1.28, so A = -1 -> l = +1.221403 on every token, A = +1 -> -1.221403
+    s = math.exp(0.2)
+    loss_BT, grad_BT, stats = gspo(GSPO_LOG_RATIO_BT, -1.0, clip_ratio_low=0.2, clip_ratio_high=0.28)
+    close(loss_BT, [[s, s, s]])
+    # d l_t / d logp_t = -A s_i = s (each token's gradient carries the whole sequence's ratio, not s / |y|)
+    close(grad_BT, [[s, s, 0.0]])
+    close(stats["pg_clipfrac"], 0.0)
+    # ppo_kl = mean over valid tokens of (logp_old - logp) = -(0.1 + 0.3) / 2 = -0.2
+    close(stats["ppo_kl"], -0.2)
+    loss_BT, grad_BT, _ = gspo(GSPO_LOG_RATIO_BT, +1.0, clip_ratio_low=0.2, clip_ratio_high=0.28)
+    close(loss_BT, [[-s, -s, -s]])
+    close(grad_BT, [[-s, -s, 0.0]])
+
+
+def test_gspo_paper_clip_range_clips_whole_sequences():
+    s = math.exp(0.2)  # 1.221403, far outside [1 - 3e-4, 1 + 4e-4] = [0.9997, 1.0004]
+    # A = +1: max(-1.221403, -1.0004) = -1.0004, clipped: no gradient, both valid tokens count as clipped
+    loss_BT, grad_BT, stats = gspo(GSPO_LOG_RATIO_BT, +1.0, **PAPER_EPS)
+    close(loss_BT, [[-1.0004] * 3])
+    close(grad_BT, [[0.0, 0.0, 0.0]])
+    close(stats["pg_clipfrac"], 1.0)
+    assert stats["pg_clipfrac_lower"].item() == 0.0
+    # A = -1: max(1.221403, 1.0004) = 1.221403, pessimistic side: not clipped, gradient s
+    loss_BT, grad_BT, stats = gspo(GSPO_LOG_RATIO_BT, -1.0, **PAPER_EPS)
+    close(loss_BT, [[s] * 3])
+    close(grad_BT, [[s, s, 0.0]])
+    close(stats["pg_clipfrac"], 0.0)
+    # lower side, log-ratios (-0.1, -0.3): s = e^-0.2 = 0.818731
+    #   A = -1: max(0.818731, 0.9997) = 0.9997, clipped; A = +1: max(-0.818731, -0.9997) = -0.818731
+    loss_BT, grad_BT, stats = gspo([[-0.1, -0.3, 0.0]], -1.0, **PAPER_EPS)
+    close(loss_BT, [[0.9997] * 3])
+    close(grad_BT, [[0.0, 0.0, 0.0]])
+    close(stats["pg_clipfrac"], 1.0)
+    loss_BT, _, _ = gspo([[-0.1, -0.3, 0.0]], +1.0, **PAPER_EPS)
+    close(loss_BT, [[-math.exp(-0.2)] * 3])
+
+
+def test_gspo_ratio_per_sequence_and_dual_clip_ignored():
+    # row 0: log-ratios (0.1, 0.3 | masked) -> s = e^0.2; row 1: (0.6, 0.0, -0.3), all valid -> s = e^0.1
+    # A = -1 everywhere, eps 0.2 / 0.28, c = 1.1 (would bind for vanilla at r > 1.1; GSPO ignores it)
+    logp_BT = t([[0.1, 0.3, 0.0], [0.6, 0.0, -0.3]])
+    mask_BT = t([[1, 1, 0], [1, 1, 1]])
+    loss_BT, stats = gspo_policy_loss(logp_BT, torch.zeros(2, 3, dtype=F64), -torch.ones(2, 3, dtype=F64), mask_BT,
+                                      clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=1.1)
+    close(loss_BT, [[math.exp(0.2)] * 3, [math.exp(0.1)] * 3])
+    assert stats["pg_clipfrac_lower"].item() == 0.0
+    # a log-ratio of 1000 on a valid token: the mean is clamped at 20, the loss stays finite
+    loss_BT, _ = gspo_policy_loss(t([[1000.0]]), t([[0.0]]), t([[-1.0]]), t([[1.0]]), **PAPER_EPS)
+    close(loss_BT, [[math.exp(20.0)]], atol=1e-3)
+
+
+def cispo_case():
+    # (p, p_old, A): r = 0.5 / 0.25 = 2, A = +1; r = 0.2 / 0.4 = 0.5, A = -1; r = 0.55 / 0.5 = 1.1, A = +2
+    logp_BT = t([[math.log(0.5), math.log(0.2), math.log(0.55)]]).requires_grad_(True)
+    old_logp_BT = t([[math.log(0.25), math.log(0.4), math.log(0.5)]])
+    adv_BT = t([[1.0, -1.0, 2.0]])
+    return logp_BT, old_logp_BT, adv_BT, torch.ones(1, 3)
+
+
+def test_cispo_clips_the_weight_and_keeps_every_gradient():
+    logp_BT, old_logp_BT, adv_BT, mask_BT = cispo_case()
+    loss_BT, stats = cispo_policy_loss(logp_BT, old_logp_BT, adv_BT, mask_BT, clip_ratio_low=0.2, clip_ratio_high=0.28)
+    # w = sg(clip(r, 0.8, 1.28)) = (1.28, 0.8, 1.1); l = -w A logp:
+    #   -1.28 x 1 x ln 0.5 = 0.887228;  -0.8 x (-1) x ln 0.2 = -1.287550;  -1.1 x 2 x ln 0.55 = 1.315241
+    close(loss_BT, [[-1.28 * math.log(0.5), 0.8 * math.log(0.2), -2.2 * math.log(0.55)]])
+    loss_BT.sum().backward()
+    # gradient -w A: (-1.28, 0.8, -2.2); the first token is clipped (r = 2 > 1.28) yet still learns
+    close(logp_BT.grad, [[-1.28, 0.8, -2.2]])
+    # weights truncated on tokens 1 (2 > 1.28) and 2 (0.5 < 0.8): 2 of 3
+    close(stats["pg_clipfrac"], 2 / 3)
+    assert stats["pg_clipfrac_lower"].item() == 0.0
+    # vanilla PPO on the same tokens: r = 2 with A = +1 and r = 0.5 with A = -1 are clipped -> zero gradient
+    logp_BT, old_logp_BT, adv_BT, mask_BT = cispo_case()
+    loss_BT, _ = policy_loss(logp_BT, old_logp_BT, adv_BT, mask_BT, clip_ratio_low=0.2, clip_ratio_high=0.28)
+    loss_BT.sum().backward()
+    close(logp_BT.grad, [[0.0, 0.0, -2.2]])  # -A r = -2 x 1.1 on the third token
+
+
+def test_cispo_on_policy_gradient_equals_vanilla():
+    # at r = 1 the weight is 1: d(-A logp) = -A = d(-A r) for PPO (d r / d logp = r = 1)
+    gen = torch.Generator().manual_seed(3)
+    logp0_BT = -torch.rand(3, 5, generator=gen, dtype=F64) * 3
+    adv_BT = torch.randn(3, 1, generator=gen, dtype=F64).expand(3, 5)
+    grads = []
+    for fn in (policy_loss, cispo_policy_loss):
+        logp_BT = logp0_BT.clone().requires_grad_(True)
+        loss_BT, _ = fn(logp_BT, logp0_BT, adv_BT, torch.ones(3, 5), clip_ratio_low=0.2, clip_ratio_high=0.28)
+        loss_BT.sum().backward()
+        grads.append(logp_BT.grad)
+    close(grads[1], grads[0])
+    close(grads[0], -adv_BT)
+
+
+# ----------------------------------------------------------------------------- rollout correction
+
+
+def test_rollout_correction_token_level_truncates():
+    # p - q = ln of (1.5, 0.5, 1.2 | masked 10), cap 2: w = (1.5, 0.5, 1.2, 2)
+    ratio_BT = t([[1.5, 0.5, 1.2, 10.0]])
+    old_logp_BT = ratio_BT.log().requires_grad_(True)
+    weight_BT, stats = rollout_correction(old_logp_BT, torch.zeros(1, 4, dtype=F64), t([[1, 1, 1, 0]]), level="token", cap=2.0)
+    close(weight_BT, [[1.5, 0.5, 1.2, 2.0]])
+    assert not weight_BT.requires_grad
+    # over the 3 valid tokens: mean (1.5 + 0.5 + 1.2) / 3 = 1.066667, max 1.5 (2 if the masked token counted),
+    # capped share 0 (1/4 if the masked token counted)
+    close(stats["rollout_corr/weight_mean"], 3.2 / 3)
+    close(stats["rollout_corr/weight_max"], 1.5)
+    close(stats["rollout_corr/capped_frac"], 0.0)
+    # ratios (3, 0.25), cap 2 -> w = (2, 0.25): mean 1.125, max 2, capped 1 of 2
+    weight_BT, stats = rollout_correction(t([[math.log(3.0), math.log(0.25)]]), torch.zeros(1, 2, dtype=F64),
+                                          torch.ones(1, 2), level="token", cap=2.0)
+    close(weight_BT, [[2.0, 0.25]])
+    close(stats["rollout_corr/weight_mean"], 1.125)
+    close(stats["rollout_corr/weight_max"], 2.0)
+    close(stats["rollout_corr/capped_frac"], 0.5)
+
+
+def test_rollout_correction_sequence_level_masks():
+    # cap 2: keep a sequence iff 1/2 <= rho <= 2, i.e. |sum_t (p - q)| <= ln 2 = 0.693147
+    # row 0: 0.3 + 0.3 = 0.6 -> rho 1.822 kept;  row 1: 0.5 + 0.3 = 0.8 -> rho 2.226 masked
+    # row 2: -0.5 - 0.3 = -0.8 -> rho 0.449 masked;  row 3: -0.3 (+ masked 5.0, which must not count) -> 0.741 kept
+    diff_BT = t([[0.3, 0.3], [0.5, 0.3], [-0.5, -0.3], [-0.3, 5.0]])
+    mask_BT = t([[1, 1], [1, 1], [1, 1], [1, 0]])
+    weight_BT, stats = rollout_correction(diff_BT, torch.zeros(4, 2, dtype=F64), mask_BT, level="sequence", cap=2.0)
+    close(weight_BT, [[1.0, 1.0], [0.0, 0.0], [0.0, 0.0], [1.0, 1.0]])
+    close(stats["rollout_corr/masked_frac"], 0.5)  # 2 of 4 sequences
+    close(stats["rollout_corr/weight_mean"], 3 / 7)  # 3 kept valid tokens of 7
+    close(stats["rollout_corr/weight_max"], 1.0)
+    # a huge per-token gap is clamped to 20 and still masked, without inf / nan
+    weight_BT, stats = rollout_correction(t([[1e4, 1e4]]), t([[0.0, 0.0]]), torch.ones(1, 2), level="sequence", cap=2.0)
+    close(weight_BT, [[0.0, 0.0]])
+    assert all(torch.isfinite(v).all() for v in stats.values())
+
+
+def test_rollout_correction_unknown_level_and_bad_cap():
+    assert sorted(ROLLOUT_CORRECTIONS) == ["sequence", "token"]
+    with pytest.raises(ValueError, match="unknown rollout correction level 'geo'.*token.*sequence"):
+        rollout_correction(t([[0.0]]), t([[0.0]]), t([[1.0]]), level="geo", cap=2.0)
+    with pytest.raises(AssertionError, match="cap"):
+        rollout_correction(t([[0.0]]), t([[0.0]]), t([[1.0]]), level="token", cap=1.0)
+
+
+def test_kl_and_aggregation_names_live_in_their_registries():
+    assert sorted(KL_ESTIMATORS) == ["abs", "k1", "k2", "k3", "low_var_kl"]
+    assert sorted(LOSS_AGGREGATIONS) == sorted(LOSS_AGG_MODES)
 
 
 # ---------------------------------------------------------------------------------- aggregation
@@ -381,12 +670,20 @@ def _mini_batch():
     ref_logp_BT = logp_BT + 0.3 * torch.randn(B, T, generator=gen, dtype=F64)
     rewards_B = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0])
     adv_BT = grpo_advantages(rewards_B, group_size=4).to(F64)[:, None].expand(B, T)
-    return head, feats_BTH, tokens_BT, mask_BT, old_logp_BT, ref_logp_BT, adv_BT
+    # the rollout engine's log-probs, off the trainer's old ones (drawn last: the draws above are unchanged)
+    engine_logp_BT = old_logp_BT + 0.5 * torch.randn(B, T, generator=gen, dtype=F64)
+    return head, feats_BTH, tokens_BT, mask_BT, old_logp_BT, ref_logp_BT, adv_BT, engine_logp_BT
 
 
-def _accumulated_grad(mode: str, micro_batch_size: int, whole_batch_normalizers: bool = True):
-    """Gradient accumulation over micro-batches; returns (summed loss, flat gradient)."""
-    head, feats_BTH, tokens_BT, mask_BT, old_logp_BT, ref_logp_BT, adv_BT = _mini_batch()
+def _accumulated_grad(
+    mode: str, micro_batch_size: int, whole_batch_normalizers: bool = True, loss: str = "vanilla", level: str | None = None
+):
+    """Gradient accumulation over micro-batches; returns (summed loss, flat gradient).
+
+    `loss` names the policy loss; `level` (token / sequence) weights it by the rollout correction.
+    """
+    head, feats_BTH, tokens_BT, mask_BT, old_logp_BT, ref_logp_BT, adv_BT, engine_logp_BT = _mini_batch()
+    loss_fn = get_policy_loss_fn(loss)
     norms = loss_normalizers(mask_BT) if whole_batch_normalizers else {}
     total = 0.0
     n_micro = B // micro_batch_size
@@ -394,29 +691,33 @@ def _accumulated_grad(mode: str, micro_batch_size: int, whole_batch_normalizers:
         mb = slice(start, start + micro_batch_size)
         logits_BTV = head(feats_BTH[mb])
         logp_BT = torch.log_softmax(logits_BTV, -1).gather(-1, tokens_BT[mb, :, None]).squeeze(-1)
-        pg_BT, _ = policy_loss(logp_BT, old_logp_BT[mb], adv_BT[mb], mask_BT[mb], **CLIP)
+        pg_BT, _ = loss_fn(logp_BT, old_logp_BT[mb], adv_BT[mb], mask_BT[mb], **CLIP)
+        if level is not None:
+            pg_BT = pg_BT * rollout_correction(old_logp_BT[mb], engine_logp_BT[mb], mask_BT[mb], level=level, cap=2.0)[0]
         kl_BT = kl_penalty(logp_BT, ref_logp_BT[mb], "k3")
         ent_BT = entropy_from_logits(logits_BTV)
 
         def agg(x_BT):
             return aggregate_loss(x_BT, mask_BT[mb], mode, max_response_len=T, **norms)
 
-        loss = agg(pg_BT) + KL_COEF * agg(kl_BT) - ENTROPY_COEF * agg(ent_BT)
+        mb_loss = agg(pg_BT) + KL_COEF * agg(kl_BT) - ENTROPY_COEF * agg(ent_BT)
         if not whole_batch_normalizers:
-            loss = loss / n_micro  # the usual (wrong for unequal lengths) accumulation
-        loss.backward()
-        total += loss.item()
+            mb_loss = mb_loss / n_micro  # the usual (wrong for unequal lengths) accumulation
+        mb_loss.backward()
+        total += mb_loss.item()
     grad = torch.cat([head.weight.grad.flatten(), head.bias.grad.flatten()])
     return total, grad
 
 
-def _reference_loss(mode: str) -> float:
+def _reference_loss(mode: str, loss: str = "vanilla", level: str | None = None) -> float:
     """The mini-batch loss computed straight from DESIGN.md section 4, without aggregate_loss."""
-    head, feats_BTH, tokens_BT, mask_BT, old_logp_BT, ref_logp_BT, adv_BT = _mini_batch()
+    head, feats_BTH, tokens_BT, mask_BT, old_logp_BT, ref_logp_BT, adv_BT, engine_logp_BT = _mini_batch()
     with torch.no_grad():
         logits_BTV = head(feats_BTH)
         logp_BT = torch.log_softmax(logits_BTV, -1).gather(-1, tokens_BT[..., None]).squeeze(-1)
-        pg_BT, _ = policy_loss(logp_BT, old_logp_BT, adv_BT, mask_BT, **CLIP)
+        pg_BT, _ = get_policy_loss_fn(loss)(logp_BT, old_logp_BT, adv_BT, mask_BT, **CLIP)
+        if level is not None:
+            pg_BT = pg_BT * rollout_correction(old_logp_BT, engine_logp_BT, mask_BT, level=level, cap=2.0)[0]
         l_BT = pg_BT + KL_COEF * kl_penalty(logp_BT, ref_logp_BT, "k3") - ENTROPY_COEF * entropy_from_logits(logits_BTV)
     m_BT = mask_BT.to(F64)
     if mode == "token-mean":
@@ -431,7 +732,7 @@ def _reference_loss(mode: str) -> float:
 
 def test_mini_batch_exercises_every_clip_branch():
     # guard for the test below: its data must hit both clip sides and the dual clip
-    head, feats_BTH, tokens_BT, mask_BT, old_logp_BT, ref_logp_BT, adv_BT = _mini_batch()
+    head, feats_BTH, tokens_BT, mask_BT, old_logp_BT, ref_logp_BT, adv_BT, _ = _mini_batch()
     with torch.no_grad():
         logp_BT = torch.log_softmax(head(feats_BTH), -1).gather(-1, tokens_BT[..., None]).squeeze(-1)
     ratio_BT = torch.exp(logp_BT - old_logp_BT)[mask_BT]
@@ -461,3 +762,39 @@ def test_per_micro_batch_normalizers_would_break_the_invariance():
     _, grad_whole = _accumulated_grad("token-mean", micro_batch_size=8, whole_batch_normalizers=False)
     _, grad_split = _accumulated_grad("token-mean", micro_batch_size=2, whole_batch_normalizers=False)
     assert (grad_whole - grad_split).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize(
+    "loss, mode, level",
+    [
+        ("gspo", "seq-mean-token-mean", None),  # GSPO as the paper aggregates it
+        ("gspo", "token-mean", None),
+        ("cispo", "token-mean", None),  # CISPO as the paper aggregates it
+        ("cispo", "seq-mean-token-sum-norm", None),
+        ("vanilla", "token-mean", "token"),  # TIS weights
+        ("vanilla", "seq-mean-token-mean", "sequence"),  # MIS masks
+        ("gspo", "seq-mean-token-mean", "sequence"),
+    ],
+)
+def test_other_losses_and_rollout_correction_independent_of_micro_batching(loss, mode, level):
+    # GSPO's sequence ratio and MIS's sequence mask read only their own sequence, so cutting the
+    # mini-batch between sequences changes nothing: same loss, same gradient for 1x8, 2x4, 4x2, 8x1
+    loss_ref, grad_ref = _accumulated_grad(mode, micro_batch_size=8, loss=loss, level=level)
+    assert loss_ref == pytest.approx(_reference_loss(mode, loss, level), abs=1e-6)
+    assert grad_ref.abs().max() > 1e-3, "the check needs a real gradient"
+    # and the variant matters: the vanilla loss without correction gives another gradient
+    _, grad_vanilla = _accumulated_grad(mode, micro_batch_size=8)
+    assert (grad_ref - grad_vanilla).abs().max() > 1e-4
+    for micro_batch_size in (4, 2, 1):
+        loss_mb, grad = _accumulated_grad(mode, micro_batch_size, loss=loss, level=level)
+        assert loss_mb == pytest.approx(loss_ref, abs=1e-6), f"{loss}/{mode}/{level}: micro-batches of {micro_batch_size}"
+        torch.testing.assert_close(grad, grad_ref, atol=1e-6, rtol=0)
+
+
+def test_rollout_correction_data_exercises_both_sides():
+    # guard for the test above: the engine gap both caps tokens and masks some sequences but not all
+    _, _, _, mask_BT, old_logp_BT, _, _, engine_logp_BT = _mini_batch()
+    _, token_stats = rollout_correction(old_logp_BT, engine_logp_BT, mask_BT, level="token", cap=2.0)
+    _, seq_stats = rollout_correction(old_logp_BT, engine_logp_BT, mask_BT, level="sequence", cap=2.0)
+    assert token_stats["rollout_corr/capped_frac"] > 0
+    assert 0 < seq_stats["rollout_corr/masked_frac"] < 1

@@ -114,3 +114,64 @@ def test_check_config_prints_resolved_config():
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "clip_ratio_high: 0.28" in proc.stdout and "loss_agg_mode: token-mean" in proc.stdout
+
+
+def test_algorithm_names_come_from_the_registries():
+    from postrl import algorithms
+
+    cfg = build_config({"model": {"path": "m"}})
+    a = cfg.algorithm
+    assert (a.adv_estimator, a.policy_loss, a.clip_ratio_low) == ("grpo", "vanilla", 0.2)
+    assert (a.rollout_correction.enable, a.rollout_correction.level, a.rollout_correction.cap) == (False, "token", 2.0)
+    for name in algorithms.ADV_ESTIMATORS:
+        assert build_config({"model": {"path": "m"}, "algorithm": {"adv_estimator": name}}).algorithm.adv_estimator == name
+    for name in algorithms.POLICY_LOSSES:
+        assert build_config({"model": {"path": "m"}, "algorithm": {"policy_loss": name}}).algorithm.policy_loss == name
+    for mode in algorithms.LOSS_AGGREGATIONS:
+        assert build_config({"model": {"path": "m"}, "algorithm": {"loss_agg_mode": mode}}).algorithm.loss_agg_mode == mode
+
+
+def test_unknown_algorithm_names_are_all_reported_with_the_valid_ones():
+    tree = {
+        "model": {"path": "m"},
+        "algorithm": {
+            "adv_estimator": "rlooo",
+            "policy_loss": "ppo",
+            "loss_agg_mode": "token-sum",
+            "kl": {"estimator": "k4"},
+            "rollout_correction": {"level": "batch", "cap": 1.0},
+        },
+    }
+    with pytest.raises(UserError) as info:
+        build_config(tree)
+    problems = info.value.problems
+    text = "\n".join(problems)
+    assert len(problems) == 6, text
+    assert "algorithm.adv_estimator: unknown advantage estimator 'rlooo'. Did you mean 'rloo'?" in text
+    assert "reinforce_plus_plus_baseline" in text and "drgrpo" in text
+    assert "algorithm.policy_loss: unknown policy loss 'ppo'" in text and "vanilla, gspo, cispo" in text
+    assert "algorithm.loss_agg_mode: unknown loss_agg_mode 'token-sum'" in text and "seq-mean-token-sum-norm" in text
+    assert "algorithm.kl.estimator: unknown KL estimator 'k4'" in text and "low_var_kl" in text
+    assert "algorithm.rollout_correction.level: unknown rollout correction level 'batch'" in text
+    assert "token, sequence" in text
+    assert "algorithm.rollout_correction.cap" in text and "greater than 1" in text
+
+
+def test_gspo_derives_the_paper_clip_range_and_sequence_mean():
+    a = build_config({"model": {"path": "m"}, "algorithm": {"policy_loss": "gspo"}}).algorithm
+    assert (a.clip_ratio_low, a.clip_ratio_high, a.loss_agg_mode) == (3e-4, 4e-4, "seq-mean-token-mean")
+    # over dapo's clip-higher and token-mean too; set values are kept
+    a = build_config({"model": {"path": "m"}, "algorithm": {"name": "dapo", "policy_loss": "gspo"}}).algorithm
+    assert (a.clip_ratio_low, a.clip_ratio_high, a.loss_agg_mode) == (3e-4, 4e-4, "seq-mean-token-mean")
+    assert a.filter_groups.enable and a.overlong_buffer.enable  # the rest of dapo stays
+    a = build_config(
+        {"model": {"path": "m"}, "algorithm": {"policy_loss": "gspo", "clip_ratio_high": 1e-3, "loss_agg_mode": "token-mean"}}
+    ).algorithm
+    assert (a.clip_ratio_low, a.clip_ratio_high, a.loss_agg_mode) == (3e-4, 1e-3, "token-mean")
+    # cispo aggregates per token (MiniMax-M1) and keeps the ordinary clip defaults
+    a = build_config({"model": {"path": "m"}, "algorithm": {"policy_loss": "cispo"}}).algorithm
+    assert (a.clip_ratio_low, a.clip_ratio_high, a.loss_agg_mode) == (0.2, 0.2, "token-mean")
+
+
+def test_low_var_kl_is_normalised_to_k3():
+    assert build_config({"model": {"path": "m"}, "algorithm": {"kl": {"estimator": "low_var_kl"}}}).algorithm.kl.estimator == "k3"

@@ -19,7 +19,9 @@ from postrl.rewards.gsm8k import extract_flexible, extract_strict
 from postrl.rewards.math import extract_dapo_answer
 from postrl.rewards.text import last_boxed, minerva_normalize, parse_number
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+# ../shared/data beside the checkout (found from a git worktree nested deeper, too)
+DATA = next((p / "shared" / "data" for p in Path(__file__).resolve().parents if (p / "shared" / "data").is_dir()),
+            Path("../shared/data"))  # fmt: skip
 needs_data = pytest.mark.skipif(not (DATA / "gsm8k_test.jsonl").exists(), reason="../shared/data not present")
 
 
@@ -188,6 +190,90 @@ def test_math500_reference_solutions_agree(math_reward):
     assert wrong <= 0.01
 
 
+# -------------------------------------------------------------------------------- math_verify
+@pytest.mark.parametrize(
+    "completion,truth,expected",
+    [
+        ("Adding up.\nThe answer is: 18", "18", 1.0),
+        ("Answer: 18", "18", 1.0),
+        (r"so $\boxed{18}$", "18", 1.0),
+        ("Combining, the final answer is $18$.", "18", 1.0),
+        ("9 * 2 = 18\n#### 18", "18", 1.0),
+        ("The answer is: 18 dollars per day.", "18", 1.0),
+        (r"The answer is: $\frac{1}{2}$", "0.5", 1.0),  # symbolic equivalence, as math_17k_acc
+        (r"Answer: $(3, \frac{\pi}{2})$", r"\left( 3, \frac{\pi}{2} \right)", 1.0),
+        ("#### 7", "Janet sells 7 eggs.\n#### 7", 1.0),  # a GSM8K solution as ground truth
+        (r"\boxed{5}", r"\boxed{5}", 1.0),  # a ground truth stored boxed
+        ("Answer: 19", "18", 0.0),
+        ("The answer is: 18.5", "18", 0.0),
+        ("I do not know.", "18", 0.0),
+        ("", "18", 0.0),
+    ],
+)
+def test_math_verify_reads_many_answer_styles(completion, truth, expected):
+    res = score("math_verify", completion, truth)
+    assert res.score == expected and res.metrics == {"acc": expected}
+
+
+def test_math_17k_acc_keeps_its_boxed_only_meaning():
+    # the same completions that math_verify accepts, without a box, score nothing under math_17k_acc
+    for completion in ("The answer is: 18", "Answer: 18", "the final answer is $18$", "#### 18"):
+        assert score("math_verify", completion, "18").score == 1.0
+        assert score("math_17k_acc", completion, "18").score == 0.0
+    assert score("math_17k_acc", r"\boxed{18}", "18").score == 1.0
+    assert "math_verify" in registered_verifiers() and get_entry("math_verify").in_process is False
+
+
+def _style_completions(answer: str, numeric: bool) -> dict[str, str]:
+    """One completion per answer style; LaTeX answers in running text are written in $...$, as models do."""
+    x = answer if numeric else f"${answer}$"
+    styles = {
+        "The answer is: X": f"Let me work through it step by step.\nThe answer is: {x}",
+        "Answer: X": f"Simplifying the expression.\nAnswer: {x}",
+        "boxed": f"So the result is $\\boxed{{{answer}}}$.",
+        "the final answer is $X$": f"Combining the steps, the final answer is ${answer}$. I hope it is correct.",
+    }
+    if numeric:
+        styles["#### X"] = f"Adding everything up.\n#### {answer}"
+    return styles
+
+
+@needs_data
+def test_math_verify_on_real_answers_in_many_styles():
+    # 40 sampled rows of each file; each row's answer in every style, scored against its own answer
+    # (should be 1) and against the next sampled row's answer (should be 0), through the time-limited pool
+    import random
+
+    gsm = [json.loads(line) for line in (DATA / "gsm8k_test.jsonl").read_text().splitlines()]
+    m500 = [json.loads(line) for line in (DATA / "math500_test.jsonl").read_text().splitlines()]
+    rnd = random.Random(0)
+    answers = [(r["answer"].rsplit("####", 1)[1].strip(), True) for r in rnd.sample(gsm, 40)]
+    answers += [(r["answer"], parse_number(r["answer"]) is not None) for r in rnd.sample(m500, 40)]
+    completions, truths, cases = [], [], []
+    for k, (answer, numeric) in enumerate(answers):
+        other = answers[(k + 1) % len(answers)][0]
+        for style, text in _style_completions(answer, numeric).items():
+            completions += [text, text]
+            truths += [answer, other]
+            cases += [(style, answer, "own"), (style, answer, "other" if quick_equal(answer, other) is not True else "same")]
+    rf = reward_fn("math_verify", timeout_s=5.0)
+    try:
+        out = rf(completions, truths, [{}] * len(truths))
+    finally:
+        rf.close()
+    assert out.timeouts == 0 and out.errors == 0
+    by_style: dict[str, dict[str, list[float]]] = {}
+    for (style, answer, kind), s in zip(cases, out.scores):
+        by_style.setdefault(style, {"own": [], "other": [], "same": []})[kind].append(s)
+    for style, res in by_style.items():
+        own, other = res["own"], res["other"]
+        print(f"math_verify {style}: own {sum(own):.0f}/{len(own)}, other row's answer {sum(other):.0f}/{len(other)}")
+        assert len(own) >= 40 and sum(own) >= 0.97 * len(own), style
+        assert sum(other) <= 0.02 * len(other), style
+    # every style was exercised on MATH-500 LaTeX answers (fractions, intervals, matrices), not only numbers
+    assert sum(not numeric for _, numeric in answers) >= 10
+
+
 # ----------------------------------------------------------------------------- format / geo3k
 @pytest.mark.parametrize(
     "completion,expected",
@@ -333,6 +419,8 @@ def test_2000_verifications_with_pathological_ones_finish():
     spec = importlib.util.spec_from_file_location("verifier_throughput", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    if not (bench.DATA / "math500_test.jsonl").exists():  # the benchmark reads ../shared/data of the checkout only
+        pytest.skip(f"{bench.DATA} not present")
     stats = bench.run(n=2000, n_pathological=20, timeout_s=2.0, workers=2)
     print(f"{stats['per_second']:.1f} verifications/s, {stats['timeouts']} time-outs, {stats['seconds']:.1f} s")
     assert stats["verifications"] == 2000 and stats["errors"] == 0
@@ -340,3 +428,15 @@ def test_2000_verifications_with_pathological_ones_finish():
     # every call is bounded: even if all 20 pathological calls used the whole limit on one worker,
     # the run stays far below "hung"
     assert stats["seconds"] < 20 * 2.0 + 120
+
+
+def test_math_verify_pathological_completion_times_out():
+    rf = reward_fn("math_verify", timeout_s=2.0, workers=1)
+    try:
+        t0 = time.perf_counter()
+        out = rf([r"The answer is $\boxed{9^{9^{9^{9}}}}$", "Answer: 4"], ["5", "4"], [{}, {}])
+        elapsed = time.perf_counter() - t0
+        assert out.scores == [0.0, 1.0] and out.timeouts == 1 and out.timed_out == [True, False]
+        assert elapsed < 60
+    finally:
+        rf.close()

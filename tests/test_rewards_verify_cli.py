@@ -13,7 +13,9 @@ import pytest
 from postrl.errors import UserError
 from postrl.rewards.verify_cli import as_completion, as_ground_truth, get_path, main_verify, parse_verifiers
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+# ../shared/data beside the checkout (found from a git worktree nested deeper, too)
+DATA = next((p / "shared" / "data" for p in Path(__file__).resolve().parents if (p / "shared" / "data").is_dir()),
+            Path("../shared/data"))  # fmt: skip
 needs_data = pytest.mark.skipif(not (DATA / "gsm8k_test.jsonl").exists(), reason="../shared/data not present")
 
 
@@ -114,3 +116,37 @@ def test_verify_on_gsm8k_reference_answers(capsys):
                  "--response-key", "answer", "--answer-key", "answer"])
     p = printed(capsys)
     assert p["records"] == "1319 (1319 scored, 0 skipped)" and p["mean score"] == "1.0000"
+
+
+@needs_data
+def test_verify_math_verify_grades_every_answer_style_alike(tmp_path, capsys):
+    # 12 GSM8K and 12 MATH-500 answers, each written three ways, right and wrong (the next row's answer)
+    gsm = [json.loads(line) for line in (DATA / "gsm8k_test.jsonl").read_text().splitlines()][:12]
+    m500 = [json.loads(line) for line in (DATA / "math500_test.jsonl").read_text().splitlines()][:12]
+    answers = [r["answer"].rsplit("####", 1)[1].strip() for r in gsm] + [r["answer"] for r in m500]
+    styles = {
+        "answer_is": lambda x: f"Step by step, we find it.\nThe answer is: ${x}$",
+        "answer": lambda x: f"Answer: ${x}$",
+        "boxed": lambda x: f"Therefore the result is $\\boxed{{{x}}}$.",
+    }
+    rows = []
+    for k, answer in enumerate(answers):
+        other = answers[(k + 1) % len(answers)]
+        assert other != answer
+        for style, write in styles.items():
+            rows.append({"response": write(answer), "answer": answer, "style": style, "right": True})
+            rows.append({"response": write(other), "answer": answer, "style": style, "right": False})
+    src = write_jsonl(tmp_path / "styles.jsonl", rows)
+    out = tmp_path / "scored.jsonl"
+    assert main_verify(["--verifier", "math_verify", "--input", src, "--output", str(out)]) == 0
+    p = printed(capsys)
+    assert p["records"] == f"{len(rows)} (144 scored, 0 skipped)" and p["timeouts"] == "0"
+    assert p["mean score"] == "0.5000" and p["math_verify/mean"] == "0.5000"
+    scored = [json.loads(x) for x in out.read_text().splitlines()]
+    for style in styles:
+        right = [ln["score"] for ln, r in zip(scored, rows) if r["style"] == style and r["right"]]
+        wrong = [ln["score"] for ln, r in zip(scored, rows) if r["style"] == style and not r["right"]]
+        assert right == [1.0] * 24 and wrong == [0.0] * 24, style
+    # math_17k_acc reads only the box: the same file scores 1/3 of the right answers
+    main_verify(["--verifier", "math_17k_acc", "--input", src])
+    assert printed(capsys)["mean score"] == f"{24 / 144:.4f}"

@@ -1,14 +1,27 @@
-"""The math of GRPO and DAPO as pure tensor functions (DESIGN.md section 4).
+"""The math of GRPO, DAPO and their relatives as pure tensor functions (DESIGN.md section 4).
 
 No I/O and no config objects: every function takes tensors and keyword arguments and returns tensors
 (and, for losses, a dict of statistics). Shapes: B sequences, G group size, T response tokens.
 
+Variants are chosen by name from registries, as in verl's core_algos (an unknown name raises a
+ValueError that lists the valid ones); this module is the one place that holds the names:
+- advantage estimators (`get_adv_estimator`): grpo, drgrpo, rloo, reinforce_plus_plus,
+  reinforce_plus_plus_baseline; one signature `fn(rewards_B, group_size, *, norm_adv_by_std, epsilon)`;
+- policy losses (`get_policy_loss_fn`): vanilla, gspo, cispo; one signature
+  `fn(logp_BT, old_logp_BT, adv_BT, mask_BT, *, clip_ratio_low, clip_ratio_high, clip_ratio_c)`;
+- loss aggregation modes (`LOSS_AGGREGATIONS`), KL estimators (`KL_ESTIMATORS`) and rollout
+  correction levels (`ROLLOUT_CORRECTIONS`).
+
+Papers:
 - GRPO (Shao et al., 2024, DeepSeekMath): group-normalised advantages A_i = (R_i - mean) / (std + eps),
   std unbiased. Dr. GRPO (Liu et al., 2025): no division by std, and `seq-mean-token-sum-norm`
   aggregation, which removes the length and difficulty biases of the original objective.
 - DAPO (Yu et al., 2025): clip-higher (eps_high > eps_low), token-level loss (`token-mean`),
   overlong reward shaping, and dynamic sampling (drop groups whose accuracy has zero spread).
 - Dual clip (Ye et al., 2020): for A < 0 the loss is bounded by -A * c.
+- RLOO (Ahmadian et al., 2024; Kool et al., 2019), REINFORCE++ (Hu, 2025), GSPO (Zheng et al., 2025),
+  CISPO (MiniMax-M1, MiniMax, 2025), truncated / masked importance sampling for the rollout engine's
+  mismatch (Yao et al., 2025, "Your efficient RL framework secretly brings you off-policy RL training").
 
 Loss aggregation is split in two so that gradients do not depend on micro-batching: the caller
 computes the normalisers once for the whole mini-batch (over all ranks) with `loss_normalizers`,
@@ -17,26 +30,152 @@ and `aggregate_loss` returns each micro-batch's *share*; the shares add up to th
 
 from __future__ import annotations
 
-from typing import Callable
+import math
+from typing import Callable, Protocol
 
 import torch
+
+
+def _unknown(kind: str, name: str, valid) -> ValueError:
+    return ValueError(f"unknown {kind} '{name}'; valid: {', '.join(valid)}")
+
+
+def _lookup(table: dict, kind: str, name: str):
+    if name not in table:
+        raise _unknown(kind, name, table)
+    return table[name]
+
+
+def _register_into(table: dict, kind: str, name: str) -> Callable:
+    def deco(fn):
+        assert name not in table, f"{kind} '{name}' is registered twice"
+        table[name] = fn
+        return fn
+
+    return deco
+
 
 # ------------------------------------------------------------------------------------- advantages
 
 
-def grpo_advantages(rewards_B: torch.Tensor, group_size: int, norm_adv_by_std: bool = True, epsilon: float = 1e-6) -> torch.Tensor:
-    """Group-relative advantages. `rewards_B` is prompt-major: group g is rewards_B[g*G:(g+1)*G].
+class AdvEstimator(Protocol):
+    def __call__(
+        self, rewards_B: torch.Tensor, group_size: int, *, norm_adv_by_std: bool = True, epsilon: float = 1e-6
+    ) -> torch.Tensor: ...
+
+
+ADV_ESTIMATORS: dict[str, AdvEstimator] = {}
+
+
+def register_adv_estimator(name: str) -> Callable[[AdvEstimator], AdvEstimator]:
+    """Register an advantage estimator under `name` (decorator)."""
+    return _register_into(ADV_ESTIMATORS, "advantage estimator", name)
+
+
+def get_adv_estimator(name: str) -> AdvEstimator:
+    """The estimator registered as `name`; a ValueError lists the valid names otherwise."""
+    return _lookup(ADV_ESTIMATORS, "advantage estimator", name)
+
+
+def _groups(rewards_B: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Prompt-major rewards as float32 groups [num_groups, G]: group g is rewards_B[g*G:(g+1)*G]."""
+    assert group_size >= 2, "group advantages need at least two samples per group"
+    assert rewards_B.numel() % group_size == 0, f"{rewards_B.numel()} rewards do not split into groups of {group_size}"
+    return rewards_B.float().view(-1, group_size)
+
+
+def _zero_where_no_spread(adv_BG: torch.Tensor, rewards_BG: torch.Tensor) -> torch.Tensor:
+    # A group whose rewards are all equal carries no signal. In float32, R - mean(R) is not exactly 0
+    # when R is not representable (mean([0.48918265] * 3) != 0.48918265), and dividing that rounding
+    # error by std + eps turns it into an advantage of ~0.03. Zero such groups outright; every other
+    # value is left bit for bit as computed.
+    no_spread_G = rewards_BG.amax(dim=1) == rewards_BG.amin(dim=1)
+    return adv_BG.masked_fill(no_spread_G[:, None], 0.0)
+
+
+@register_adv_estimator("grpo")
+def grpo_advantages(
+    rewards_B: torch.Tensor, group_size: int, norm_adv_by_std: bool = True, epsilon: float = 1e-6
+) -> torch.Tensor:
+    """GRPO (Shao et al., 2024, DeepSeekMath): group-relative advantages, prompt-major groups.
 
     A_i = (R_i - mean_g R) / (std_g R + epsilon) with the unbiased std (n - 1); with
-    `norm_adv_by_std=False` (Dr. GRPO), A_i = R_i - mean_g R.
+    `norm_adv_by_std=False` (Dr. GRPO), A_i = R_i - mean_g R. A group with no spread gets exactly 0.
     """
-    assert group_size >= 2, "GRPO needs at least two samples per group"
-    assert rewards_B.numel() % group_size == 0, f"{rewards_B.numel()} rewards do not split into groups of {group_size}"
-    rewards_BG = rewards_B.float().view(-1, group_size)
+    rewards_BG = _groups(rewards_B, group_size)
     centered_BG = rewards_BG - rewards_BG.mean(dim=1, keepdim=True)
     if norm_adv_by_std:
         centered_BG = centered_BG / (rewards_BG.std(dim=1, unbiased=True, keepdim=True) + epsilon)
-    return centered_BG.reshape(-1)
+    return _zero_where_no_spread(centered_BG, rewards_BG).reshape(-1)
+
+
+@register_adv_estimator("drgrpo")
+def drgrpo_advantages(
+    rewards_B: torch.Tensor, group_size: int, *, norm_adv_by_std: bool = True, epsilon: float = 1e-6
+) -> torch.Tensor:
+    """Dr. GRPO (Liu et al., 2025, "Understanding R1-Zero-Like Training"): A_i = R_i - mean_g R.
+
+    Dividing by the group std up-weights questions that are too easy or too hard (small std); Dr. GRPO
+    drops it. `norm_adv_by_std` and `epsilon` are ignored (accepted for the common signature). The paper
+    pairs it with `loss_agg_mode: seq-mean-token-sum-norm`.
+    """
+    return grpo_advantages(rewards_B, group_size, norm_adv_by_std=False)
+
+
+@register_adv_estimator("rloo")
+def rloo_advantages(
+    rewards_B: torch.Tensor, group_size: int, *, norm_adv_by_std: bool = True, epsilon: float = 1e-6
+) -> torch.Tensor:
+    """RLOO (Ahmadian et al., 2024, "Back to Basics"; Kool et al., 2019): leave-one-out baseline.
+
+    A_i = R_i - (1 / (G - 1)) sum_{j != i} R_j, i.e. G / (G - 1) x (R_i - mean_g R): an unbiased
+    baseline, since it does not depend on sample i. No std normalisation: `norm_adv_by_std` and
+    `epsilon` are ignored. A group with no spread gets exactly 0.
+    """
+    rewards_BG = _groups(rewards_B, group_size)
+    others_mean_BG = (rewards_BG.sum(dim=1, keepdim=True) - rewards_BG) / (group_size - 1)
+    return _zero_where_no_spread(rewards_BG - others_mean_BG, rewards_BG).reshape(-1)
+
+
+def _batch_whiten(x_B: torch.Tensor, norm_adv_by_std: bool, epsilon: float) -> torch.Tensor:
+    assert x_B.numel() >= 2, "batch-normalised advantages need at least two sequences"
+    centered_B = x_B - x_B.mean()
+    if norm_adv_by_std:
+        centered_B = centered_B / (x_B.std(unbiased=True) + epsilon)
+    if x_B.amax() == x_B.amin():  # no spread in the whole batch: exactly 0 (see _zero_where_no_spread)
+        centered_B = torch.zeros_like(centered_B)
+    return centered_B
+
+
+@register_adv_estimator("reinforce_plus_plus")
+def reinforce_plus_plus_advantages(
+    rewards_B: torch.Tensor, group_size: int, *, norm_adv_by_std: bool = True, epsilon: float = 1e-6
+) -> torch.Tensor:
+    """REINFORCE++ (Hu, 2025, arXiv 2501.03262), outcome rewards: normalised over the whole batch.
+
+    A = (R - mean_batch R) / (std_batch R + epsilon), unbiased std; no groups (`group_size` is unused),
+    so a prompt whose samples all score the same still gets a non-zero advantage when the batch
+    varies. `norm_adv_by_std=False` only centres. verl whitens over tokens (longer responses weigh
+    more); here each sequence counts once, as in DESIGN.md.
+    """
+    return _batch_whiten(rewards_B.float().reshape(-1), norm_adv_by_std, epsilon)
+
+
+@register_adv_estimator("reinforce_plus_plus_baseline")
+def reinforce_plus_plus_baseline_advantages(
+    rewards_B: torch.Tensor, group_size: int, *, norm_adv_by_std: bool = True, epsilon: float = 1e-6
+) -> torch.Tensor:
+    """REINFORCE++-baseline (Hu, 2025, arXiv 2501.03262): group mean as baseline, batch std as scale.
+
+    R'_i = R_i - mean_g R, then A = R' / (std_batch R' + epsilon) (unbiased std over the batch;
+    `norm_adv_by_std=False` keeps A = R'). Scaling by the batch std rather than each group's avoids
+    GRPO's up-weighting of near-uniform groups. A group with no spread gets exactly 0.
+    """
+    rewards_BG = _groups(rewards_B, group_size)
+    centered_B = _zero_where_no_spread(rewards_BG - rewards_BG.mean(dim=1, keepdim=True), rewards_BG).reshape(-1)
+    if not norm_adv_by_std:
+        return centered_B
+    return centered_B / (centered_B.std(unbiased=True) + epsilon)
 
 
 def overlong_penalty(response_length_B: torch.Tensor, max_tokens: int, buffer_len: int, penalty_factor: float) -> torch.Tensor:
@@ -52,13 +191,61 @@ def group_keep_mask(metric_B: torch.Tensor, group_size: int) -> torch.Tensor:
     return metric_BG.std(dim=1, unbiased=True) > 0
 
 
-# ------------------------------------------------------------------------------------ policy loss
+# ----------------------------------------------------------------------------------- policy losses
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
+class PolicyLossFn(Protocol):
+    def __call__(
+        self,
+        logp_BT: torch.Tensor,
+        old_logp_BT: torch.Tensor,
+        adv_BT: torch.Tensor,
+        mask_BT: torch.Tensor,
+        *,
+        clip_ratio_low: float,
+        clip_ratio_high: float,
+        clip_ratio_c: float | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
+
+
+POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+
+
+def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Register a per-token policy loss under `name` (decorator)."""
+    return _register_into(POLICY_LOSSES, "policy loss", name)
+
+
+def get_policy_loss_fn(name: str) -> PolicyLossFn:
+    """The policy loss registered as `name`; a ValueError lists the valid names otherwise."""
+    return _lookup(POLICY_LOSSES, "policy loss", name)
+
+
+def _clipped_surrogate(
+    ratio_BT: torch.Tensor, adv_BT: torch.Tensor, clip_ratio_low: float, clip_ratio_high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)) and where the clipped term is the active one."""
+    loss_unclipped_BT = -adv_BT * ratio_BT
+    loss_clipped_BT = -adv_BT * torch.clamp(ratio_BT, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    return torch.maximum(loss_unclipped_BT, loss_clipped_BT), loss_clipped_BT > loss_unclipped_BT
+
+
+def _loss_stats(
+    clipped_BT: torch.Tensor, lower_BT: torch.Tensor, log_ratio_BT: torch.Tensor, mask_BT: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """Masked-mean stats of a policy loss: pg_clipfrac, pg_clipfrac_lower, ppo_kl (mean logp_old - logp)."""
+    return {
+        "pg_clipfrac": masked_mean(clipped_BT.to(mask_BT.dtype), mask_BT).detach(),
+        "pg_clipfrac_lower": masked_mean(lower_BT.to(mask_BT.dtype), mask_BT).detach(),
+        "ppo_kl": masked_mean(-log_ratio_BT, mask_BT).detach(),
+    }
+
+
+@register_policy_loss("vanilla")
 def policy_loss(
     logp_BT: torch.Tensor,
     old_logp_BT: torch.Tensor,
@@ -69,7 +256,7 @@ def policy_loss(
     clip_ratio_high: float,
     clip_ratio_c: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-token clipped surrogate loss (clip-higher, optional dual clip).
+    """PPO's per-token clipped surrogate (Schulman et al., 2017) with clip-higher (DAPO) and dual clip.
 
     r = exp(clamp(logp - logp_old, -20, 20))
     l = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)); for A < 0 with c set: l = min(l, -A c).
@@ -78,23 +265,129 @@ def policy_loss(
     """
     mask_BT = mask_BT.to(logp_BT.dtype)
     log_ratio_BT = torch.clamp(logp_BT - old_logp_BT, -20.0, 20.0)
-    ratio_BT = torch.exp(log_ratio_BT)
-    loss_unclipped_BT = -adv_BT * ratio_BT
-    loss_clipped_BT = -adv_BT * torch.clamp(ratio_BT, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    loss_BT = torch.maximum(loss_unclipped_BT, loss_clipped_BT)
-    clipped_BT = (loss_clipped_BT > loss_unclipped_BT).to(logp_BT.dtype)
+    loss_BT, clipped_BT = _clipped_surrogate(torch.exp(log_ratio_BT), adv_BT, clip_ratio_low, clip_ratio_high)
     lower_BT = torch.zeros_like(loss_BT)
     if clip_ratio_c is not None:
         assert clip_ratio_c > 1.0, f"clip_ratio_c must be > 1, got {clip_ratio_c}"
         dual_BT = -adv_BT * clip_ratio_c
-        lower_BT = ((adv_BT < 0) & (loss_BT > dual_BT)).to(logp_BT.dtype)
+        lower_BT = (adv_BT < 0) & (loss_BT > dual_BT)
         loss_BT = torch.where(adv_BT < 0, torch.minimum(loss_BT, dual_BT), loss_BT)
+    return loss_BT, _loss_stats(clipped_BT, lower_BT, log_ratio_BT, mask_BT)
+
+
+@register_policy_loss("gspo")
+def gspo_policy_loss(
+    logp_BT: torch.Tensor,
+    old_logp_BT: torch.Tensor,
+    adv_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO (Zheng et al., 2025, "Group Sequence Policy Optimization"): one clipped ratio per sequence.
+
+    s_i  = exp((1 / |y_i|) sum_t m_t (logp_t - logp_old_t))      (length-normalised sequence ratio)
+    s_it = sg(s_i) x exp(logp_t - sg(logp_t))                    (value s_i, gradient s_i d logp_t)
+    l_it = max(-A_it s_it, -A_it clip(s_it, 1 - eps_low, 1 + eps_high))
+    A whole sequence is clipped or not, so token-level noise in the ratio no longer decides which
+    tokens learn. The paper's ranges are tiny (eps_low 3e-4, eps_high 4e-4) and its aggregation is
+    seq-mean-token-mean (the config derives both). The mean log-ratio is clamped to [-20, 20];
+    `clip_ratio_c` is ignored (no dual clip in the paper: s_i is already bounded by the clip range),
+    so pg_clipfrac_lower is 0. pg_clipfrac counts tokens of clipped sequences.
+    """
+    mask_BT = mask_BT.to(logp_BT.dtype)
+    log_ratio_BT = torch.clamp(logp_BT - old_logp_BT, -20.0, 20.0)
+    seq_log_ratio_B = (log_ratio_BT * mask_BT).sum(-1) / mask_BT.sum(-1).clamp(min=1)
+    seq_log_ratio_B = torch.clamp(seq_log_ratio_B, -20.0, 20.0).detach()
+    ratio_BT = torch.exp(logp_BT - logp_BT.detach() + seq_log_ratio_B[:, None])  # [B, T], s_i on every token
+    loss_BT, clipped_BT = _clipped_surrogate(ratio_BT, adv_BT, clip_ratio_low, clip_ratio_high)
+    return loss_BT, _loss_stats(clipped_BT, torch.zeros_like(loss_BT), log_ratio_BT, mask_BT)
+
+
+@register_policy_loss("cispo")
+def cispo_policy_loss(
+    logp_BT: torch.Tensor,
+    old_logp_BT: torch.Tensor,
+    adv_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO (MiniMax, 2025, "MiniMax-M1", arXiv 2506.13585, eq. 4): clip the IS weight, not the update.
+
+    r = exp(clamp(logp - logp_old, -20, 20)),  w = sg(clip(r, 1 - eps_low, 1 + eps_high))
+    l = -w A logp
+    Its gradient is -w A d logp: the importance-weighted policy gradient with a truncated weight.
+    Unlike PPO's clip, which zeroes the gradient of tokens whose ratio left the range (often rare
+    "fork" tokens such as "Wait"), every token keeps contributing, with a bounded weight. On-policy
+    (r = 1) the gradient equals the vanilla loss's. The paper imposes no lower bound (a large
+    eps_low; here clip_ratio_low close to 1) and tunes eps_high only; it aggregates token-mean.
+    The loss value is not a surrogate objective (it is -w A logp); its gradient is what counts.
+    `clip_ratio_c` is ignored (w is already bounded); pg_clipfrac counts tokens whose weight was
+    truncated, on either side; pg_clipfrac_lower is 0.
+    """
+    mask_BT = mask_BT.to(logp_BT.dtype)
+    log_ratio_BT = torch.clamp(logp_BT - old_logp_BT, -20.0, 20.0)
+    ratio_BT = torch.exp(log_ratio_BT).detach()
+    weight_BT = torch.clamp(ratio_BT, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    loss_BT = -weight_BT * adv_BT * logp_BT
+    truncated_BT = (ratio_BT > 1.0 + clip_ratio_high) | (ratio_BT < 1.0 - clip_ratio_low)
+    return loss_BT, _loss_stats(truncated_BT, torch.zeros_like(loss_BT), log_ratio_BT, mask_BT)
+
+
+# ----------------------------------------------------------------------------- rollout correction
+
+
+def _truncated_is(log_w_BT: torch.Tensor, mask_BT: torch.Tensor, cap: float):
+    ratio_BT = torch.exp(log_w_BT)
+    weight_BT = torch.clamp(ratio_BT, max=cap)
+    return weight_BT, {"rollout_corr/capped_frac": masked_mean((ratio_BT > cap).to(mask_BT.dtype), mask_BT)}
+
+
+def _masked_is(log_w_BT: torch.Tensor, mask_BT: torch.Tensor, cap: float):
+    log_rho_B = (log_w_BT * mask_BT).sum(-1)
+    keep_B = log_rho_B.abs() <= math.log(cap)  # 1 / cap <= rho <= cap, in log space (rho may overflow)
+    weight_BT = keep_B[:, None].to(mask_BT.dtype).expand_as(mask_BT).clone()
+    return weight_BT, {"rollout_corr/masked_frac": 1.0 - keep_B.to(mask_BT.dtype).mean()}
+
+
+ROLLOUT_CORRECTIONS: dict[str, Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]] = {
+    "token": _truncated_is,  # TIS: truncated per-token importance weight
+    "sequence": _masked_is,  # MIS: sequences whose importance ratio leaves [1 / cap, cap] are dropped
+}
+
+
+def rollout_correction(
+    old_logp_BT: torch.Tensor, engine_logp_BT: torch.Tensor, mask_BT: torch.Tensor, *, level: str, cap: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Importance weights for the gap between the rollout engine (q) and the trainer (p).
+
+    The engine samples with q (vLLM kernels, other precision) while the loss assumes the trainer's
+    p = old log-probs (Yao et al., 2025, "Your efficient RL framework secretly brings you off-policy
+    RL training"; verl's rollout_is). The weight multiplies the per-token loss before aggregation.
+    - level "token" (TIS): w_t = min(exp(p_t - q_t), cap).
+    - level "sequence" (MIS): rho_i = exp(sum_t m_t (p_t - q_t)); w = 0 on every token of a sequence
+      with rho_i outside [1 / cap, cap] (masked out of the loss), else 1.
+    Log-differences are clamped to [-20, 20] per token. The weight is detached. Stats (masked over
+    response tokens): rollout_corr/weight_mean, rollout_corr/weight_max, and rollout_corr/capped_frac
+    (token share above the cap) or rollout_corr/masked_frac (share of sequences masked out).
+    """
+    correct = _lookup(ROLLOUT_CORRECTIONS, "rollout correction level", level)
+    assert cap > 1.0, f"the rollout correction cap must be > 1, got {cap}"
+    mask_BT = mask_BT.to(old_logp_BT.dtype)
+    log_w_BT = torch.clamp(old_logp_BT - engine_logp_BT, -20.0, 20.0).detach()
+    weight_BT, extra = correct(log_w_BT, mask_BT, cap)
+    valid_BT = mask_BT > 0
     stats = {
-        "pg_clipfrac": masked_mean(clipped_BT, mask_BT).detach(),
-        "pg_clipfrac_lower": masked_mean(lower_BT, mask_BT).detach(),
-        "ppo_kl": masked_mean(-log_ratio_BT, mask_BT).detach(),
+        "rollout_corr/weight_mean": masked_mean(weight_BT, mask_BT),
+        "rollout_corr/weight_max": weight_BT[valid_BT].max() if valid_BT.any() else weight_BT.new_zeros(()),
+        **extra,
     }
-    return loss_BT, stats
+    return weight_BT, {k: v.detach() for k, v in stats.items()}
 
 
 # ---------------------------------------------------------------------------------- aggregation
@@ -148,8 +441,7 @@ def aggregate_loss(
     seq-mean-token-sum       sum(m l) / num_seqs
     seq-mean-token-sum-norm  sum(m l) / (num_seqs * max_response_len)
     """
-    if mode not in LOSS_AGGREGATIONS:
-        raise ValueError(f"unknown loss_agg_mode '{mode}'; valid: {', '.join(LOSS_AGGREGATIONS)}")
+    aggregate = _lookup(LOSS_AGGREGATIONS, "loss_agg_mode", mode)
     mask_BT = mask_BT.to(loss_BT.dtype)
     if num_tokens is None:
         num_tokens = float(mask_BT.sum().clamp(min=1))
@@ -157,7 +449,7 @@ def aggregate_loss(
         num_seqs = float(mask_BT.shape[0])
     if max_response_len is None:
         max_response_len = mask_BT.shape[1]
-    return LOSS_AGGREGATIONS[mode](loss_BT, mask_BT, max(num_tokens, 1.0), max(num_seqs, 1.0), max_response_len)
+    return aggregate(loss_BT, mask_BT, max(num_tokens, 1.0), max(num_seqs, 1.0), max_response_len)
 
 
 # ------------------------------------------------------------------------------------ KL, entropy
@@ -195,9 +487,7 @@ def kl_penalty(logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor, estimator: str 
     k1 = -d; abs = |d|; k2 = d^2 / 2; k3 (low_var_kl, Schulman 2020) = exp(d') - d' - 1 with
     d' = clamp(d, -20, 20), clamped to [-10, 10].
     """
-    if estimator not in KL_ESTIMATORS:
-        raise ValueError(f"unknown KL estimator '{estimator}'; valid: {', '.join(KL_ESTIMATORS)}")
-    return KL_ESTIMATORS[estimator](ref_logp_BT - logp_BT)
+    return _lookup(KL_ESTIMATORS, "KL estimator", estimator)(ref_logp_BT - logp_BT)
 
 
 def entropy_from_logits(logits_BTV: torch.Tensor) -> torch.Tensor:

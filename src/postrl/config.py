@@ -19,8 +19,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from postrl.errors import UserError
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=False, protected_namespaces=())
@@ -163,11 +161,47 @@ class RolloutConfig(Section):
 
 
 # ----------------------------------------------------------------------------------------- algorithm
+def _registered_name(kind: str, value: str, registry: str) -> str:
+    """`value` if postrl.algorithms registers it in `registry`; else a ValueError with the valid names.
+
+    The names live only in algorithms.py; it is imported here, not at module import, so that loading
+    this module does not import torch.
+    """
+    from postrl import algorithms
+
+    valid = list(getattr(algorithms, registry))
+    if value not in valid:
+        guess = difflib.get_close_matches(str(value), valid, n=1)
+        hint = f" Did you mean '{guess[0]}'?" if guess else ""
+        raise ValueError(f"unknown {kind} '{value}'.{hint} Valid: {', '.join(valid)}. Fix: choose one of them.")
+    return value
+
+
 class KLConfig(Section):
     coef: float = Field(0.0, ge=0, description="Weight of the KL-to-reference loss; 0 = no reference model.")
-    estimator: Literal["k1", "k2", "k3", "abs", "low_var_kl"] = Field(
-        "k3", description="KL estimator (k3 = low_var_kl of the guides)."
+    estimator: str = Field("k3", description="KL estimator: k1, k2, k3, abs, low_var_kl (= k3, the guides' name).")
+
+    @field_validator("estimator")
+    @classmethod
+    def _known_estimator(cls, v: str) -> str:
+        return _registered_name("KL estimator", v, "KL_ESTIMATORS")
+
+
+class RolloutCorrectionConfig(Section):
+    """Importance weights for the gap between the rollout engine's log-probs and the trainer's (docs/algorithms.md)."""
+
+    enable: bool = Field(False, description="Weight the policy loss by the engine-vs-trainer importance ratio.")
+    level: str = Field(
+        "token",
+        description="token (TIS: per-token weight min(p/q, cap)) or sequence (MIS: drop sequences whose "
+        "ratio prod_t p/q lies outside [1/cap, cap]).",
     )
+    cap: float = Field(2.0, gt=1, description="Truncation cap (token) or mask bound (sequence); must exceed 1.")
+
+    @field_validator("level")
+    @classmethod
+    def _known_level(cls, v: str) -> str:
+        return _registered_name("rollout correction level", v, "ROLLOUT_CORRECTIONS")
 
 
 class OverlongBufferConfig(Section):
@@ -186,13 +220,30 @@ class FilterGroupsConfig(Section):
 
 class AlgorithmConfig(Section):
     name: Literal["grpo", "dapo"] = Field("grpo", description="grpo or dapo; dapo only changes defaults.")
+    adv_estimator: str = Field(
+        "grpo",
+        description="Advantage estimator: grpo, drgrpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline "
+        "(docs/algorithms.md).",
+    )
+    policy_loss: str = Field(
+        "vanilla",
+        description="Policy loss: vanilla (PPO clip, clip-higher, dual clip), gspo (sequence-level ratio; derives "
+        "clip 3e-4/4e-4 and seq-mean-token-mean), cispo (clipped IS weight x logp; derives token-mean).",
+    )
     norm_adv_by_std: bool = Field(True, description="Divide advantages by the group std (false: Dr. GRPO).")
     epsilon: float = Field(1e-6, gt=0, description="Added to the group std.")
     kl: KLConfig = Field(default_factory=KLConfig, description="KL loss to the reference model.")
+    rollout_correction: RolloutCorrectionConfig = Field(
+        default_factory=RolloutCorrectionConfig, description="Rollout-engine importance correction (TIS / MIS)."
+    )
     entropy_coef: float = Field(0.0, description="Entropy bonus weight (subtracted from the loss).")
-    clip_ratio_low: float = Field(0.2, gt=0, lt=1, description="eps_low: ratio clipped below at 1 - eps_low.")
+    clip_ratio_low: float | None = Field(
+        None, gt=0, lt=1, description="eps_low: ratio clipped below at 1 - eps_low (default 3e-4 gspo, else 0.2)."
+    )
     clip_ratio_high: float | None = Field(
-        None, gt=0, description="eps_high: ratio clipped above at 1 + eps_high (default 0.28 dapo, else 0.2)."
+        None,
+        gt=0,
+        description="eps_high: ratio clipped above at 1 + eps_high (default 4e-4 gspo, 0.28 dapo, else 0.2).",
     )
     clip_ratio_c: float | None = Field(
         3.0,
@@ -200,18 +251,45 @@ class AlgorithmConfig(Section):
         description="Dual-clip constant c for A < 0: the loss is capped at -A*c. It must exceed 1, since "
         "at c <= 1 the cap would undercut the ordinary clipped objective; null disables dual clip",
     )
-    loss_agg_mode: Literal[LOSS_AGG_MODES] | None = Field(  # type: ignore[valid-type]
-        None, description="Loss aggregation (default token-mean for dapo, seq-mean-token-mean for grpo)."
+    loss_agg_mode: str | None = Field(
+        None,
+        description="Loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm "
+        "(default: seq-mean-token-mean for gspo, token-mean for cispo, else token-mean for dapo and "
+        "seq-mean-token-mean for grpo).",
     )
     overlong_buffer: OverlongBufferConfig = Field(default_factory=OverlongBufferConfig, description="Overlong shaping.")
     filter_groups: FilterGroupsConfig = Field(default_factory=FilterGroupsConfig, description="Dynamic sampling.")
 
+    @field_validator("adv_estimator")
+    @classmethod
+    def _known_estimator(cls, v: str) -> str:
+        return _registered_name("advantage estimator", v, "ADV_ESTIMATORS")
+
+    @field_validator("policy_loss")
+    @classmethod
+    def _known_policy_loss(cls, v: str) -> str:
+        return _registered_name("policy loss", v, "POLICY_LOSSES")
+
+    @field_validator("loss_agg_mode")
+    @classmethod
+    def _known_agg_mode(cls, v: str | None) -> str | None:
+        return v if v is None else _registered_name("loss_agg_mode", v, "LOSS_AGGREGATIONS")
+
     def _derive(self) -> None:
-        dapo = self.name == "dapo"
+        # The policy loss's paper settings win over dapo's: GSPO clips a sequence ratio, whose useful
+        # range is ~1e-4 wide (Zheng et al., 2025), and averages per sequence; CISPO averages per token.
+        dapo, gspo = self.name == "dapo", self.policy_loss == "gspo"
+        if self.clip_ratio_low is None:
+            self.clip_ratio_low = 3e-4 if gspo else 0.2
         if self.clip_ratio_high is None:
-            self.clip_ratio_high = 0.28 if dapo else 0.2
+            self.clip_ratio_high = 4e-4 if gspo else 0.28 if dapo else 0.2
         if self.loss_agg_mode is None:
-            self.loss_agg_mode = "token-mean" if dapo else "seq-mean-token-mean"
+            if gspo:
+                self.loss_agg_mode = "seq-mean-token-mean"
+            elif self.policy_loss == "cispo":
+                self.loss_agg_mode = "token-mean"
+            else:
+                self.loss_agg_mode = "token-mean" if dapo else "seq-mean-token-mean"
         if self.overlong_buffer.enable is None:
             self.overlong_buffer.enable = dapo
         if self.filter_groups.enable is None:

@@ -1,8 +1,8 @@
 """Rule-based rewards: verifiers registered by name and their weighted combination.
 
 Built-in verifiers (see docs/rewards.md): math_17k_acc (boxed_acc, base_acc), acc_for_dapo (dapo),
-gsm8k (gsm8k_strict), gsm8k_flexible, geo3k, format (strict_format). Users add their own as
-`package.module:function`.
+math_verify, gsm8k (gsm8k_strict), gsm8k_flexible, geo3k, format (strict_format). Users add their own
+as `package.module:function`.
 """
 
 from postrl.rewards.registry import (

@@ -3,8 +3,9 @@
 `quick_equal` decides the easy cases in microseconds (same canonical string, two plain numbers,
 an absurdly long answer). `math_equal` asks math-verify (sympy underneath), which knows that
 `\\frac{1}{2}`, `0.5` and `\\dfrac12` are the same number but can take unbounded time on inputs such
-as `9^{9^{9^{9}}}`. The reward function therefore calls `math_equal` only inside the worker pool of
-`postrl.rewards.pool`, which enforces a hard per-call time limit.
+as `9^{9^{9^{9}}}`. `completion_matches` lets math-verify also find the answer in a whole
+completion. The reward function therefore calls `math_equal` and `completion_matches` only inside
+the worker pool of `postrl.rewards.pool`, which enforces a hard per-call time limit.
 """
 
 from __future__ import annotations
@@ -64,10 +65,15 @@ def quick_equal(pred: str | None, truth: str) -> bool | None:
     return None
 
 
+def _timeout() -> int | None:
+    """math-verify's own (SIGALRM) time limit: only in the main thread, and not inside pool workers."""
+    return _signal_timeout_s if threading.current_thread() is threading.main_thread() else None
+
+
 def _parse(answer: str) -> list:
     from math_verify import parse
 
-    timeout = _signal_timeout_s if threading.current_thread() is threading.main_thread() else None
+    timeout = _timeout()
     # Wrapping in \boxed{} makes math-verify read the whole string as one LaTeX answer.
     parsed = parse("\\boxed{" + answer + "}", parsing_timeout=timeout)
     if not parsed:
@@ -89,5 +95,25 @@ def math_equal(pred: str | None, truth: str) -> bool:
     gold, target = _parse(truth), _parse(pred or "")
     if not gold or not target:
         return False
-    timeout = _signal_timeout_s if threading.current_thread() is threading.main_thread() else None
-    return bool(verify(gold, target, timeout_seconds=timeout))
+    return bool(verify(gold, target, timeout_seconds=_timeout()))
+
+
+def completion_matches(completion: str, truth: str) -> bool:
+    """math-verify end to end: does the answer it finds in the whole completion equal the ground truth?
+
+    The completion goes through `math_verify.parse` with its default extraction (LatexExtractionConfig
+    + ExprExtractionConfig): `\\boxed{}`, "the final answer is $X$", "The answer is: X", "Answer: X",
+    else the last formula or number ("#### X" included). The ground truth is read as one answer (a
+    stored `\\boxed{}` unwrapped; a GSM8K solution by its `#### ` number). Unbounded in time on
+    adversarial input: call it through the verifier pool.
+    """
+    from math_verify import parse, verify
+
+    truth = unbox(truth)
+    if "####" in truth:
+        truth = truth.rsplit("####", 1)[1].strip()
+    gold = _parse(truth)
+    if not gold:
+        return False
+    target = parse(completion, parsing_timeout=_timeout())
+    return bool(target) and bool(verify(gold, target, timeout_seconds=_timeout()))

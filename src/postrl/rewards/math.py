@@ -1,4 +1,4 @@
-"""Math verifiers: boxed-answer accuracy (math_17k_acc) and DAPO's "Answer:" rule (acc_for_dapo).
+"""Math verifiers: boxed-answer accuracy (math_17k_acc), DAPO's "Answer:" rule (acc_for_dapo), math_verify.
 
 - `math_17k_acc` (aliases `boxed_acc`, `base_acc`): the last `\\boxed{...}` of the completion is
   compared with the ground truth: same canonical string or same number -> decided at once;
@@ -9,17 +9,22 @@
   there is none, the last `\\boxed{}` in those characters (postrl's addition: DAPO itself scores
   that case wrong). Answer and ground truth are normalised with Minerva's rules and compared as
   strings. Score +1/-1, acc 1/0. Pure string work: runs in the calling process.
+- `math_verify`: the whole completion goes through math-verify's own answer extraction (Hugging
+  Face's Math-Verify: `\\boxed{}`, "the final answer is $X$", "The answer is: X", "Answer: X", else
+  the last formula or number) and is compared with the parsed ground truth by `math_verify.verify`.
+  For models that do not box their answers. Score and acc 1/0; always in the worker pool, under the
+  reward's time limit.
 """
 
 from __future__ import annotations
 
 import re
 
-from postrl.rewards.equivalence import math_equal, quick_equal
+from postrl.rewards.equivalence import completion_matches, math_equal, quick_equal
 from postrl.rewards.registry import VerifierResult, register
 from postrl.rewards.text import last_boxed, minerva_normalize
 
-__all__ = ["boxed_accuracy", "dapo_accuracy", "extract_dapo_answer", "last_boxed"]
+__all__ = ["boxed_accuracy", "dapo_accuracy", "extract_dapo_answer", "last_boxed", "math_verify_accuracy"]
 
 
 def _verdict(ok: bool) -> VerifierResult:
@@ -35,6 +40,12 @@ def _boxed_fast(completion: str, ground_truth: str, row: dict) -> VerifierResult
 def boxed_accuracy(completion: str, ground_truth: str, row: dict) -> VerifierResult:
     """1.0 when the last \\boxed{} of the completion equals the ground truth (symbolically), else 0.0."""
     return _verdict(math_equal(last_boxed(completion), ground_truth))
+
+
+@register("math_verify", uses_row=False)
+def math_verify_accuracy(completion: str, ground_truth: str, row: dict) -> VerifierResult:
+    """1.0 when the answer math-verify extracts from the completion equals the ground truth, else 0.0."""
+    return _verdict(completion_matches(completion, ground_truth))
 
 
 # ------------------------------------------------------------------------------------- DAPO

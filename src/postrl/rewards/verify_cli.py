@@ -22,7 +22,7 @@ import argparse
 import json
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 from postrl.errors import UserError
 
@@ -123,21 +123,26 @@ def _pick_key(rows: list[dict], wanted: str, explicit: bool, fallbacks: tuple[st
     )
 
 
+class _Unscorable(Exception):
+    """Why a record cannot be scored (its message goes to the output line and stderr)."""
+
+
+def _field(row: dict, key: str, convert: Callable[[Any], str], what: str, flag: str) -> str:
+    value = get_path(row, key)
+    if value is _MISSING:
+        raise _Unscorable(f"no field '{key}' ({what}). Fix: add it, or pass {flag}.")
+    try:
+        return convert(value)
+    except ValueError as exc:
+        raise _Unscorable(f"field '{key}' {exc}.") from None
+
+
 def _extract(row: dict, resp_key: str, ans_key: str) -> tuple[str, str, dict] | str:
-    value = get_path(row, resp_key)
-    if value is _MISSING:
-        return f"no field '{resp_key}' (the completion). Fix: add it, or pass --response-key."
     try:
-        completion = as_completion(value)
-    except ValueError as exc:
-        return f"field '{resp_key}' {exc}."
-    value = get_path(row, ans_key)
-    if value is _MISSING:
-        return f"no field '{ans_key}' (the ground truth). Fix: add it, or pass --answer-key."
-    try:
-        truth = as_ground_truth(value)
-    except ValueError as exc:
-        return f"field '{ans_key}' {exc}."
+        completion = _field(row, resp_key, as_completion, "the completion", "--response-key")
+        truth = _field(row, ans_key, as_ground_truth, "the ground truth", "--answer-key")
+    except _Unscorable as exc:
+        return str(exc)
     return completion, truth, row
 
 
