@@ -69,6 +69,7 @@ class Actor:
         self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(t.warmup_steps, t.total_steps, t.lr_schedule, t.min_lr_ratio))
         self.on_policy = t.mini_batch_size == t.global_batch_size and t.epochs_per_batch == 1
+        self.policy_loss = algo.get_policy_loss_fn(cfg.algorithm.policy_loss)
 
     # --------------------------------------------------------------------------------- tensors
     def pack(self, batch: Batch, adv_B: torch.Tensor) -> Packed:
@@ -145,6 +146,7 @@ class Actor:
         mini = t.mini_batch_size * self.G // distributed.world_size()  # this rank's rows of a mini-batch
         sums = _WeightedSums()
         grad_norms = []
+        self.first_ratio_gap = 0.0  # max |logp - logp_old| before the first optimizer step (guards.first_ratio)
         for epoch in range(t.epochs_per_batch):
             for start in range(0, packed.size, mini):
                 rows = range(start, min(start + mini, packed.size))
@@ -152,8 +154,9 @@ class Actor:
                 norms = distributed.all_reduce_sum_dict(algo.loss_normalizers(mask))
                 self.optimizer.zero_grad(set_to_none=True)
                 pg_total = kl_total = 0.0
+                first = epoch == 0 and start == 0  # before any optimizer step: the ratio must be 1
                 for _idx, mb in self.micro_batches(rows, packed):
-                    pg, kl = self._micro_step(mb, norms, use_ref, sums, log_drift=epoch == 0)
+                    pg, kl = self._micro_step(mb, norms, use_ref, sums, first=first)
                     pg_total += pg
                     kl_total += kl
                 grad_norm = distributed.clip_grad_norm_(self.params, t.grad_clip)
@@ -170,9 +173,11 @@ class Actor:
         out = sums.means()
         out["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
         out["actor/lr"] = lr
+        if not self.on_policy:
+            out["actor/first_ratio_gap"] = distributed.all_reduce_max_float(self.first_ratio_gap)
         return out
 
-    def _micro_step(self, mb: dict, norms: dict, use_ref: bool, sums: "_WeightedSums", log_drift: bool) -> tuple[float, float]:
+    def _micro_step(self, mb: dict, norms: dict, use_ref: bool, sums: "_WeightedSums", first: bool) -> tuple[float, float]:
         """Forward, loss and backward of one micro-batch; returns its (pg, kl) loss shares."""
         a = self.cfg.algorithm
         mask = mb["response_mask"]
@@ -182,10 +187,15 @@ class Actor:
         )  # fmt: skip
         old_logp = logp.detach() if self.on_policy else mb["old_logp"]
         adv_BT = mb["adv"].unsqueeze(1).expand_as(logp)
-        pg_BT, stats = algo.policy_loss(
+        pg_BT, stats = self.policy_loss(
             logp, old_logp, adv_BT, mask,
             clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
         )  # fmt: skip
+        rc = a.rollout_correction
+        if rc.enable and "engine_logp" in mb:  # importance weight of the trainer's policy over the engine's
+            weight_BT, rc_stats = algo.rollout_correction(old_logp, mb["engine_logp"], mask, level=rc.level, cap=rc.cap)
+            pg_BT = pg_BT * weight_BT
+            stats = {**stats, **rc_stats}
         agg = dict(mode=a.loss_agg_mode, **norms, max_response_len=self.cfg.rollout.max_tokens)
         pg = algo.aggregate_loss(pg_BT, mask, **agg)
         loss = pg
@@ -201,11 +211,14 @@ class Actor:
         (loss * distributed.world_size()).backward()
         n_tok = float(mask.sum())
         for k, v in stats.items():
-            sums.add(f"actor/{k}", float(v), n_tok)
+            sums.add(k if "/" in k else f"actor/{k}", float(v), n_tok)
         sums.add("actor/entropy", float(algo.masked_mean(entropy.detach(), mask)), n_tok)
-        if "engine_logp" in mb and log_drift:
+        if "engine_logp" in mb and first:
             diff = algo.masked_mean((old_logp.detach() - mb["engine_logp"]).abs(), mask)
             sums.add("rollout/logprob_diff_mean", float(diff), n_tok)
+        if first and not self.on_policy:
+            gap = float(((logp.detach() - old_logp).abs() * mask).max())
+            self.first_ratio_gap = max(self.first_ratio_gap, gap)
         return float(pg.detach()), kl_value
 
     # ----------------------------------------------------------------------------------- state

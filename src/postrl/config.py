@@ -424,6 +424,21 @@ class EvalConfig(Section):
     max_tokens: int | None = Field(None, ge=1, description="Default rollout.max_tokens.")
 
 
+class GuardsConfig(Section):
+    """Correctness checks, on by default (src/postrl/guards.py, docs/algorithms.md#guards)."""
+
+    enable: bool = Field(True, description="Run the guards; each says what it found as a warning or an error.")
+    first_ratio_tol: float = Field(1e-3, gt=0, description="Max |logp - logp_old| before the first optimizer step.")
+    sync_tol: float | None = Field(
+        None, gt=0, description="Max engine-vs-trainer log-prob gap on the probe after a sync (default 1e-3 in float32, 5e-2 otherwise)."
+    )
+    drift_limit: float = Field(0.1, gt=0, description="Warn when rollout/logprob_diff_mean exceeds this.")
+    entropy_floor: float = Field(0.01, ge=0, description="Warn when actor/entropy stays below this ...")
+    entropy_steps: int = Field(5, ge=1, description="... for this many steps in a row.")
+    no_signal_steps: int = Field(5, ge=1, description="Warn when every group has zero reward spread this many steps in a row.")
+    slow_reward_share: float = Field(0.1, ge=0, le=1, description="Warn when more than this share of reward calls time out.")
+
+
 class LoggingConfig(Section):
     sinks: list[Literal["console", "jsonl", "tensorboard", "wandb", "swanlab"]] = Field(
         default_factory=lambda: ["console", "jsonl"], description="Where metrics go."
@@ -451,6 +466,7 @@ class Config(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    guards: GuardsConfig = Field(default_factory=GuardsConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
 
     @model_validator(mode="after")

@@ -113,6 +113,14 @@ def all_reduce_max(value: int) -> int:
     return int(t.item())
 
 
+def all_reduce_max_float(value: float) -> float:
+    if not is_distributed():
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
 def all_gather_object(obj: Any) -> list[Any]:
     """[obj of rank 0, obj of rank 1, ...] on every rank (pickled; for small Python objects)."""
     if not is_distributed():

@@ -165,9 +165,10 @@ class Experience:
         return batch.metric(name)
 
     def advantages(self, batch: Batch) -> torch.Tensor:
-        """adv_B of the global batch (group-relative, broadcast to every token by the actor)."""
+        """adv_B of the global batch by `algorithm.adv_estimator` (broadcast to every token by the actor)."""
         a = self.cfg.algorithm
-        return algo.grpo_advantages(torch.tensor(batch.rewards), self.G, a.norm_adv_by_std, a.epsilon)
+        estimator = algo.get_adv_estimator(a.adv_estimator)
+        return estimator(torch.tensor(batch.rewards), self.G, norm_adv_by_std=a.norm_adv_by_std, epsilon=a.epsilon)
 
 
 def gather(part: Batch) -> Batch:

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from postrl import checkpoint, distributed
+from postrl import algorithms as algo
+from postrl import checkpoint, distributed, guards
 from postrl.actor import Actor, Packed, lr_lambda  # noqa: F401  (lr_lambda: shared with sft)
 from postrl.config import Config
 from postrl.data.dataset import PromptSampler, load_prompts
@@ -77,6 +78,8 @@ class Trainer:
         self.logger = MetricsLogger(cfg.logging.dir, cfg.logging.sinks, cfg.model_dump(mode="json"), enabled=rt.is_main)
         self.step = 0
         self.timer = Timer()
+        self.streaks = guards.Streaks()
+        self.warned: set[str] = set()  # guards that already warned (each says it once)
 
         restored = checkpoint.resume(cfg, len(self.train_examples), self.log)
         if restored is not None:
@@ -111,6 +114,7 @@ class Trainer:
             while self.step < cfg.train.total_steps:
                 metrics = self.train_step()
                 self.step += 1
+                self.check_guards(metrics)
                 if cfg.eval.freq and self.step % cfg.eval.freq == 0 and self.step < cfg.train.total_steps:
                     metrics.update(self.validate())
                 if cfg.checkpoint.save_freq and self.step % cfg.checkpoint.save_freq == 0:
@@ -154,6 +158,27 @@ class Trainer:
             with self.timer("resharding_to_infer"):
                 self.engine.sync_weights(self.model)
         return self._step_metrics(batch, gen_stats, update_stats)
+
+    def check_guards(self, m: dict[str, float]) -> None:
+        """Warn once per guard on what the step's numbers show (src/postrl/guards.py)."""
+        g, name = self.cfg.guards, self.algo_name
+        if not g.enable:
+            return
+        entropy_streak = self.streaks.update("entropy", m["actor/entropy"] < g.entropy_floor)
+        signal_streak = self.streaks.update("no_signal", m[f"{name}/zero_spread_groups_ratio"] >= 1.0)
+        found = {
+            "first_ratio": guards.first_ratio(m.get("actor/first_ratio_gap", 0.0), g.first_ratio_tol),
+            "drift": guards.drift(m.get("rollout/logprob_diff_mean"), g.drift_limit),
+            "entropy": guards.entropy(m["actor/entropy"], g.entropy_floor, entropy_streak, g.entropy_steps),
+            "no_signal": guards.no_signal(signal_streak, g.no_signal_steps),
+            "slow_reward": guards.slow_reward(
+                int(m.get("reward/timeouts", 0)), int(m.get("reward/calls", 0)), g.slow_reward_share, self.cfg.reward.timeout_s
+            ),
+        }
+        for key, message in found.items():
+            if message and key not in self.warned:
+                self.warned.add(key)
+                self.log(f"[yellow]warning (step {self.step}): {message}[/yellow]")
 
     def _stop_for_signal(self, signum: int) -> None:
         """Preemption (SIGTERM) or Ctrl-C: checkpoint the finished step, release everything, exit cleanly."""
@@ -220,6 +245,8 @@ class Trainer:
         m.update(summary_stats("response_length", [float(len(r)) for r in batch.response_ids]))
         m["response_length/clip_ratio"] = sum(not f for f in batch.finished) / batch.size
         m.update(summary_stats("prompt_length", [float(len(p)) for p in batch.prompt_ids]))
+        spread = algo.group_keep_mask(torch.tensor(batch.rewards), self.G)
+        m[f"{name}/zero_spread_groups_ratio"] = 1 - float(spread.float().mean())
         m.update(gen_stats)
         m.update(update_stats)
         timing = self.timer.timing()

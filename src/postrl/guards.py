@@ -1,0 +1,97 @@
+"""Correctness guards, on by default: the silent failures users report in the peers, caught and named.
+
+Each check reads numbers the loop already has and returns what it found as one message (what, why,
+what to do), or None. The trainer prints a warning, or stops with a UserError where going on would
+waste the run (weights that never reach the rollout engine). docs/algorithms.md lists them.
+
+- first_ratio:   before the first optimizer step the policy IS the old policy, so the importance
+                 ratio must be 1: a gap means the old-log-prob pass and the update pass compute
+                 different things (dropout, a different attention path, padding).
+- sync:          after each weight sync, the engine's log-probs of a fixed probe sequence must equal
+                 the trainer's: a gap means the sync did not happen (trl#5312, verl#7495).
+- drift:         the engine's sampling log-probs vs the trainer's on the batch (rollout/logprob_diff_mean).
+- entropy:       entropy below a floor for several steps in a row: the policy has collapsed.
+- no_signal:     every group's reward without spread for several steps in a row: zero advantages,
+                 nothing to learn.
+- slow_reward:   more than a share of the reward calls of a step hit reward.timeout_s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Streaks:
+    """Consecutive steps for which a condition held (per named condition)."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def update(self, name: str, holds: bool) -> int:
+        self.counts[name] = self.counts.get(name, 0) + 1 if holds else 0
+        return self.counts[name]
+
+
+def first_ratio(max_abs_log_ratio: float, tol: float) -> str | None:
+    if max_abs_log_ratio <= tol:
+        return None
+    return (
+        f"guard first_ratio: before the first optimizer step the policy ratio should be exactly 1, but "
+        f"|logp - logp_old| reaches {max_abs_log_ratio:.2e} (tolerance {tol:.0e}). The old-log-prob pass and the "
+        "update pass compute different log-probs (dropout left on, a different attention path or padding), so "
+        "every ratio and clip decision is off. Fix: set the model's dropout to 0 (config.json attention_dropout / "
+        "hidden_dropout) or report the model family."
+    )
+
+
+def sync(max_abs_diff: float, tol: float, engine: str) -> str | None:
+    if max_abs_diff <= tol:
+        return None
+    return (
+        f"guard sync: after the weight sync the {engine} engine's log-probs of a probe sequence differ from the "
+        f"trainer's by up to {max_abs_diff:.2e} (tolerance {tol:.0e}): the engine did not receive the updated "
+        "weights, so every rollout from now on samples from a stale policy and the run would train on nothing. "
+        "Fix: check the engine's weight loading (rollout.engine: hf avoids it), or raise guards.sync_tol if the "
+        "engine runs in lower precision than the trainer."
+    )
+
+
+def drift(diff_mean: float | None, limit: float) -> str | None:
+    if diff_mean is None or diff_mean <= limit:
+        return None
+    return (
+        f"guard drift: the engine's sampling log-probs differ from the trainer's by {diff_mean:.3f} per token on "
+        f"average (limit {limit}). The samples come from a policy noticeably different from the one being trained. "
+        "Fix: turn on algorithm.rollout_correction (TIS) to reweight them, or use the same dtype in both."
+    )
+
+
+def entropy(value: float, floor: float, streak: int, need: int) -> str | None:
+    if streak < need:
+        return None
+    return (
+        f"guard entropy: actor/entropy has stayed below {floor} for {streak} steps (now {value:.4f}): the policy "
+        "has collapsed onto near-deterministic outputs and explores nothing. Fix: lower train.lr, raise "
+        "algorithm.clip_ratio_high (clip-higher), add algorithm.entropy_coef, or resume from an earlier checkpoint."
+    )
+
+
+def no_signal(streak: int, need: int) -> str | None:
+    if streak < need:
+        return None
+    return (
+        f"guard no_signal: for {streak} steps every group's rewards were all equal, so every advantage was 0 and "
+        "the update learned nothing. The data is too easy or too hard for this model. Fix: turn on dynamic "
+        "sampling (algorithm.filter_groups.enable), raise rollout.n_samples_per_prompt, or use data matched to "
+        "the model (an SFT warm start)."
+    )
+
+
+def slow_reward(timeouts: int, calls: int, share: float, timeout_s: float) -> str | None:
+    if calls == 0 or timeouts / calls <= share:
+        return None
+    return (
+        f"guard slow_reward: {timeouts} of {calls} reward calls this step hit reward.timeout_s ({timeout_s} s) and "
+        "scored 0, so rewards are wrong for those completions and each step waits on the time limit. Fix: raise "
+        "reward.timeout_s, or make the verifier faster."
+    )

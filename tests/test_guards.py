@@ -1,0 +1,102 @@
+"""Correctness guards (src/postrl/guards.py): each fires when provoked and stays silent on a healthy run."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+from conftest import tiny_overrides
+from rich.console import Console
+
+from postrl import checkpoint, guards
+from postrl.config import load_config
+from postrl.trainer import Trainer
+
+PARITY = "reward.verifiers=[verifiers_for_tests:length_parity]"
+
+
+def _trainer(tmp_path: Path, *extra: str) -> Trainer:
+    console = Console(file=io.StringIO(), width=400)
+    return Trainer(load_config(None, tiny_overrides(tmp_path, "logging.sinks=[jsonl]", *extra)), console)
+
+
+def _output(tr: Trainer) -> str:
+    return tr.console.file.getvalue()
+
+
+def test_a_healthy_run_trips_no_guard(tmp_path):
+    """Off-policy (two optimizer steps per batch, so the first-ratio check is live), KL, dynamic sampling."""
+    tr = _trainer(tmp_path, PARITY, "algorithm.name=dapo", "algorithm.overlong_buffer.len=4", "train.mini_batch_size=2",
+                  "algorithm.kl.coef=0.01", "train.total_steps=3")  # fmt: skip
+    tr.fit()
+    assert "guard" not in _output(tr), _output(tr)
+
+
+def test_first_ratio_fires_when_the_two_log_prob_passes_disagree(tmp_path):
+    """Attention dropout left on makes the old-log-prob pass and the update pass differ before any step."""
+    tr = _trainer(tmp_path, PARITY, "train.mini_batch_size=2", "train.total_steps=1")
+    for module in tr.model.modules():
+        if hasattr(module, "attention_dropout"):
+            module.attention_dropout = 0.3
+    tr.fit()
+    assert "guard first_ratio: before the first optimizer step the policy ratio should be exactly 1" in _output(tr)
+
+
+def test_no_signal_fires_when_every_group_has_the_same_reward(tmp_path):
+    tr = _trainer(tmp_path, "reward.verifiers=[verifiers_for_tests:never]", "train.total_steps=3", "guards.no_signal_steps=3")
+    tr.fit()
+    out = _output(tr)
+    assert "guard no_signal: for 3 steps every group's rewards were all equal" in out
+    assert out.count("guard no_signal") == 1  # said once
+
+
+@pytest.mark.parametrize(
+    "metrics, expected",
+    [
+        ({"rollout/logprob_diff_mean": 0.5}, "guard drift: the engine's sampling log-probs differ from the trainer's by 0.500"),
+        ({"reward/timeouts": 3, "reward/calls": 16}, "guard slow_reward: 3 of 16 reward calls this step hit reward.timeout_s"),
+    ],
+)
+def test_step_guards_fire_on_their_numbers(tmp_path, metrics, expected):
+    tr = _trainer(tmp_path, PARITY, "train.total_steps=1")
+    healthy = tr.train_step()
+    tr.close()
+    tr.check_guards(healthy)
+    assert "guard" not in _output(tr)
+    tr.check_guards({**healthy, **metrics})
+    assert expected in _output(tr)
+
+
+def test_entropy_collapse_fires_after_its_streak_only(tmp_path):
+    tr = _trainer(tmp_path, PARITY, "train.total_steps=1", "guards.entropy_steps=3")
+    healthy = tr.train_step()
+    tr.close()
+    collapsed = {**healthy, "actor/entropy": 0.001}
+    tr.check_guards(collapsed)
+    tr.check_guards(collapsed)
+    assert "guard entropy" not in _output(tr)
+    tr.check_guards(healthy)  # the streak restarts
+    for _ in range(3):
+        tr.check_guards(collapsed)
+    assert "guard entropy: actor/entropy has stayed below 0.01 for 3 steps" in _output(tr)
+
+
+def test_the_guards_functions_are_silent_within_their_limits():
+    assert guards.first_ratio(0.0, 1e-3) is None and guards.first_ratio(2e-3, 1e-3)
+    assert guards.sync(1e-5, 1e-3, "vllm") is None and "did not receive the updated weights" in guards.sync(0.2, 1e-3, "vllm")
+    assert guards.drift(None, 0.1) is None and guards.drift(0.05, 0.1) is None
+    assert guards.slow_reward(0, 0, 0.1, 5.0) is None and guards.slow_reward(1, 16, 0.1, 5.0) is None
+    assert guards.no_signal(2, 3) is None and guards.entropy(0.0, 0.01, 2, 3) is None
+
+
+def test_resume_warns_on_a_changed_world_size_and_a_run_with_nothing_left(tmp_path):
+    tr = _trainer(tmp_path, PARITY, "train.total_steps=1", "checkpoint.save_final=true")
+    tr.fit()
+    cfg = tr.cfg
+    meta = checkpoint.describe(Path(cfg.checkpoint.dir) / "iter_0000001")
+    problems = checkpoint._changes(cfg, {**meta, "world_size": 2}, 1, meta["train_prompts"])
+    assert any("written by 2 rank(s), this run has 1" in p for p in problems)
+    again = _trainer(tmp_path, PARITY, "train.total_steps=1", "checkpoint.save_final=true")
+    assert "nothing to train: the checkpoint is at step 1 and train.total_steps is 1" in _output(again)
+    again.close()
