@@ -23,7 +23,7 @@ os.environ["OMP_NUM_THREADS"] = "1"
 
 @pytest.fixture(scope="session")
 def tiny_model_path() -> str:
-    from postrl.models import build_tiny_model
+    from postrl.builtin.tiny import build_tiny_model
 
     return str(build_tiny_model())
 

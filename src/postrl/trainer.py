@@ -133,7 +133,8 @@ class Trainer:
         if cfg.train.deterministic:
             torch.use_deterministic_algorithms(True)
 
-        self.model, self.tokenizer, self.model_path = load_policy(cfg.model)
+        self.policy = load_policy(cfg.model)
+        self.model, self.tokenizer, self.model_path = self.policy.model, self.policy.tokenizer, self.policy.path
         configure_cpu_threads(self.model, self.log)
         self.model.train()
         self.ref_model = None
@@ -145,7 +146,7 @@ class Trainer:
         # FSDP2 shards self.model in place (before the optimizer sees its parameters); DDP wraps it.
         self.train_model = distributed.wrap_model(self.model)
 
-        self.train_examples, summary = load_prompts(cfg.data.train_files, self.tokenizer, cfg.data)
+        self.train_examples, summary = load_prompts(cfg.data.train_files, self.tokenizer, cfg.data, modality=self.policy.modality)
         bad = f", {summary['dropped_bad']} malformed image rows skipped" if summary.get("dropped_bad") else ""
         self.log(f"train prompts: {summary['kept']} ({summary['dropped_overlong']} dropped as overlong{bad})")
         self.val_sets = self._load_val_sets()
@@ -162,6 +163,7 @@ class Trainer:
         engine = make_engine(
             cfg.rollout, self.model, self.tokenizer, log=self.log,
             max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_tokens, seed=cfg.train.seed,
+            modality=self.policy.modality,
         )  # fmt: skip
         self.engine = distributed.colocate(engine, self.model)
         self.on_policy = t.mini_batch_size == t.global_batch_size and t.epochs_per_batch == 1
@@ -187,7 +189,9 @@ class Trainer:
     def _load_val_sets(self) -> dict[str, list[PromptExample]]:
         sets = {}
         for f in self.cfg.eval.files or []:
-            examples, _ = load_prompts([f], self.tokenizer, self.cfg.data, max_rows=self.cfg.eval.max_prompts)
+            examples, _ = load_prompts(
+                [f], self.tokenizer, self.cfg.data, max_rows=self.cfg.eval.max_prompts, modality=self.policy.modality
+            )
             name = examples[0].data_source if f.startswith("builtin:") else _stem(f)
             sets[name] = examples
         return sets
@@ -412,7 +416,7 @@ class Trainer:
             T = mb["response_mask"].shape[1]
             logp, _ = response_logprobs(
                 model, mb["input_ids"], mb["attention_mask"], mb["position_ids"], T, self.cfg.rollout.temperature,
-                multi_modal=mb.get("multi_modal"),
+                multi_modal=mb.get("multi_modal"), modality=self.policy.modality,
             )  # fmt: skip
             out[torch.tensor(idx), :T] = logp
         return out
@@ -442,6 +446,7 @@ class Trainer:
                     logp, entropy = response_logprobs(
                         self.train_model, mb["input_ids"], mb["attention_mask"], mb["position_ids"], T,
                         cfg.rollout.temperature, with_entropy=True, multi_modal=mb.get("multi_modal"),
+                        modality=self.policy.modality,
                     )  # fmt: skip
                     old_logp = logp.detach() if self.on_policy else mb["old_logp"]
                     adv_BT = mb["adv"].unsqueeze(1).expand_as(logp)
