@@ -11,8 +11,8 @@ __all__ = ["TEXT", "Modality", "TextModality", "load_modality", "modality_type"]
 def modality_type(config: dict) -> type:
     """The adapter class for a model's config.json: a vision tower means the Qwen-VL input contract.
 
-    Every vision-language model postrl runs is a Qwen2-VL-family one; another family with a
-    `vision_config` fails when its image processor or inputs do not match, with a message saying so.
+    Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE are the vision-language families postrl runs;
+    another family with a `vision_config` goes the same way and fails where its processor or inputs differ.
     """
     if "vision_config" in config:
         from postrl.modality.qwen_vl import QwenVL
