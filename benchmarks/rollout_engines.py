@@ -47,7 +47,8 @@ def main() -> None:
 
     from postrl.config import DataConfig, RolloutConfig
     from postrl.data.dataset import load_prompts
-    from postrl.models import build_tiny_model, load_model, load_tokenizer
+    from postrl.builtin.tiny import build_tiny_model
+    from postrl.models import load_model, load_tokenizer
     from postrl.rollout.base import SamplingParams
     from postrl.rollout.hf import HFEngine
     from postrl.rollout.vllm import VLLMEngine

@@ -35,7 +35,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def tiny_model_path() -> str:
-    from postrl.models import build_tiny_model
+    from postrl.builtin.tiny import build_tiny_model
 
     return str(build_tiny_model())
 

@@ -8,8 +8,9 @@ import re
 import pytest
 import torch
 
-from postrl.data.synthetic import generate_splits
-from postrl.models import build_sequences, build_tiny_model, load_model, load_tokenizer, response_logprobs
+from postrl.builtin.arithmetic import generate_splits
+from postrl.builtin.tiny import build_tiny_model
+from postrl.models import build_sequences, load_model, load_tokenizer, response_logprobs
 from postrl.rollout import SamplingParams
 from postrl.rollout.hf import HFEngine
 
@@ -22,8 +23,8 @@ def tiny(tiny_model_path):
 
 
 def test_tiny_factory_is_deterministic_from_its_seed(tmp_path):
-    a = build_tiny_model(tmp_path / "a", hidden_size=32, num_layers=1, intermediate_size=64, seed=7)
-    b = build_tiny_model(tmp_path / "b", hidden_size=32, num_layers=1, intermediate_size=64, seed=7)
+    a = build_tiny_model(out_dir=tmp_path / "a", hidden_size=32, num_layers=1, intermediate_size=64, seed=7)
+    b = build_tiny_model(out_dir=tmp_path / "b", hidden_size=32, num_layers=1, intermediate_size=64, seed=7)
     assert (a / "tokenizer.json").read_text() == (b / "tokenizer.json").read_text()
     ma, mb = load_model(str(a)), load_model(str(b))
     for (na, pa), (nb, pb) in zip(ma.state_dict().items(), mb.state_dict().items()):
@@ -31,7 +32,7 @@ def test_tiny_factory_is_deterministic_from_its_seed(tmp_path):
     cfg = json.loads((a / "config.json").read_text())
     assert cfg["model_type"] == "qwen2" and cfg["hidden_size"] == 32
     # cached: a second call with the same spec returns the same directory without rebuilding
-    assert build_tiny_model(tmp_path / "a", hidden_size=32, num_layers=1, intermediate_size=64, seed=7) == a
+    assert build_tiny_model(out_dir=tmp_path / "a", hidden_size=32, num_layers=1, intermediate_size=64, seed=7) == a
 
 
 def test_tokenizer_splits_digits_and_has_a_chat_template(tiny):

@@ -333,10 +333,10 @@ def test_shipped_dataset_configs_are_valid():
 @needs_data
 def test_trainer_trains_on_preprocessed_gsm8k_and_math500(tmp_path):
     from postrl.config import load_config
-    from postrl.models import build_tiny_model
+    from postrl.builtin.tiny import build_tiny_model
     from postrl.trainer import train
 
-    model = build_tiny_model(tmp_path / "tiny")
+    model = build_tiny_model(out_dir=tmp_path / "tiny")
     common = dict(tokenizer_name_or_path=str(model), seq_length=200, max_rows=64, split="test")
     g = run(tmp_path, "gsm8k", input=str(DATA / "gsm8k_test.jsonl"), handler_name="gsm8k", prompt_type="qwen", **common)
     m = run(tmp_path, "math", input=str(DATA / "math500_test.jsonl"), handler_name="math", prompt_type="qwen_math_r1", **common)

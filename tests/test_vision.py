@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import pickle
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,31 +13,27 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from postrl.builtin.shapes import generate_splits, render
+from postrl.builtin.tiny import build_tiny_model
 from postrl.config import ModelConfig, load_config
 from postrl.data.dataset import load_prompts
-from postrl.data.visual_task import generate_splits, render
 from postrl.errors import UserError
+from postrl.modality import TEXT
+from postrl.modality.qwen_vl import QwenVL, vision_tower
 from postrl.models import build_sequences, load_policy, response_logprobs
 from postrl.rollout.base import SamplingParams
 from postrl.rollout.hf import HFEngine
-from postrl.vision import (
-    VisionTokenizer,
-    build_tiny_vlm,
-    encode_image_prompt,
-    model_inputs,
-    vision_tower,
-    vllm_blocker,
-)
 
 DATA = SimpleNamespace(image_key="images", min_pixels=None, max_pixels=None)
 
 
 @pytest.fixture(scope="module")
 def vlm():
-    model, tok, path = load_policy(ModelConfig(path="builtin:tiny-qwen2.5-vl"))
+    policy = load_policy(ModelConfig(path="builtin:tiny-qwen2.5-vl"))
+    mod = policy.modality
     rows = generate_splits(6, 2, seed=7)["train"]
-    encoded = [encode_image_prompt(tok, r["prompt"], r["images"], DATA) for r in rows]
-    return SimpleNamespace(model=model, tok=tok, path=path, rows=rows, encoded=encoded)
+    encoded = [mod.encode_prompt(policy.tokenizer, r["prompt"], r["images"], DATA) for r in rows]
+    return SimpleNamespace(model=policy.model, tok=policy.tokenizer, mod=mod, path=policy.path, rows=rows, encoded=encoded)
 
 
 def _png(size=(40, 30), color=(200, 10, 10)) -> bytes:
@@ -114,44 +111,48 @@ def test_terse_and_hasty_ratios_change_only_the_reference_solutions_of_training_
 
 
 def test_tiny_vlm_loads_with_its_image_processor_and_a_frozen_vision_tower(vlm):
-    assert isinstance(vlm.tok, VisionTokenizer)
+    assert isinstance(vlm.mod, QwenVL) and vlm.mod.image_processor is not None
     assert (Path(vlm.path) / "preprocessor_config.json").is_file()
     tower = vision_tower(vlm.model)
     assert tower is not None and not any(p.requires_grad for p in tower.parameters())
     assert all(p.requires_grad for n, p in vlm.model.named_parameters() if ".visual." not in n)
-    unfrozen, _, _ = load_policy(ModelConfig(path=vlm.path, freeze_vision_tower=False))
+    unfrozen = load_policy(ModelConfig(path=vlm.path, freeze_vision_tower=False)).model
     assert all(p.requires_grad for p in unfrozen.parameters())
+    # a text model gets the text adapter, chosen once from its config
+    assert load_policy(ModelConfig(path="builtin:tiny-qwen2")).modality is TEXT
 
 
 def test_image_prompts_expand_placeholders_and_resize_within_pixel_bounds(vlm):
-    tok = vlm.tok
+    tok, image_token_id = vlm.tok, vlm.mod.image_token_id
     ids, mm = vlm.encoded[0]
+    # rows carry plain data (the adapter holds the processor): cheap to gather across ranks
+    assert set(mm) == {"images", "image_grid_thw"} and len(pickle.dumps(mm)) < 20_000
     # 56x56 -> 4x4 patches of 14 -> 4 image tokens after the 2x2 merge, between vision start/end
     assert mm["image_grid_thw"].tolist() == [[1, 4, 4]]
-    assert ids.count(tok.image_token_id) == 4
+    assert ids.count(image_token_id) == 4
     assert "<|vision_start|>" + "<|image_pad|>" * 4 + "<|vision_end|>Count the shapes" in tok.decode(ids)
     # two images, one wide: each resized to multiples of 28 within [min_pixels, max_pixels]
     prompt = [{"role": "user", "content": "<image>Left. <image>Right. Same colour?"}]
     bounds = SimpleNamespace(image_key="images", min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 8)
-    ids, mm = encode_image_prompt(tok, prompt, [_png((300, 60)), {"bytes": _png((20, 20)), "path": None}], bounds)
+    ids, mm = vlm.mod.encode_prompt(tok, prompt, [_png((300, 60)), {"bytes": _png((20, 20)), "path": None}], bounds)
     grids = mm["image_grid_thw"].tolist()
     for im, (_, gh, gw) in zip(mm["images"], grids):
         w, h = im.size
         assert w % 28 == 0 and h % 28 == 0 and (gh, gw) == (h // 14, w // 14)
         assert 28 * 28 * 4 <= w * h <= 28 * 28 * 8
     assert grids[0][2] > grids[0][1]  # the wide image stays wide
-    assert ids.count(tok.image_token_id) == sum(g * h * w // 4 for g, h, w in grids)
+    assert ids.count(image_token_id) == sum(g * h * w // 4 for g, h, w in grids)
     text = tok.decode(ids)
     assert text.index("Left.") < text.index("Right.") and text.count("<|vision_start|>") == 2
 
 
 def test_log_probs_use_mrope_and_match_generation_under_left_padding(vlm):
     """Batched (left-padded, mixed with a text-only prompt) == one at a time == generate's own logits."""
-    model, tok = vlm.model, vlm.tok
+    model, tok, mod = vlm.model, vlm.tok, vlm.mod
     text_ids = tok.apply_chat_template([{"role": "user", "content": "How many now?"}], add_generation_prompt=True, return_dict=False)
     prompts = [e[0] for e in vlm.encoded[:3]] + [list(text_ids)]
     mms = [e[1] for e in vlm.encoded[:3]] + [None]
-    comps = HFEngine(model, tok).generate(prompts, SamplingParams(max_tokens=8, n=2, seed=3), multi_modal=mms)
+    comps = HFEngine(model, tok, modality=mod).generate(prompts, SamplingParams(max_tokens=8, n=2, seed=3), multi_modal=mms)
     assert len(comps) == 8 and [c.prompt_index for c in comps] == [0, 0, 1, 1, 2, 2, 3, 3]
     P = [prompts[c.prompt_index] for c in comps]
     R = [c.token_ids for c in comps]
@@ -159,10 +160,12 @@ def test_log_probs_use_mrope_and_match_generation_under_left_padding(vlm):
     t = build_sequences(P, R, tok.pad_token_id)
     T = t["response_mask"].shape[1]
     with torch.no_grad():
-        batched, _ = response_logprobs(model, t["input_ids"], t["attention_mask"], t["position_ids"], T, multi_modal=M)
+        batched, _ = response_logprobs(model, t["input_ids"], t["attention_mask"], t["position_ids"], T, multi_modal=M,
+                                       modality=mod)  # fmt: skip
         for i in range(len(P)):
             s = build_sequences([P[i]], [R[i]], tok.pad_token_id)
-            alone, _ = response_logprobs(model, s["input_ids"], s["attention_mask"], s["position_ids"], len(R[i]), multi_modal=[M[i]])
+            alone, _ = response_logprobs(model, s["input_ids"], s["attention_mask"], s["position_ids"], len(R[i]),
+                                         multi_modal=[M[i]], modality=mod)  # fmt: skip
             assert torch.allclose(alone[0], batched[i, : len(R[i])], atol=1e-5)
         # generate's own logits (greedy) for the first prompt
         from transformers import GenerationConfig
@@ -171,22 +174,23 @@ def test_log_probs_use_mrope_and_match_generation_under_left_padding(vlm):
         gen_cfg = GenerationConfig(do_sample=False, max_new_tokens=6, output_logits=True, return_dict_in_generate=True,
                                    eos_token_id=None, pad_token_id=tok.pad_token_id)  # fmt: skip
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen_cfg,
-                             **model_inputs(model, ids, [mms[0]]))  # fmt: skip
+                             **mod.forward_kwargs(model, ids, [mms[0]]))  # fmt: skip
         resp = out.sequences[0, ids.shape[1] :].tolist()
         from_gen = torch.stack([torch.log_softmax(lg[0].float(), -1)[k] for lg, k in zip(out.logits, resp)])
         s = build_sequences([prompts[0]], [resp], tok.pad_token_id)
-        ours, _ = response_logprobs(model, s["input_ids"], s["attention_mask"], s["position_ids"], len(resp), multi_modal=[mms[0]])
+        ours, _ = response_logprobs(model, s["input_ids"], s["attention_mask"], s["position_ids"], len(resp), multi_modal=[mms[0]],
+                                    modality=mod)  # fmt: skip
         assert torch.allclose(ours[0], from_gen, atol=1e-5)
         # mRoPE is live: the text path's 1-D positions would give other numbers
         flat = model(input_ids=s["input_ids"], attention_mask=s["attention_mask"], position_ids=s["position_ids"],
-                     **model_inputs(model, s["input_ids"], [mms[0]])).logits  # fmt: skip
+                     **mod.forward_kwargs(model, s["input_ids"], [mms[0]])).logits  # fmt: skip
         flat_lp = torch.log_softmax(flat[0, -len(resp) - 1 : -1].float(), -1).gather(-1, torch.tensor(resp)[:, None])[:, 0]
         assert (flat_lp - ours[0]).abs().max() > 1e-4
 
 
 def test_rollout_never_samples_image_placeholders(vlm):
-    engine = HFEngine(vlm.model, vlm.tok)
-    media = {vlm.tok.image_token_id, vlm.tok.convert_tokens_to_ids("<|video_pad|>")}
+    engine = HFEngine(vlm.model, vlm.tok, modality=vlm.mod)
+    media = {vlm.tok.convert_tokens_to_ids("<|image_pad|>"), vlm.tok.convert_tokens_to_ids("<|video_pad|>")}
     assert set(engine.suppress_ids) == media
     prompts, mms = [e[0] for e in vlm.encoded], [e[1] for e in vlm.encoded]
     comps = engine.generate(prompts, SamplingParams(temperature=2.0, max_tokens=16, n=4, seed=0), multi_modal=mms)
@@ -215,12 +219,12 @@ def test_malformed_image_rows_are_named_or_skipped_and_counted(tmp_path, vlm):
         keep = [r for i, r in enumerate(rows) if i not in problems or i == bad]
         pq.write_table(pa.Table.from_pylist(keep), path)
         with pytest.raises(UserError) as info:
-            load_prompts([str(path)], vlm.tok, cfg.data)
+            load_prompts([str(path)], vlm.tok, cfg.data, modality=vlm.mod)
         text = str(info.value)
         assert f"{path}, row 1: " in text and msg in text and "skip_bad_rows" in text, text
     pq.write_table(pa.Table.from_pylist(rows), path)
     cfg = load_config(None, ["model.path=m", f"data.train_files=[{path}]", "data.skip_bad_rows=true"], check_paths=False)
-    examples, summary = load_prompts([str(path)], vlm.tok, cfg.data)
+    examples, summary = load_prompts([str(path)], vlm.tok, cfg.data, modality=vlm.mod)
     assert summary == {"rows": 6, "dropped_overlong": 0, "dropped_bad": 4, "kept": 2}
     assert examples[0].multi_modal is not None and examples[1].multi_modal is None
     assert "images" not in examples[0].row  # verifiers are not sent image bytes
@@ -228,24 +232,24 @@ def test_malformed_image_rows_are_named_or_skipped_and_counted(tmp_path, vlm):
 
 def test_a_text_model_refuses_image_rows_with_a_fix(tmp_path):
     cfg = load_config(None, ["model.path=builtin:tiny-qwen2", "data.train_files=[builtin:shapes:val]", "data.shapes.val_size=4"])
-    _, tok, _ = load_policy(cfg.model)
+    policy = load_policy(cfg.model)
     with pytest.raises(UserError, match="the model is text-only"):
-        load_prompts(cfg.data.train_files, tok, cfg.data)
+        load_prompts(cfg.data.train_files, policy.tokenizer, cfg.data, modality=policy.modality)
 
 
 def test_vllm_engine_refuses_vlms_here_with_the_reason_and_auto_falls_back(vlm):
     from postrl.config import RolloutConfig
     from postrl.rollout.base import make_engine
 
-    reason = vllm_blocker(vlm.model)
+    reason = vlm.mod.vllm_blocker()
     if reason is None:
         pytest.skip("torchvision is installed: vLLM's Qwen-VL code can import")
     assert "torchvision" in reason and "rollout.engine: hf" in reason
     said: list[str] = []
-    engine = make_engine(RolloutConfig(engine="auto"), vlm.model, vlm.tok, log=said.append)
+    engine = make_engine(RolloutConfig(engine="auto"), vlm.model, vlm.tok, log=said.append, modality=vlm.mod)
     assert isinstance(engine, HFEngine) and "torchvision" in said[0]
     with pytest.raises(UserError, match="torchvision"):
-        make_engine(RolloutConfig(engine="vllm"), vlm.model, vlm.tok)
+        make_engine(RolloutConfig(engine="vllm"), vlm.model, vlm.tok, modality=vlm.mod)
 
 
 # ---------------------------------------------------------------------------------------- training
@@ -272,8 +276,8 @@ def test_dapo_on_images_trains_the_language_model_and_not_the_frozen_vision_towe
     # the checkpoint reloads as a VLM with its image processor
     ckpt = next((tmp_path / "run" / "checkpoints").glob("iter_*")) / "model"
     assert (ckpt / "preprocessor_config.json").is_file()
-    model, tok, _ = load_policy(ModelConfig(path=str(ckpt)))
-    assert isinstance(tok, VisionTokenizer) and vision_tower(model) is not None
+    policy = load_policy(ModelConfig(path=str(ckpt)))
+    assert isinstance(policy.modality, QwenVL) and vision_tower(policy.model) is not None
 
 
 def test_grpo_with_kl_and_ppo_epochs_on_images_runs_old_and_ref_passes(tmp_path):
@@ -303,13 +307,13 @@ def test_sft_on_images_trains_the_unfrozen_vision_tower_and_saves_the_processor(
             "rollout.max_tokens=4", "logging.progress=false",
         ],
     )  # fmt: skip
-    start, _, _ = load_policy(cfg.model)
+    start = load_policy(cfg.model).model
     result = run_sft(cfg)
     assert "val/shapes/acc_mean@1" in result
     out = tmp_path / "sft" / "model"
-    model, tok, _ = load_policy(ModelConfig(path=str(out), freeze_vision_tower=False))
-    assert isinstance(tok, VisionTokenizer)
-    trained, initial = vision_tower(model).state_dict(), vision_tower(start).state_dict()
+    policy = load_policy(ModelConfig(path=str(out), freeze_vision_tower=False))
+    assert isinstance(policy.modality, QwenVL)
+    trained, initial = vision_tower(policy.model).state_dict(), vision_tower(start).state_dict()
     assert any(not torch.equal(trained[k], initial[k]) for k in trained)
 
 
@@ -320,7 +324,7 @@ def _family_dir(family: str, out: Path) -> Path:
     from transformers import AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    tok = AutoTokenizer.from_pretrained(build_tiny_vlm())
+    tok = AutoTokenizer.from_pretrained(build_tiny_model("tiny-qwen2.5-vl"))
     ids = {k: tok.convert_tokens_to_ids(f"<|{v}|>") for k, v in
            dict(image_token_id="image_pad", video_token_id="video_pad", vision_start_token_id="vision_start",
                 vision_end_token_id="vision_end").items()}  # fmt: skip
@@ -354,17 +358,20 @@ def _family_dir(family: str, out: Path) -> Path:
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl", "qwen3_vl_moe"])
 def test_other_qwen_vl_families_load_roll_out_and_score(family, tmp_path, vlm):
     path = _family_dir(family, tmp_path / family)
-    model, tok, _ = load_policy(ModelConfig(path=str(path)))
-    assert isinstance(tok, VisionTokenizer) and not any(p.requires_grad for p in vision_tower(model).parameters())
+    policy = load_policy(ModelConfig(path=str(path)))
+    model, tok, mod = policy.model, policy.tokenizer, policy.modality
+    assert isinstance(mod, QwenVL) and not any(p.requires_grad for p in vision_tower(model).parameters())
     rows = vlm.rows[:3]
-    enc = [encode_image_prompt(tok, r["prompt"], r["images"], DATA) for r in rows]
+    enc = [mod.encode_prompt(tok, r["prompt"], r["images"], DATA) for r in rows]
     prompts, mms = [e[0] for e in enc], [e[1] for e in enc]
-    comps = HFEngine(model, tok).generate(prompts, SamplingParams(max_tokens=5, n=2, seed=0), multi_modal=mms)
+    comps = HFEngine(model, tok, modality=mod).generate(prompts, SamplingParams(max_tokens=5, n=2, seed=0), multi_modal=mms)
     P, R, M = [prompts[c.prompt_index] for c in comps], [c.token_ids for c in comps], [mms[c.prompt_index] for c in comps]
     t = build_sequences(P, R, tok.pad_token_id)
     with torch.no_grad():
-        batched, _ = response_logprobs(model, t["input_ids"], t["attention_mask"], t["position_ids"], t["response_mask"].shape[1], multi_modal=M)
+        batched, _ = response_logprobs(model, t["input_ids"], t["attention_mask"], t["position_ids"], t["response_mask"].shape[1],
+                                       multi_modal=M, modality=mod)  # fmt: skip
         for i in range(len(P)):
             s = build_sequences([P[i]], [R[i]], tok.pad_token_id)
-            alone, _ = response_logprobs(model, s["input_ids"], s["attention_mask"], s["position_ids"], len(R[i]), multi_modal=[M[i]])
+            alone, _ = response_logprobs(model, s["input_ids"], s["attention_mask"], s["position_ids"], len(R[i]),
+                                         multi_modal=[M[i]], modality=mod)  # fmt: skip
             assert torch.allclose(alone[0], batched[i, : len(R[i])], atol=1e-5)

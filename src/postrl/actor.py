@@ -29,7 +29,7 @@ import torch
 from postrl import algorithms as algo
 from postrl import distributed
 from postrl.experience import Batch
-from postrl.models import build_sequences, response_logprobs
+from postrl.models import Policy, build_sequences, response_logprobs
 from postrl.partition import rank_rows, token_budget_micro_batches
 from postrl.runtime import Runtime
 
@@ -56,11 +56,12 @@ class Packed:
 class Actor:
     """Owns the trained model's optimizer and scheduler; `update` is one training step's update."""
 
-    def __init__(self, cfg: Any, model: torch.nn.Module, train_model: torch.nn.Module, pad_id: int, runtime: Runtime, log=print):
+    def __init__(self, cfg: Any, policy: Policy, train_model: torch.nn.Module, runtime: Runtime, log=print):
         self.cfg = cfg
-        self.model = model  # the policy (FSDP2 shards it in place)
+        self.model = model = policy.model  # FSDP2 shards it in place
         self.train_model = train_model  # what forward/backward go through (a DDP wrapper, or the model)
-        self.pad_id = pad_id
+        self.pad_id = policy.tokenizer.pad_token_id
+        self.modality = policy.modality  # VLMs: the image inputs of each forward
         self.runtime = runtime
         self.log = log
         self.G = cfg.rollout.n_samples_per_prompt
@@ -134,7 +135,7 @@ class Actor:
             T = mb["response_mask"].shape[1]
             logp, _ = response_logprobs(
                 model, mb["input_ids"], mb["attention_mask"], mb["position_ids"], T, self.cfg.rollout.temperature,
-                multi_modal=mb.get("multi_modal"),
+                multi_modal=mb.get("multi_modal"), modality=self.modality,
             )  # fmt: skip
             out[torch.tensor(idx, device=out.device), :T] = logp
         return out
@@ -183,7 +184,7 @@ class Actor:
         mask = mb["response_mask"]
         logp, entropy = response_logprobs(
             self.train_model, mb["input_ids"], mb["attention_mask"], mb["position_ids"], mask.shape[1],
-            self.cfg.rollout.temperature, with_entropy=True, multi_modal=mb.get("multi_modal"),
+            self.cfg.rollout.temperature, with_entropy=True, multi_modal=mb.get("multi_modal"), modality=self.modality,
         )  # fmt: skip
         old_logp = logp.detach() if self.on_policy else mb["old_logp"]
         adv_BT = mb["adv"].unsqueeze(1).expand_as(logp)

@@ -96,9 +96,9 @@ def cmd_report(args) -> int:
 
 
 def cmd_tiny_model(args) -> int:
-    from postrl.models import build_tiny_model
+    from postrl.builtin.tiny import build_tiny_model
 
-    console.print(str(build_tiny_model(args.out)))
+    console.print(str(build_tiny_model(out_dir=args.out)))
     return 0
 
 

@@ -72,13 +72,16 @@ def val_set_name(file: str, examples: list) -> str:
     return examples[0].data_source if file.startswith("builtin:") else Path(file).stem
 
 
-def load_val_sets(cfg, tokenizer) -> dict[str, list]:
-    """The validation sets of `eval.files`, by name (at most eval.max_prompts prompts each)."""
+def load_val_sets(cfg, tokenizer, modality=None) -> dict[str, list]:
+    """The validation sets of `eval.files`, by name (at most eval.max_prompts prompts each).
+
+    `modality` is the policy's adapter (None: text), which encodes prompts with images.
+    """
     from postrl.data.dataset import load_prompts
 
     sets = {}
     for f in cfg.eval.files or []:
-        examples, _ = load_prompts([f], tokenizer, cfg.data, max_rows=cfg.eval.max_prompts)
+        examples, _ = load_prompts([f], tokenizer, cfg.data, max_rows=cfg.eval.max_prompts, modality=modality)
         if not examples:
             raise UserError(f"eval file '{f}' holds no usable prompts (all empty or overlong). Fix: check the file.")
         sets[val_set_name(f, examples)] = examples
@@ -93,20 +96,22 @@ def evaluate_model(cfg, log: Any = None) -> tuple[dict[str, float], str]:
 
     if not cfg.model.path.startswith("builtin:"):
         cfg.model.path = str(_resolve(cfg.model.path))
-    model, tokenizer, path = load_policy(cfg.model)
+    policy = load_policy(cfg.model)
+    model, tokenizer = policy.model, policy.tokenizer
     model.eval()
     engine = make_engine(
         cfg.rollout, model, tokenizer, log=log,
         max_model_len=cfg.data.max_prompt_length + (cfg.eval.max_tokens or cfg.rollout.max_tokens), seed=cfg.train.seed,
+        modality=policy.modality,
     )  # fmt: skip
     reward_fn = RewardFunction(cfg.reward)
     results: dict[str, float] = {}
     try:
-        for name, examples in load_val_sets(cfg, tokenizer).items():
+        for name, examples in load_val_sets(cfg, tokenizer, policy.modality).items():
             results.update(evaluate(engine, tokenizer, reward_fn, examples, cfg.eval, name, cfg.train.seed))
     finally:
         reward_fn.close()
-    return results, path
+    return results, policy.path
 
 
 def _resolve(path: str) -> Path:

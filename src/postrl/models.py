@@ -1,138 +1,54 @@
-"""Models: load Hugging Face causal LMs and tokenizers, per-token log-probs, the tiny-model factory.
+"""Models: load the policy (model, tokenizer, modality adapter), pack sequences, per-token log-probs.
 
-Any `AutoModelForCausalLM` directory loads the same way (a real Qwen2.5 config included). The tiny
-factory builds a small Qwen2-architecture model and trains a byte-level BPE tokenizer (digits split
-one by one, as Qwen's are) with a ChatML chat template, locally and deterministically from a seed,
-and caches both on disk.
+Any Hugging Face causal LM directory or hub id loads the same way (a real Qwen2.5 config included);
+a model with a vision tower loads through its modality adapter (`postrl.modality`), chosen once from
+config.json. 'builtin:<name>' paths are the demos' tiny models (`postrl.builtin.tiny`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from postrl.errors import UserError
-from postrl.utils import cache_dir
+from postrl.modality import TEXT, Modality, load_modality, modality_type
 
-TINY_VERSION = 2
-TINY_DEFAULTS: dict[str, Any] = {
-    "vocab_size": 512,
-    "hidden_size": 128,
-    "num_layers": 4,
-    "num_heads": 4,
-    "num_kv_heads": 2,
-    "intermediate_size": 384,
-    "max_position_embeddings": 512,
-    "seed": 0,
-}
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-# ------------------------------------------------------------------------------------ tiny factory
-
-
-def _train_tokenizer(vocab_size: int, seed: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    from postrl.data.synthetic import tokenizer_corpus
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
-    )
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(tokenizer_corpus(seed=seed), trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        chat_template=CHATML_TEMPLATE,
-        model_max_length=4096,
-        padding_side="left",
-    )
-
-
-def build_tiny_model(out_dir: str | Path | None = None, **overrides: Any) -> Path:
-    """Build (or reuse from the cache) a tiny Qwen2 model + tokenizer; returns its directory."""
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
-
-    unknown = set(overrides) - set(TINY_DEFAULTS)
-    if unknown:
-        raise UserError(
-            f"model.tiny has unknown keys {sorted(unknown)}; valid: {', '.join(TINY_DEFAULTS)}."
-        )
-    spec = {**TINY_DEFAULTS, **overrides, "version": TINY_VERSION}
-    key = hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
-    out = Path(out_dir) if out_dir else cache_dir() / "models" / f"tiny-qwen2-{key}"
-    if (out / "config.json").exists() and (out / "tokenizer.json").exists():
-        return out
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tokenizer = _train_tokenizer(spec["vocab_size"], spec["seed"])
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=spec["hidden_size"],
-        intermediate_size=spec["intermediate_size"],
-        num_hidden_layers=spec["num_layers"],
-        num_attention_heads=spec["num_heads"],
-        num_key_value_heads=spec["num_kv_heads"],
-        max_position_embeddings=spec["max_position_embeddings"],
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(spec["seed"])
-    model = Qwen2ForCausalLM(config)
-    model.generation_config = GenerationConfig(
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.pad_token_id
-    )
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "postrl_tiny.json").write_text(json.dumps(spec, indent=2))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
-
-
 def resolve_model_path(path: str, tiny: dict | None = None) -> str:
+    """`path` itself, or for 'builtin:<name>' the directory of the built (cached) tiny model."""
     if path.startswith("builtin:"):
-        name = path.split(":", 1)[1]
-        if name == "tiny-qwen2.5-vl":
-            from postrl.vision import build_tiny_vlm
+        from postrl.builtin.tiny import build_tiny_model
 
-            return str(build_tiny_vlm(**(tiny or {})))
-        if name != "tiny-qwen2":
-            raise UserError(
-                f"unknown built-in model '{path}'; the built-in models are 'builtin:tiny-qwen2' and 'builtin:tiny-qwen2.5-vl'."
-            )
-        return str(build_tiny_model(**(tiny or {})))
+        return str(build_tiny_model(path.split(":", 1)[1], **(tiny or {})))
     return path
 
 
 # ----------------------------------------------------------------------------------------- loading
 
 
+def model_config(path: str) -> dict:
+    """config.json of a model directory or hub id ({} when there is none)."""
+    local = Path(path) / "config.json"
+    try:
+        if local.is_file():
+            return json.loads(local.read_text())
+        if Path(path).exists():
+            return {}
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(path).to_dict()  # hub id (downloaded once, then cached)
+    except (OSError, ValueError):
+        return {}
+
+
 def load_tokenizer(path: str, trust_remote_code: bool = False):
+    """The tokenizer of `path`, left-padding, with a pad token (EOS when it has none)."""
     from transformers import AutoTokenizer
 
     try:
@@ -145,21 +61,20 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
-    from postrl.vision import load_vision_tokenizer
-
-    return load_vision_tokenizer(path, tok, trust_remote_code) or tok  # VLMs: plus the image processor
+    return tok
 
 
-def load_model(path: str, dtype: str = "float32", trust_remote_code: bool = False, gradient_checkpointing: bool = False):
-    from transformers import AutoModelForCausalLM
-
-    from postrl.vision import is_vlm_dir, load_vlm
-
+def load_model(
+    path: str,
+    dtype: str = "float32",
+    trust_remote_code: bool = False,
+    gradient_checkpointing: bool = False,
+    modality: Modality | None = None,
+):
+    """The model of `path`, with the auto class of its modality (chosen from its config.json when not given)."""
+    loader = modality or modality_type(model_config(path))
     try:
-        if is_vlm_dir(path):
-            model = load_vlm(path, DTYPES[dtype], trust_remote_code)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
+        model = loader.load_model(path, DTYPES[dtype], trust_remote_code)
     except (OSError, ValueError) as exc:
         raise UserError(
             f"cannot load a causal LM from '{path}' ({exc}). Fix: point model.path at a Hugging Face model "
@@ -171,19 +86,41 @@ def load_model(path: str, dtype: str = "float32", trust_remote_code: bool = Fals
     return model
 
 
-def load_policy(model_cfg) -> tuple[Any, Any, str]:
-    """(model, tokenizer, resolved path) from a `ModelConfig`."""
-    path = resolve_model_path(model_cfg.path, model_cfg.tiny)
-    tokenizer = load_tokenizer(model_cfg.tokenizer_path or path, model_cfg.trust_remote_code)
-    model = load_model(path, model_cfg.dtype, model_cfg.trust_remote_code, model_cfg.gradient_checkpointing)
-    if model_cfg.freeze_vision_tower:
-        from postrl.vision import freeze_vision_tower
+@dataclass
+class Policy:
+    """The model being trained, its tokenizer, where it was loaded from, and its modality adapter."""
 
-        freeze_vision_tower(model)  # no-op for text-only models
-    return model, tokenizer, path
+    model: Any
+    tokenizer: Any
+    path: str  # resolved: a builtin: name becomes its built directory
+    modality: Modality
+
+
+def load_policy(model_cfg) -> Policy:
+    """The policy of a `ModelConfig`; its modality adapter is chosen once, here, from config.json."""
+    path = resolve_model_path(model_cfg.path, model_cfg.tiny)
+    processor_path = model_cfg.tokenizer_path or path
+    modality = load_modality(model_config(path), processor_path, model_cfg.trust_remote_code)
+    tokenizer = modality.prepare_tokenizer(load_tokenizer(processor_path, model_cfg.trust_remote_code), processor_path)
+    model = load_model(path, model_cfg.dtype, model_cfg.trust_remote_code, model_cfg.gradient_checkpointing, modality)
+    if model_cfg.freeze_vision_tower:
+        modality.freeze_vision_tower(model)  # no-op for text-only models
+    return Policy(model=model, tokenizer=tokenizer, path=path, modality=modality)
 
 
 # --------------------------------------------------------------------------------------- log-probs
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts left-padded to the longest: input_ids and attention_mask [B, P]."""
+    P = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), P), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), P), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        if p:
+            input_ids[i, P - len(p) :] = torch.tensor(p, dtype=torch.long)
+            attention_mask[i, P - len(p) :] = 1
+    return input_ids, attention_mask
 
 
 def build_sequences(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
@@ -191,23 +128,21 @@ def build_sequences(prompts: list[list[int]], responses: list[list[int]], pad_id
 
     Returns input_ids/attention_mask/position_ids [B, P+T] and response_mask [B, T].
     """
-    P = max(len(p) for p in prompts)
+    prompt_ids, prompt_mask = left_pad(prompts, pad_id)  # [B, P]
     T = max(max(len(r) for r in responses), 1)
-    B = len(prompts)
-    input_ids = torch.full((B, P + T), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((B, P + T), dtype=torch.long)
-    for i, (p, r) in enumerate(zip(prompts, responses)):
-        input_ids[i, P - len(p) : P] = torch.tensor(p, dtype=torch.long)
-        attention_mask[i, P - len(p) : P] = 1
+    response_ids = torch.full((len(prompts), T), pad_id, dtype=torch.long)
+    response_mask = torch.zeros((len(prompts), T), dtype=torch.long)
+    for i, r in enumerate(responses):
         if r:
-            input_ids[i, P : P + len(r)] = torch.tensor(r, dtype=torch.long)
-            attention_mask[i, P : P + len(r)] = 1
+            response_ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+            response_mask[i, : len(r)] = 1
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     return {
-        "input_ids": input_ids,
+        "input_ids": torch.cat([prompt_ids, response_ids], dim=1),
         "attention_mask": attention_mask,
         "position_ids": position_ids,
-        "response_mask": attention_mask[:, P:].clone(),
+        "response_mask": response_mask,
     }
 
 
@@ -220,21 +155,19 @@ def response_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     multi_modal: list[dict | None] | None = None,
+    modality: Modality | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [B, T] of the last `response_len` tokens under softmax(logits / temperature).
 
     Only the logits of response positions are computed (`logits_to_keep`), so one call materialises
     at most [B, T+1, V]; callers pass one micro-batch at a time. `multi_modal` holds each sequence's
-    image inputs (VLMs); with images the model computes its own (mRoPE) positions.
+    image inputs (VLMs), turned into forward arguments by `modality` (None: text); with images
+    the model computes its own (mRoPE) positions.
     """
     from postrl.algorithms import entropy_from_logits
 
     T = response_len
-    mm: dict[str, torch.Tensor] = {}
-    if multi_modal is not None:
-        from postrl.vision import model_inputs
-
-        mm = model_inputs(model, input_ids, multi_modal)
+    mm = (modality or TEXT).forward_kwargs(model, input_ids, multi_modal) if multi_modal is not None else {}
     out = model(
         input_ids=input_ids,
         attention_mask=attention_mask,

@@ -16,12 +16,12 @@ import torch
 from postrl.config import Config
 from postrl.data.dataset import encode_prompt, file_dir, load_prompts, read_rows
 from postrl.errors import UserError
-from postrl.models import load_policy
+from postrl.modality import Modality
+from postrl.models import Policy, load_policy
 from postrl.utils import configure_cpu_threads, get_dotted, seed_everything
-from postrl.vision import model_inputs
 
 
-def build_examples(rows: list[dict], tokenizer, cfg: Config, source: str) -> list[tuple]:
+def build_examples(rows: list[dict], tokenizer, cfg: Config, source: str, modality: Modality | None = None) -> list[tuple]:
     """(prompt ids, response ids) per row, plus the prompt's image inputs for rows with images."""
     out = []
     for i, row in enumerate(rows):
@@ -33,7 +33,7 @@ def build_examples(rows: list[dict], tokenizer, cfg: Config, source: str) -> lis
                 f"{source}, row {i}: no '{missing}' field; SFT needs a prompt (data.prompt_key) and a reference "
                 "response (data.response_key). Fix: set those keys to your columns."
             )
-        encoded = encode_prompt(tokenizer, row, prompt, cfg.data, f"{source}, row {i}", file_dir(source))
+        encoded = encode_prompt(tokenizer, row, prompt, cfg.data, f"{source}, row {i}", file_dir(source), modality)
         if encoded is None:  # malformed image row, skipped by data.skip_bad_rows
             continue
         p, multi_modal = encoded
@@ -69,13 +69,15 @@ def run_sft(cfg: Config, console: Any = None) -> dict[str, float]:
     console = console or Console()
     s = cfg.sft
     seed_everything(s.seed)
-    model, tokenizer, path = load_policy(cfg.model)
+    policy = load_policy(cfg.model)
+    model, tokenizer = policy.model, policy.tokenizer
     configure_cpu_threads(model, console.print)
     model.train()
     pairs = []
     for f in cfg.data.train_files:
-        pairs += build_examples(read_rows(f, cfg.data.builtin.model_dump(), cfg.data.shapes.model_dump()), tokenizer, cfg, f)
-    console.print(f"SFT on {len(pairs)} examples from {', '.join(cfg.data.train_files)} (model {path})")
+        rows = read_rows(f, cfg.data.builtin.model_dump(), cfg.data.shapes.model_dump())
+        pairs += build_examples(rows, tokenizer, cfg, f, policy.modality)
+    console.print(f"SFT on {len(pairs)} examples from {', '.join(cfg.data.train_files)} (model {policy.path})")
     opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=s.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(s.warmup_steps, s.steps, s.lr_schedule, 0.0))
     rng = random.Random(s.seed)
@@ -89,7 +91,7 @@ def run_sft(cfg: Config, console: Any = None) -> dict[str, float]:
         for step in range(s.steps):
             sample = rng.sample(pairs, min(s.batch_size, len(pairs)))
             batch = collate(sample, tokenizer.pad_token_id, s.max_length)
-            images = model_inputs(model, batch["input_ids"], [x[2] if len(x) > 2 else None for x in sample])  # VLMs
+            images = policy.modality.forward_kwargs(model, batch["input_ids"], [x[2] if len(x) > 2 else None for x in sample])
             loss = model(**batch, **images).loss
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -102,29 +104,30 @@ def run_sft(cfg: Config, console: Any = None) -> dict[str, float]:
     tmp = out.with_name("model.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)  # VLMs: with the image processor (the policy's tokenizer writes it)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     console.print(f"SFT done: final loss {loss_ema:.4f}; model saved to {out}")
     result = {"sft/loss": loss_ema or 0.0}
     if s.eval_prompts and cfg.data.val_files:
-        result.update(eval_greedy(model, tokenizer, cfg, s.eval_prompts))
+        result.update(eval_greedy(policy, cfg, s.eval_prompts))
         accs = ", ".join(f"{k.split('/')[1]} {v * 100:.1f}%" for k, v in result.items() if "acc_mean" in k)
         console.print(f"[bold]held-out greedy accuracy after SFT:[/bold] {accs}")
     return result
 
 
-def eval_greedy(model, tokenizer, cfg: Config, max_prompts: int) -> dict[str, float]:
+def eval_greedy(policy: Policy, cfg: Config, max_prompts: int) -> dict[str, float]:
     from postrl.rewards import RewardFunction
     from postrl.rollout.hf import HFEngine
     from postrl.trainer import evaluate
 
-    engine = HFEngine(model, tokenizer)
+    tokenizer = policy.tokenizer
+    engine = HFEngine(policy.model, tokenizer, modality=policy.modality)
     reward_fn = RewardFunction(cfg.reward)
     out = {}
     eval_cfg = cfg.eval.model_copy(update={"n_samples": 1, "temperature": 0.0})
     for f in cfg.data.val_files:
-        examples, _ = load_prompts([f], tokenizer, cfg.data, max_rows=max_prompts)
+        examples, _ = load_prompts([f], tokenizer, cfg.data, max_rows=max_prompts, modality=policy.modality)
         name = examples[0].data_source if f.startswith("builtin:") else Path(f).stem
         out.update(evaluate(engine, tokenizer, reward_fn, examples, eval_cfg, name))
     reward_fn.close()

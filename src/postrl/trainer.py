@@ -55,23 +55,25 @@ class Trainer:
         if cfg.train.deterministic:
             torch.use_deterministic_algorithms(True)
 
-        self.model, self.tokenizer, self.model_path = load_policy(cfg.model)
+        self.policy = load_policy(cfg.model)
+        self.model, self.tokenizer, self.model_path = self.policy.model, self.policy.tokenizer, self.policy.path
         self.model.to(rt.device).train()
         configure_threads(self.model, cfg.train.num_threads, self.log)
         self.ref_model = self._reference_model() if cfg.algorithm.kl.coef > 0 else None
         # FSDP2 shards self.model in place (before the optimizer sees its parameters); DDP wraps it.
         train_model = distributed.wrap_model(self.model, cfg.train.strategy)
-        self.actor = Actor(cfg, self.model, train_model, self.tokenizer.pad_token_id, rt, self.log)
+        self.actor = Actor(cfg, self.policy, train_model, rt, self.log)
 
-        self.train_examples, summary = load_prompts(cfg.data.train_files, self.tokenizer, cfg.data)
+        self.train_examples, summary = load_prompts(cfg.data.train_files, self.tokenizer, cfg.data, modality=self.policy.modality)
         bad = f", {summary['dropped_bad']} malformed image rows skipped" if summary.get("dropped_bad") else ""
         self.log(f"train prompts: {summary['kept']} ({summary['dropped_overlong']} dropped as overlong{bad})")
-        self.val_sets = load_val_sets(cfg, self.tokenizer)
+        self.val_sets = load_val_sets(cfg, self.tokenizer, self.policy.modality)
         self.sampler = PromptSampler(len(self.train_examples), cfg.data.shuffle, cfg.data.seed)
         self.reward_fn = RewardFunction(cfg.reward)
         engine = make_engine(
             cfg.rollout, self.model, self.tokenizer, log=self.log,
             max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_tokens, seed=cfg.train.seed,
+            modality=self.policy.modality,
         )  # fmt: skip
         self.engine = distributed.colocate(engine, self.model)
         self.experience = Experience(cfg, self.engine, self.tokenizer, self.reward_fn, self.train_examples, self.sampler)
@@ -91,7 +93,7 @@ class Trainer:
 
     def _reference_model(self) -> torch.nn.Module:
         ref_path = self.cfg.checkpoint.ref_model_path
-        ref = load_model(ref_path, self.cfg.model.dtype) if ref_path else copy.deepcopy(self.model)
+        ref = load_model(ref_path, self.cfg.model.dtype, modality=self.policy.modality) if ref_path else copy.deepcopy(self.model)
         ref.to(self.runtime.device).eval().requires_grad_(False)
         return distributed.wrap_model(ref, self.cfg.train.strategy)
 

@@ -19,7 +19,9 @@ def cache_dir() -> Path:
 
 
 def get_dotted(row: dict, dotted: str, default: Any = None) -> Any:
-    """row['a']['b'] for 'a.b'; `default` when any level is missing."""
+    """row['a']['b'] for 'a.b' (a literal key 'a.b' wins); `default` when any level is missing."""
+    if dotted in row:
+        return row[dotted]
     node: Any = row
     for key in dotted.split("."):
         if not isinstance(node, dict) or key not in node:

@@ -3,8 +3,8 @@
 Rows come in the verl schema (data_source, prompt as chat messages, reward_model.ground_truth,
 extra_info) from parquet / JSONL / JSON files, or from the built-in tasks (`builtin:arithmetic:<split>`,
 `builtin:shapes:<split>`). Prompts are rendered with the tokenizer's chat template and tokenised once,
-up front. Rows with images (`data.image_key`, `<image>` placeholders in the prompt) go through
-`postrl.vision` and carry their image inputs in `PromptExample.multi_modal`.
+up front. Rows with images (`data.image_key`, `<image>` placeholders in the prompt) are encoded by the policy's
+modality adapter (`postrl.modality`) and carry their images as plain data in `PromptExample.multi_modal`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from postrl.data.images import BadImageRow, has_image_data, mentions_images
 from postrl.errors import UserError
+from postrl.modality import TEXT, Modality
 from postrl.utils import get_dotted
 
 
@@ -25,7 +27,7 @@ class PromptExample:
     ground_truth: str
     row: dict
     data_source: str
-    multi_modal: dict | None = None  # VLMs: the prompt's images (postrl.vision)
+    multi_modal: dict | None = None  # VLMs: plain image data, e.g. {"images", "image_grid_thw"} (postrl.modality)
 
 
 def multi_modal_of(examples: list[PromptExample]) -> list[dict | None] | None:
@@ -36,17 +38,9 @@ def multi_modal_of(examples: list[PromptExample]) -> list[dict | None] | None:
 def read_rows(path: str, builtin_knobs: dict | None = None, shapes_knobs: dict | None = None) -> list[dict]:
     """All rows of one data file (parquet, jsonl, json list) or built-in split."""
     if path.startswith("builtin:"):
-        from postrl.data import synthetic, visual_task
+        from postrl.builtin.tasks import task_file
 
-        parts = path.split(":")
-        tasks = {"arithmetic": (synthetic, builtin_knobs), "shapes": (visual_task, shapes_knobs)}
-        if len(parts) != 3 or parts[1] not in tasks or parts[2] not in ("train", "val"):
-            raise UserError(
-                f"unknown built-in data set '{path}'; use 'builtin:arithmetic:train' / ':val' (text) or "
-                "'builtin:shapes:train' / ':val' (images)."
-            )
-        module, knobs = tasks[parts[1]]
-        path = str(module.builtin_task_files(knobs or {})[parts[2]])
+        path = str(task_file(path, {"arithmetic": builtin_knobs, "shapes": shapes_knobs}))
     try:
         from postrl.data.readers import read_records  # full readers (row-numbered errors)
 
@@ -76,24 +70,34 @@ def render_prompt(tokenizer, prompt: Any) -> list[int]:
     return tokenizer(text, add_special_tokens=True)["input_ids"]
 
 
-def encode_prompt(tokenizer, row: dict, prompt: Any, data_cfg, where: str, base_dir: Path | None = None):
+def encode_prompt(
+    tokenizer, row: dict, prompt: Any, data_cfg, where: str, base_dir: Path | None = None, modality: Modality | None = None
+):
     """(token ids, image inputs or None) of a row's prompt; None for a malformed image row when
-    data.skip_bad_rows is set (else a UserError that names the row: `where`)."""
-    from postrl.vision import BadImageRow, encode_image_prompt, has_images
+    data.skip_bad_rows is set (else a UserError that names the row: `where`).
 
+    A row goes the image way when it has images, or when the model takes images and its prompt has
+    `<image>` placeholders; then `modality` (the policy's adapter; None: text) encodes it.
+    """
+    modality = modality or TEXT
     images = row.get(data_cfg.image_key) if data_cfg.image_key else None
-    if not has_images(tokenizer, prompt, images):
+    if not has_image_data(images) and not (modality.takes_images and mentions_images(prompt)):
         return render_prompt(tokenizer, prompt), None
     try:
-        return encode_image_prompt(tokenizer, prompt, images, data_cfg, base_dir)
+        return modality.encode_prompt(tokenizer, prompt, images, data_cfg, base_dir)
     except BadImageRow as exc:
         if data_cfg.skip_bad_rows:
             return None
         raise UserError(f"{where}: {exc} (Or set data.skip_bad_rows: true to skip and count such rows.)") from None
 
 
-def load_prompts(files: list[str], tokenizer, data_cfg, max_rows: int | None = None) -> tuple[list[PromptExample], dict]:
-    """Tokenised prompts of `files` and a summary {rows, dropped_overlong, by_source}."""
+def load_prompts(
+    files: list[str], tokenizer, data_cfg, max_rows: int | None = None, modality: Modality | None = None
+) -> tuple[list[PromptExample], dict]:
+    """Tokenised prompts of `files` and a summary {rows, dropped_overlong, dropped_bad, kept}.
+
+    `modality` is the policy's adapter (None: text); it encodes the rows with images.
+    """
     examples: list[PromptExample] = []
     dropped, total, bad = 0, 0, 0
     knobs = data_cfg.builtin.model_dump()
@@ -113,7 +117,7 @@ def load_prompts(files: list[str], tokenizer, data_cfg, max_rows: int | None = N
                     f"('{data_cfg.prompt_key}') and the ground truth from data.answer_key ('{data_cfg.answer_key}'). "
                     "Fix: set those keys to your columns, or convert the file with `postrl preprocess`."
                 )
-            encoded = encode_prompt(tokenizer, row, prompt, data_cfg, f"{f}, row {i}", file_dir(f))
+            encoded = encode_prompt(tokenizer, row, prompt, data_cfg, f"{f}, row {i}", file_dir(f), modality)
             if encoded is None:  # malformed image row, skipped by data.skip_bad_rows
                 bad += 1
                 continue

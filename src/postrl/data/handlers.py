@@ -19,11 +19,13 @@ Built in (guide names in brackets):
 
 from __future__ import annotations
 
-import io
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
+
+from postrl.data.images import IMAGE_PLACEHOLDER, BadImageRow, decode_image, read_image
+from postrl.utils import get_dotted
 
 MAP_KEY_NAMES = ("prompt", "query", "response", "system", "images")
 _ABSENT = object()
@@ -52,25 +54,13 @@ class Context:
     base_dir: Path | None = None  # image paths in the data are relative to the input file
 
 
-def lookup(row: dict, dotted: str) -> Any:
-    """row[a][b] for "a.b" (a literal key "a.b" wins); _ABSENT when missing."""
-    if dotted in row:
-        return row[dotted]
-    node: Any = row
-    for key in dotted.split("."):
-        if not isinstance(node, dict) or key not in node:
-            return _ABSENT
-        node = node[key]
-    return node
-
-
 def _field(row: dict, ctx: Context, role: str, required: bool = True) -> Any:
     key = ctx.map_keys.get(role, "")
     if not key:
         if required:
             raise RowError(f"map_keys has no '{role}' entry. Fix: set map_keys: {{{role}: <column>}}.")
         return None
-    value = lookup(row, key)
+    value = get_dotted(row, key, _ABSENT)
     if value is _ABSENT or value is None:
         if required:
             present = ", ".join(sorted(row)[:12]) or "(none)"
@@ -190,7 +180,7 @@ def gsm8k(row: dict, ctx: Context) -> Example:
 
 def math(row: dict, ctx: Context) -> Example:
     user = _text_field(row, ctx, "prompt")
-    answer = lookup(row, ctx.map_keys.get("response", "")) if ctx.map_keys.get("response") else _ABSENT
+    answer = get_dotted(row, ctx.map_keys["response"], _ABSENT) if ctx.map_keys.get("response") else _ABSENT
     solution = row.get("solution") if isinstance(row.get("solution"), str) else None
     if (answer is _ABSENT or answer is None or answer == "") and solution:
         from postrl.rewards.text import last_boxed
@@ -214,36 +204,13 @@ def math(row: dict, ctx: Context) -> Example:
 
 def _image_item(item: Any, k: int, key: str, base_dir: Path | None) -> dict[str, Any]:
     """One image as {"bytes", "path"}; the bytes must decode as an image."""
-    data, path = None, None
-    if isinstance(item, (bytes, bytearray)):
-        data = bytes(item)
-    elif isinstance(item, dict):
-        data, path = item.get("bytes"), item.get("path")
-    elif isinstance(item, str):
-        path = item
-    else:
-        raise RowError(f"image {k} of '{key}' is a {type(item).__name__}; expected bytes, a path or {{bytes, path}}.")
-    if data is None and path:
-        p = Path(path)
-        if not p.is_absolute() and base_dir is not None and not p.exists():
-            p = base_dir / p
-        try:
-            data = p.read_bytes()
-        except OSError as exc:
-            raise RowError(f"image {k} of '{key}': cannot read '{path}' ({exc.strerror}). Fix: correct the path.") from None
-    if not data:
-        raise RowError(f"image {k} of '{key}' has no bytes and no readable path. Fix: correct the row.")
+    label = f"image {k} of '{key}'"
     try:
-        from PIL import Image
-
-        with Image.open(io.BytesIO(data)) as im:
-            im.verify()
-    except Exception as exc:  # noqa: BLE001 - PIL raises many types for bad data
-        raise RowError(
-            f"image {k} of '{key}' cannot be decoded ({type(exc).__name__}: {exc}). "
-            "Fix: re-export the image (PNG or JPEG) or drop the row."
-        ) from None
-    return {"bytes": bytes(data), "path": str(path) if path else None}
+        data, path = read_image(item, label, base_dir)
+        decode_image(data, label)
+    except BadImageRow as exc:
+        raise RowError(str(exc)) from None
+    return {"bytes": data, "path": path}
 
 
 def geo3k(row: dict, ctx: Context) -> Example:
@@ -254,13 +221,13 @@ def geo3k(row: dict, ctx: Context) -> Example:
     images = [_image_item(item, k, key, ctx.base_dir) for k, item in enumerate(items)]
     if not images:
         raise RowError(f"field '{key}' holds no image. Fix: correct the row.")
-    placeholders = user.count("<image>")
+    placeholders = user.count(IMAGE_PLACEHOLDER)
     if placeholders > len(images):
         raise RowError(
             f"the problem has {placeholders} <image> placeholders but the row has {len(images)} image(s). "
             "Fix: correct the row."
         )
-    user = "<image>" * (len(images) - placeholders) + user  # each image needs a placeholder
+    user = IMAGE_PLACEHOLDER * (len(images) - placeholders) + user  # each image needs a placeholder
     return Example(user=user, ground_truth=_ground_truth(row, ctx), images=images)
 
 

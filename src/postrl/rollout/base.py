@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     import torch
 
     from postrl.config import RolloutConfig
+    from postrl.modality import Modality
 
 
 @dataclass(frozen=True)
@@ -82,11 +83,13 @@ def make_engine(
     log: Any = None,
     max_model_len: int | None = None,
     seed: int = 0,
+    modality: "Modality | None" = None,
 ) -> RolloutEngine:
     """Build the engine that `cfg.engine` names; `auto` tries vLLM and falls back to HF.
 
     `max_model_len` (prompt + response tokens) keeps vLLM's KV cache to what the run needs; without it
     a long-context model would not fit a small CPU cache. It is capped at the model's own maximum.
+    `modality` is the policy's adapter (None: text).
     """
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if max_model_len is not None and isinstance(limit, int) and max_model_len > limit:
@@ -99,7 +102,7 @@ def make_engine(
 
     if cfg.engine == "hf":
         say("rollout engine: hf (transformers generate)")
-        return HFEngine(model, tokenizer)
+        return HFEngine(model, tokenizer, modality=modality)
     try:
         from postrl.rollout.vllm import VLLMEngine, VLLMUnavailable
     except ImportError as exc:  # the module itself is missing: treat as vLLM unavailable
@@ -108,15 +111,25 @@ def make_engine(
 
             raise UserError(f"rollout.engine is 'vllm' but postrl's vLLM engine cannot be imported ({exc}).") from exc
         say(f"rollout engine: hf (vLLM unavailable: {exc})")
-        return HFEngine(model, tokenizer)
+        return HFEngine(model, tokenizer, modality=modality)
     try:
-        engine = VLLMEngine(model, tokenizer, cfg, max_model_len=max_model_len, seed=seed)
+        engine = VLLMEngine(model, tokenizer, cfg, max_model_len=max_model_len, seed=seed, modality=modality)
     except VLLMUnavailable as exc:
         if cfg.engine == "vllm":
             from postrl.errors import UserError
 
             raise UserError(str(exc)) from exc
         say(f"[yellow]rollout engine: hf (falling back: {exc})[/yellow]")
-        return HFEngine(model, tokenizer)
+        return HFEngine(model, tokenizer, modality=modality)
     say("rollout engine: vllm")
     return engine
+
+
+def eos_token_ids(model: "torch.nn.Module", tokenizer: Any) -> list[int]:
+    """The ids that end a completion: the model's generation_config EOS ids plus the tokenizer's EOS."""
+    gen = getattr(model, "generation_config", None)
+    ids = getattr(gen, "eos_token_id", None) if gen is not None else None
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids

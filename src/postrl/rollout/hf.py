@@ -9,19 +9,20 @@ from typing import Any
 
 import torch
 
-from postrl.rollout.base import Completion, SamplingParams
+from postrl.modality import TEXT, Modality
+from postrl.models import left_pad
+from postrl.rollout.base import Completion, SamplingParams, eos_token_ids
 
 
 class HFEngine:
     name = "hf"
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, max_batch_sequences: int = 512):
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, max_batch_sequences: int = 512, modality: Modality | None = None):
         self.model = model
+        self.modality = modality or TEXT
         self.pad_id = tokenizer.pad_token_id
-        self.eos_ids = _eos_ids(model, tokenizer)
-        from postrl.vision import media_token_ids
-
-        self.suppress_ids = media_token_ids(model) or None  # VLMs: never sample image/video placeholders
+        self.eos_ids = eos_token_ids(model, tokenizer)
+        self.suppress_ids = self.modality.suppress_token_ids() or None  # VLMs: never sample image/video placeholders
         self.max_batch_sequences = max_batch_sequences
         # Decode steps of a small model are too small to split across threads: on a 2-core CPU one
         # intra-op thread generated ~5x faster than two (docs/rollout.md). Large models keep them all.
@@ -72,17 +73,9 @@ class HFEngine:
         return out
 
     def _generate_chunk(self, batch, offset, n, gen_cfg, multi_modal) -> list[Completion]:
-        P = max(len(p) for p in batch)
-        input_ids = torch.full((len(batch), P), self.pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(batch), P), dtype=torch.long)
-        for i, p in enumerate(batch):
-            input_ids[i, P - len(p) :] = torch.tensor(p, dtype=torch.long)
-            attention_mask[i, P - len(p) :] = 1
-        extra = {}
-        if multi_modal:
-            from postrl.vision import model_inputs
-
-            extra = model_inputs(self.model, input_ids, multi_modal)  # pixel_values, image_grid_thw, mm_token_type_ids
+        input_ids, attention_mask = left_pad(batch, self.pad_id)  # [len(batch), P]
+        P = input_ids.shape[1]
+        extra = self.modality.forward_kwargs(self.model, input_ids, multi_modal) if multi_modal else {}  # VLMs: images
         seqs = self.model.generate(
             input_ids=input_ids, attention_mask=attention_mask, generation_config=gen_cfg, **extra
         )  # [len(batch) * n, P + new]
@@ -98,10 +91,3 @@ class HFEngine:
             completions.append(Completion(prompt_index=offset + row // n, token_ids=tokens, finished=finished))
         return completions
 
-
-def _eos_ids(model, tokenizer) -> list[int]:
-    ids = model.generation_config.eos_token_id if getattr(model, "generation_config", None) else None
-    ids = [ids] if isinstance(ids, int) else list(ids or [])
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
-        ids.append(tokenizer.eos_token_id)
-    return ids

@@ -36,7 +36,8 @@ import numpy as np
 import torch
 
 from postrl.config import RolloutConfig
-from postrl.rollout.base import Completion, SamplingParams
+from postrl.modality import TEXT, Modality
+from postrl.rollout.base import Completion, SamplingParams, eos_token_ids
 
 GiB = 1 << 30
 MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams refuses higher temperatures
@@ -59,6 +60,7 @@ class VLLMEngine:
         max_model_len: longest prompt + response vLLM must hold; default: the model's maximum.
             Pass data.max_prompt_length + rollout.max_tokens to keep the KV cache small.
         seed: seed of vLLM's own RNG (used only for requests without a seed).
+        modality: the policy's adapter (None: text): image request data, and why vLLM may not serve it.
     """
 
     name = "vllm"
@@ -70,10 +72,12 @@ class VLLMEngine:
         cfg: RolloutConfig,
         max_model_len: int | None = None,
         seed: int = 0,
+        modality: Modality | None = None,
     ):
         self.cfg = cfg
+        self.modality = modality or TEXT
         self.on_gpu = torch.cuda.is_available()
-        self.eos_ids = _eos_ids(model, tokenizer)
+        self.eos_ids = eos_token_ids(model, tokenizer)
         self.sleep_enabled = self.on_gpu and cfg.enable_sleep_mode
         self._asleep: set[str] = set()  # "weights" / "kv_cache" while sleeping
         self._weights_stale = False  # level-2 sleep dropped the weights: a sync must come first
@@ -88,9 +92,7 @@ class VLLMEngine:
             tokenizer_dir = _tokenizer_dir(tokenizer, model_dir)
             if not self.on_gpu:
                 _check_cpu()
-            from postrl.vision import vllm_blocker
-
-            if (reason := vllm_blocker(model)) is not None:  # VLMs need torchvision inside vLLM
+            if (reason := self.modality.vllm_blocker()) is not None:  # VLMs need torchvision inside vLLM
                 raise VLLMUnavailable(reason)
             vllm = _import_vllm()
             _check_architecture(vllm, model)
@@ -167,7 +169,7 @@ class VLLMEngine:
         for i, ids in enumerate(prompts):
             request: dict[str, Any] = {"prompt_token_ids": list(ids)}
             if multi_modal is not None and multi_modal[i]:  # a text-only prompt in a vision batch has None
-                request["multi_modal_data"] = _multi_modal_data(multi_modal[i])
+                request["multi_modal_data"] = self.modality.vllm_request_data(multi_modal[i])
             requests.append(request)
             per_request.append(self._vllm_params(params, n, None if seeds is None else seeds[i]))
         # Sampling draws from the global torch RNG too (even for seeded requests, on CPU).
@@ -337,26 +339,6 @@ def _request_seeds(seed: int | None, n_prompts: int) -> list[int] | None:
     if seed is None:
         return None
     return [int(s) for s in np.random.SeedSequence(seed).generate_state(n_prompts, dtype=np.uint32) >> 1]
-
-
-def _multi_modal_data(item: dict) -> dict:
-    if "multi_modal_data" in item:
-        return item["multi_modal_data"]
-    if "images" in item:
-        return {"image": item["images"]}
-    raise ValueError(
-        "the vLLM engine needs raw images for vision-language prompts: give each multi_modal dict an "
-        f"'images' list (PIL images) or a vLLM 'multi_modal_data' dict; got keys {sorted(item)}."
-    )
-
-
-def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:
-    gen = getattr(model, "generation_config", None)
-    ids = getattr(gen, "eos_token_id", None) if gen is not None else None
-    ids = [ids] if isinstance(ids, int) else list(ids or [])
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
-        ids.append(tokenizer.eos_token_id)
-    return ids
 
 
 def _model_dir(model: torch.nn.Module) -> str:

@@ -20,12 +20,10 @@ so the trainer reads them like any user data set.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import random
 from pathlib import Path
 
-from postrl.utils import cache_dir
+from postrl.builtin import cache
 
 TASK_VERSION = 2  # bump when the text of problems or solutions changes (invalidates the cache)
 NAMES = ["Tom", "Anna", "Ben", "Lily", "Sam", "Mia", "Leo", "Zoe", "Max", "Eva", "Noah", "Ivy"]
@@ -93,45 +91,24 @@ def generate_splits(
 ) -> dict[str, list[dict]]:
     """Rows of both splits; validation signatures never occur in training."""
     rng = random.Random(seed)
-    splits: dict[str, list[dict]] = {"val": [], "train": []}
-    seen: set[tuple] = set()
-    for split, size in (("val", val_size), ("train", train_size)):
-        attempts = 0
-        while len(splits[split]) < size:
-            attempts += 1
-            if attempts > 50 * size + 1000:
-                raise ValueError(
-                    f"cannot draw {size} distinct {split} problems with max_value={max_value} and "
-                    f"{min_operands}-{max_operands} operands; raise max_value or max_operands"
-                )
-            p = make_problem(rng, max_value, rng.randint(min_operands, max_operands), subtraction)
-            if p["signature"] in seen:
-                continue
-            seen.add(p["signature"])
-            style = "solution"
-            if split == "train" and rng.random() < terse_ratio:
-                style = "hasty_solution" if rng.random() < hasty_ratio else "terse_solution"
-            splits[split].append(to_verl_row(p, len(splits[split]), split, style))
-    return splits
+
+    def to_row(p: dict, index: int, split: str) -> dict:
+        style = "solution"
+        if split == "train" and rng.random() < terse_ratio:
+            style = "hasty_solution" if rng.random() < hasty_ratio else "terse_solution"
+        return to_verl_row(p, index, split, style)
+
+    return cache.disjoint_splits(
+        {"val": val_size, "train": train_size},
+        lambda: make_problem(rng, max_value, rng.randint(min_operands, max_operands), subtraction),
+        to_row,
+        f"problems with max_value={max_value} and {min_operands}-{max_operands} operands; raise max_value or max_operands",
+    )
 
 
-def builtin_task_files(knobs: dict) -> dict[str, Path]:
-    """Write (or reuse) the parquet files of the built-in task; returns {split: path}."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    key = hashlib.sha1(json.dumps({**knobs, "version": TASK_VERSION}, sort_keys=True).encode()).hexdigest()[:12]
-    out = cache_dir() / "data" / f"arithmetic-{key}"
-    paths = {s: out / f"{s}.parquet" for s in ("train", "val")}
-    if all(p.exists() for p in paths.values()):
-        return paths
-    out.mkdir(parents=True, exist_ok=True)
-    splits = generate_splits(**knobs)
-    for split, rows in splits.items():
-        tmp = out / f".{split}.parquet.tmp"
-        pq.write_table(pa.Table.from_pylist(rows), tmp)
-        tmp.rename(paths[split])
-    return paths
+def task_files(knobs: dict) -> dict[str, Path]:
+    """Write (or reuse) the parquet files of the arithmetic task; returns {split: path}."""
+    return cache.task_files("arithmetic", TASK_VERSION, generate_splits, knobs)
 
 
 def tokenizer_corpus(n: int = 4000, seed: int = 0) -> list[str]:

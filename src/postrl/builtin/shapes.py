@@ -18,7 +18,7 @@ training with the tower frozen gained nothing). A chain of thought that only lis
 DAPO let the unrewarded listing drift into noise. Counting all shapes is learned early; the
 arithmetic is what the tiny model gets wrong, and RL does not teach it arithmetic in minutes.
 
-Two answer styles, as in the text task (postrl.data.synthetic): the worked solution above and a bare
+Two answer styles, as in the text task (postrl.builtin.arithmetic): the worked solution above and a bare
 answer ("\\boxed{13}"). A fraction `terse_ratio` (default 0) of the training rows carries the bare
 answer as its reference solution, and a fraction `hasty_ratio` (default 0) of those bare answers is
 wrong the way a hasty solver is: it stops before the last step ("\\boxed{16}"; with one step, the
@@ -34,13 +34,11 @@ rows are), so the trainer reads them like any user data set: `builtin:shapes:tra
 
 from __future__ import annotations
 
-import hashlib
 import io
-import json
 import random
 from pathlib import Path
 
-from postrl.utils import cache_dir
+from postrl.builtin import cache
 
 TASK_VERSION = 5  # bump when pictures, questions or solutions change (invalidates the cache)
 PATCH = 14  # pixels per cell: one vision patch of Qwen2/2.5-VL
@@ -140,44 +138,26 @@ def generate_splits(
     if not 1 <= min_shapes <= max_shapes <= cells:
         raise ValueError(f"need 1 <= min_shapes <= max_shapes <= {cells} (cells of a {image_size}-pixel picture)")
     rng = random.Random(seed)
-    splits: dict[str, list[dict]] = {"val": [], "train": []}
-    seen: set[tuple] = set()
-    for split, size in (("val", val_size), ("train", train_size)):
-        attempts = 0
-        while len(splits[split]) < size:
-            attempts += 1
-            if attempts > 50 * size + 1000:
-                raise ValueError(f"cannot draw {size} distinct {split} pictures; raise image_size or max_shapes")
-            p = make_problem(rng, image_size, min_shapes, max_shapes, max_value, max_ops)
-            if p["signature"] in seen:
-                continue
-            seen.add(p["signature"])
-            png = render(p["layout"], image_size, rng)
-            style = "solution"
-            if split == "train":  # two draws per training row whatever the ratios, so prompts do not depend on them
-                terse, hasty = rng.random() < terse_ratio, rng.random() < hasty_ratio
-                style = ("hasty_solution" if hasty else "terse_solution") if terse else "solution"
-            splits[split].append(to_verl_row(p, png, len(splits[split]), split, style))
-    return splits
+
+    def to_row(p: dict, index: int, split: str) -> dict:
+        png = render(p["layout"], image_size, rng)
+        style = "solution"
+        if split == "train":  # two draws per training row whatever the ratios, so prompts do not depend on them
+            terse, hasty = rng.random() < terse_ratio, rng.random() < hasty_ratio
+            style = ("hasty_solution" if hasty else "terse_solution") if terse else "solution"
+        return to_verl_row(p, png, index, split, style)
+
+    return cache.disjoint_splits(
+        {"val": val_size, "train": train_size},
+        lambda: make_problem(rng, image_size, min_shapes, max_shapes, max_value, max_ops),
+        to_row,
+        "pictures; raise image_size or max_shapes",
+    )
 
 
-def builtin_task_files(knobs: dict) -> dict[str, Path]:
+def task_files(knobs: dict) -> dict[str, Path]:
     """Write (or reuse) the parquet files of the shapes task; returns {split: path}."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    key = hashlib.sha1(json.dumps({**knobs, "version": TASK_VERSION}, sort_keys=True).encode()).hexdigest()[:12]
-    out = cache_dir() / "data" / f"shapes-{key}"
-    paths = {s: out / f"{s}.parquet" for s in ("train", "val")}
-    if all(p.exists() for p in paths.values()):
-        return paths
-    out.mkdir(parents=True, exist_ok=True)
-    splits = generate_splits(**knobs)
-    for split, rows in splits.items():
-        tmp = out / f".{split}.parquet.tmp"
-        pq.write_table(pa.Table.from_pylist(rows), tmp)
-        tmp.rename(paths[split])
-    return paths
+    return cache.task_files("shapes", TASK_VERSION, generate_splits, knobs)
 
 
 def tokenizer_corpus(n: int = 2000, seed: int = 0) -> list[str]:

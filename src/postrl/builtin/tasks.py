@@ -1,0 +1,21 @@
+"""`builtin:<task>:<split>` data files: the built-in tasks written once as parquet in the verl schema."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from postrl.builtin import arithmetic, shapes
+from postrl.errors import UserError
+
+TASKS = {"arithmetic": arithmetic.task_files, "shapes": shapes.task_files}
+
+
+def task_file(path: str, knobs: dict[str, dict | None]) -> Path:
+    """The parquet file of `builtin:<task>:<split>`, built with `knobs[task]` (None: the task's defaults)."""
+    parts = path.split(":")
+    if len(parts) != 3 or parts[0] != "builtin" or parts[1] not in TASKS or parts[2] not in ("train", "val"):
+        raise UserError(
+            f"unknown built-in data set '{path}'; use 'builtin:arithmetic:train' / ':val' (text) or "
+            "'builtin:shapes:train' / ':val' (images)."
+        )
+    return TASKS[parts[1]](knobs.get(parts[1]) or {})[parts[2]]

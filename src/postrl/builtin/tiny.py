@@ -1,0 +1,226 @@
+"""The built-in tiny models: `builtin:tiny-qwen2` (text) and `builtin:tiny-qwen2.5-vl` (vision-language).
+
+Both are random-initialised from a seed, with a byte-level BPE tokenizer (digits split one by one,
+as Qwen's are) trained on the built-in tasks' text and a ChatML chat template, built locally and
+cached under <cache>/models/<name>-<key of the spec>; `model.tiny` overrides the spec.
+
+- tiny-qwen2: a Qwen2 causal LM (4 layers, hidden 128), tokenizer trained on the arithmetic task.
+- tiny-qwen2.5-vl: a Qwen2.5-VL (a 2-block vision tower and a 4-layer language model, about 1.1M
+  parameters) plus the PIL image processor, tokenizer trained on the shapes and arithmetic tasks
+  with the Qwen vision special tokens, and a template that renders {"type": "image"} parts.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from postrl.builtin import arithmetic, cache, shapes
+from postrl.errors import UserError
+from postrl.utils import cache_dir
+
+TINY_VERSION = 2  # tiny-qwen2; bump when the architecture or the tokenizer corpus changes (invalidates the cache)
+TINY_VL_VERSION = 3  # tiny-qwen2.5-vl; same rule
+TINY_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "num_layers": 4,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "intermediate_size": 384,
+    "max_position_embeddings": 512,
+    "seed": 0,
+}
+TINY_VL_DEFAULTS: dict[str, Any] = {  # in the order of postrl_tiny.json of cached builds
+    **{k: v for k, v in TINY_DEFAULTS.items() if k != "seed"},
+    "max_position_embeddings": 1024,
+    "vision_depth": 2,
+    "vision_hidden_size": 64,
+    "vision_heads": 4,
+    "vision_intermediate_size": 128,
+    "min_pixels": 56 * 56,
+    "max_pixels": 112 * 112,
+    "seed": 0,
+}
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+# ChatML with Qwen2-VL's content lists: {"type": "image"} renders as one vision block. No default
+# system prompt (prompts of the tiny model stay short); real models bring their own template.
+VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class TinyKind:
+    """What differs between the tiny models; everything else (tokenizer training, caching) is shared."""
+
+    version: int
+    defaults: dict[str, Any]
+    special_tokens: list[str]
+    chat_template: str
+    corpus: Callable[[int], list[str]]  # seed -> tokenizer training text
+    build: Callable[[dict, Any], tuple[torch.nn.Module, list[Any]]]  # (spec, tokenizer) -> model, extra savers
+    done_file: str  # present once a (cached) build is complete
+
+
+def _language_model(spec: dict, tokenizer: Any) -> dict[str, Any]:
+    """The Qwen2 language-model settings of a spec (the text config of both tiny models)."""
+    return dict(
+        vocab_size=len(tokenizer),
+        hidden_size=spec["hidden_size"],
+        intermediate_size=spec["intermediate_size"],
+        num_hidden_layers=spec["num_layers"],
+        num_attention_heads=spec["num_heads"],
+        num_key_value_heads=spec["num_kv_heads"],
+        max_position_embeddings=spec["max_position_embeddings"],
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def _qwen2(spec: dict, tokenizer: Any) -> tuple[torch.nn.Module, list[Any]]:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(**_language_model(spec, tokenizer))
+    torch.manual_seed(spec["seed"])
+    return Qwen2ForCausalLM(config), []
+
+
+def _qwen2_5_vl(spec: dict, tokenizer: Any) -> tuple[torch.nn.Module, list[Any]]:
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    head_dim = spec["hidden_size"] // spec["num_heads"]
+    half = head_dim // 2  # mRoPE splits the rotary half-dimensions into (time, height, width)
+    mrope = [half - 2 * (half * 3 // 8), half * 3 // 8, half * 3 // 8]  # 16 -> [4, 6, 6] as Qwen's [16, 24, 24]
+    tid = tokenizer.convert_tokens_to_ids
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            **_language_model(spec, tokenizer),
+            rope_parameters={"rope_type": "default", "mrope_section": mrope, "rope_theta": 10000.0},
+        ),
+        vision_config=dict(
+            depth=spec["vision_depth"],
+            hidden_size=spec["vision_hidden_size"],
+            intermediate_size=spec["vision_intermediate_size"],
+            num_heads=spec["vision_heads"],
+            out_hidden_size=spec["hidden_size"],
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            window_size=112,
+            fullatt_block_indexes=[spec["vision_depth"] - 1],
+        ),
+        image_token_id=tid("<|image_pad|>"),
+        video_token_id=tid("<|video_pad|>"),
+        vision_start_token_id=tid("<|vision_start|>"),
+        vision_end_token_id=tid("<|vision_end|>"),
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(spec["seed"])
+    model = Qwen2_5_VLForConditionalGeneration(config)
+    return model, [Qwen2VLImageProcessorPil(min_pixels=spec["min_pixels"], max_pixels=spec["max_pixels"])]
+
+
+TINY_MODELS: dict[str, TinyKind] = {
+    "tiny-qwen2": TinyKind(
+        version=TINY_VERSION,
+        defaults=TINY_DEFAULTS,
+        special_tokens=SPECIAL_TOKENS,
+        chat_template=CHATML_TEMPLATE,
+        corpus=lambda seed: arithmetic.tokenizer_corpus(seed=seed),
+        build=_qwen2,
+        done_file="tokenizer.json",
+    ),
+    "tiny-qwen2.5-vl": TinyKind(
+        version=TINY_VL_VERSION,
+        defaults=TINY_VL_DEFAULTS,
+        special_tokens=SPECIAL_TOKENS + VISION_TOKENS,
+        chat_template=VL_CHAT_TEMPLATE,
+        corpus=lambda seed: shapes.tokenizer_corpus(seed=seed) + arithmetic.tokenizer_corpus(n=1000, seed=seed),
+        build=_qwen2_5_vl,
+        done_file="preprocessor_config.json",
+    ),
+}
+
+
+def train_tokenizer(vocab_size: int, special_tokens: list[str], chat_template: str, corpus: list[str]):
+    """A byte-level BPE tokenizer with single-digit tokens, EOS <|im_end|> and pad <|endoftext|>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=special_tokens,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=chat_template,
+        model_max_length=4096,
+        padding_side="left",
+    )
+
+
+def build_tiny_model(name: str = "tiny-qwen2", out_dir: str | Path | None = None, **overrides: Any) -> Path:
+    """Build (or reuse from the cache) the tiny model `name` with its tokenizer; returns its directory."""
+    from transformers import GenerationConfig
+
+    kind = TINY_MODELS.get(name)
+    if kind is None:
+        raise UserError(
+            f"unknown built-in model 'builtin:{name}'; the built-in models are "
+            + " and ".join(f"'builtin:{n}'" for n in TINY_MODELS)
+            + "."
+        )
+    unknown = set(overrides) - set(kind.defaults)
+    if unknown:
+        raise UserError(
+            f"model.tiny has unknown keys {sorted(unknown)} for builtin:{name}; valid: {', '.join(kind.defaults)}."
+        )
+    spec = {**kind.defaults, **overrides, "version": kind.version}
+    out = Path(out_dir) if out_dir else cache_dir() / "models" / f"{name}-{cache.spec_key(spec)}"
+    if (out / "config.json").exists() and (out / kind.done_file).exists():
+        return out
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer = train_tokenizer(spec["vocab_size"], kind.special_tokens, kind.chat_template, kind.corpus(spec["seed"]))
+    model, savers = kind.build(spec, tokenizer)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.pad_token_id
+    )
+    for part in (model, tokenizer, *savers):
+        part.save_pretrained(tmp)
+    (tmp / "postrl_tiny.json").write_text(json.dumps(spec, indent=2))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
