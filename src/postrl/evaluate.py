@@ -72,16 +72,16 @@ def val_set_name(file: str, examples: list) -> str:
     return examples[0].data_source if file.startswith("builtin:") else Path(file).stem
 
 
-def load_val_sets(cfg, tokenizer, modality=None) -> dict[str, list]:
-    """The validation sets of `eval.files`, by name (at most eval.max_prompts prompts each).
+def load_val_sets(files: list[str], tokenizer, data_cfg, max_prompts: int, modality=None) -> dict[str, list]:
+    """Validation sets by name (at most `max_prompts` prompts each): the trainer's, `postrl eval`'s, SFT's.
 
     `modality` is the policy's adapter (None: text), which encodes prompts with images.
     """
     from postrl.data.dataset import load_prompts
 
     sets = {}
-    for f in cfg.eval.files or []:
-        examples, _ = load_prompts([f], tokenizer, cfg.data, max_rows=cfg.eval.max_prompts, modality=modality)
+    for f in files:
+        examples, _ = load_prompts([f], tokenizer, data_cfg, max_rows=max_prompts, modality=modality)
         if not examples:
             raise UserError(f"eval file '{f}' holds no usable prompts (all empty or overlong). Fix: check the file.")
         sets[val_set_name(f, examples)] = examples
@@ -93,12 +93,14 @@ def evaluate_model(cfg, log: Any = None) -> tuple[dict[str, float], str]:
     from postrl.models import load_policy
     from postrl.rewards import RewardFunction
     from postrl.rollout import make_engine
+    from postrl.runtime import configure_threads, init_runtime
 
     if not cfg.model.path.startswith("builtin:"):
         cfg.model.path = str(_resolve(cfg.model.path))
     policy = load_policy(cfg.model)
     model, tokenizer = policy.model, policy.tokenizer
-    model.eval()
+    model.to(init_runtime(cfg.train.device, cfg.model.dtype).device).eval()
+    configure_threads(model, cfg.train.num_threads, log)
     engine = make_engine(
         cfg.rollout, model, tokenizer, log=log,
         max_model_len=cfg.data.max_prompt_length + (cfg.eval.max_tokens or cfg.rollout.max_tokens), seed=cfg.train.seed,
@@ -107,7 +109,7 @@ def evaluate_model(cfg, log: Any = None) -> tuple[dict[str, float], str]:
     reward_fn = RewardFunction(cfg.reward)
     results: dict[str, float] = {}
     try:
-        for name, examples in load_val_sets(cfg, tokenizer, policy.modality).items():
+        for name, examples in load_val_sets(cfg.eval.files or [], tokenizer, cfg.data, cfg.eval.max_prompts, policy.modality).items():
             results.update(evaluate(engine, tokenizer, reward_fn, examples, cfg.eval, name, cfg.train.seed))
     finally:
         reward_fn.close()

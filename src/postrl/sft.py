@@ -14,11 +14,12 @@ from typing import Any
 import torch
 
 from postrl.config import Config
-from postrl.data.dataset import encode_prompt, file_dir, load_prompts, read_rows
+from postrl.data.dataset import encode_prompt, file_dir, read_rows
 from postrl.errors import UserError
 from postrl.modality import Modality
 from postrl.models import Policy, load_policy
-from postrl.utils import configure_cpu_threads, get_dotted, seed_everything
+from postrl.runtime import configure_threads, seed_everything
+from postrl.utils import get_dotted
 
 
 def build_examples(rows: list[dict], tokenizer, cfg: Config, source: str, modality: Modality | None = None) -> list[tuple]:
@@ -64,14 +65,14 @@ def run_sft(cfg: Config, console: Any = None) -> dict[str, float]:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from postrl.trainer import lr_lambda
+    from postrl.actor import lr_lambda
 
     console = console or Console()
     s = cfg.sft
     seed_everything(s.seed)
     policy = load_policy(cfg.model)
     model, tokenizer = policy.model, policy.tokenizer
-    configure_cpu_threads(model, console.print)
+    configure_threads(model, cfg.train.num_threads, console.print)
     model.train()
     pairs = []
     for f in cfg.data.train_files:
@@ -119,16 +120,14 @@ def run_sft(cfg: Config, console: Any = None) -> dict[str, float]:
 def eval_greedy(policy: Policy, cfg: Config, max_prompts: int) -> dict[str, float]:
     from postrl.rewards import RewardFunction
     from postrl.rollout.hf import HFEngine
-    from postrl.trainer import evaluate
+    from postrl.evaluate import evaluate, load_val_sets
 
     tokenizer = policy.tokenizer
     engine = HFEngine(policy.model, tokenizer, modality=policy.modality)
     reward_fn = RewardFunction(cfg.reward)
     out = {}
-    eval_cfg = cfg.eval.model_copy(update={"n_samples": 1, "temperature": 0.0})
-    for f in cfg.data.val_files:
-        examples, _ = load_prompts([f], tokenizer, cfg.data, max_rows=max_prompts, modality=policy.modality)
-        name = examples[0].data_source if f.startswith("builtin:") else Path(f).stem
-        out.update(evaluate(engine, tokenizer, reward_fn, examples, eval_cfg, name))
+    greedy = cfg.eval.model_copy(update={"n_samples": 1, "temperature": 0.0})
+    for name, examples in load_val_sets(cfg.data.val_files, tokenizer, cfg.data, max_prompts, policy.modality).items():
+        out.update(evaluate(engine, tokenizer, reward_fn, examples, greedy, name))
     reward_fn.close()
     return out

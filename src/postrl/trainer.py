@@ -26,11 +26,11 @@ from postrl import checkpoint, distributed, guards
 from postrl.actor import Actor, Packed, lr_lambda  # noqa: F401  (lr_lambda: shared with sft)
 from postrl.config import Config
 from postrl.data.dataset import PromptSampler, load_prompts
-from postrl.errors import Stopped
+from postrl.errors import Stopped, UserError
 from postrl.evaluate import evaluate, load_val_sets
 from postrl.experience import Batch, Experience
 from postrl.metrics import MetricsLogger, Timer, plot_run, summary_stats, throughput
-from postrl.models import load_model, load_policy
+from postrl.models import load_model, load_policy, response_logprobs
 from postrl.rewards import RewardFunction
 from postrl.rollout import make_engine
 from postrl.runtime import configure_threads, init_runtime, rng_state, seed_everything, set_rng_state
@@ -67,7 +67,7 @@ class Trainer:
         self.train_examples, summary = load_prompts(cfg.data.train_files, self.tokenizer, cfg.data, modality=self.policy.modality)
         bad = f", {summary['dropped_bad']} malformed image rows skipped" if summary.get("dropped_bad") else ""
         self.log(f"train prompts: {summary['kept']} ({summary['dropped_overlong']} dropped as overlong{bad})")
-        self.val_sets = load_val_sets(cfg, self.tokenizer, self.policy.modality)
+        self.val_sets = load_val_sets(cfg.eval.files or [], self.tokenizer, cfg.data, cfg.eval.max_prompts, self.policy.modality)
         self.sampler = PromptSampler(len(self.train_examples), cfg.data.shuffle, cfg.data.seed)
         self.reward_fn = RewardFunction(cfg.reward)
         engine = make_engine(
@@ -159,7 +159,25 @@ class Trainer:
                 update_stats = self.actor.update(local, use_ref=self.ref_model is not None)
             with self.timer("resharding_to_infer"):
                 self.engine.sync_weights(self.model)
+                self.check_sync()
         return self._step_metrics(batch, gen_stats, update_stats)
+
+    def check_sync(self) -> None:
+        """The sync guard: the engine scores a probe sequence as the trainer does, or the run stops."""
+        g = self.cfg.guards
+        probe = self.train_examples[0].prompt_ids
+        if not g.enable or self.train_examples[0].multi_modal:
+            return
+        engine_lp = self.engine.probe_logprobs(probe)
+        if engine_lp is None:  # the engine generates with the trainer's own model
+            return
+        ids = torch.tensor([probe], device=self.runtime.device)
+        with torch.no_grad():
+                mine, _ = response_logprobs(self.model, ids, torch.ones_like(ids), torch.arange(len(probe), device=ids.device)[None], len(probe) - 1)
+        gap = float((mine[0].cpu() - torch.tensor(engine_lp)).abs().max())
+        tol = g.sync_tol or (1e-3 if self.cfg.model.dtype == "float32" else 5e-2)
+        if (message := guards.sync(gap, tol, self.engine.name)) is not None:
+            raise UserError(message)
 
     def check_guards(self, m: dict[str, float]) -> None:
         """Warn once per guard on what the step's numbers show (src/postrl/guards.py)."""

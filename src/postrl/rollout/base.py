@@ -67,6 +67,11 @@ class RolloutEngine(Protocol):
         """Load the trainer's current weights into the engine (no disk) and reset its caches."""
         ...
 
+    def probe_logprobs(self, token_ids: list[int]) -> list[float] | None:
+        """Log-probs of token_ids[1:] under the engine's weights at temperature 1 (the sync guard), or
+        None when the engine shares the trainer's model object."""
+        ...
+
     def sleep(self) -> None:
         """Free what the engine holds on the device during the update (GPU vLLM); a no-op elsewhere."""
         ...

@@ -23,14 +23,14 @@ class HFEngine:
         self.pad_id = tokenizer.pad_token_id
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.suppress_ids = self.modality.suppress_token_ids() or None  # VLMs: never sample image/video placeholders
-        self.max_batch_sequences = max_batch_sequences
-        # Decode steps of a small model are too small to split across threads: on a 2-core CPU one
-        # intra-op thread generated ~5x faster than two (docs/rollout.md). Large models keep them all.
-        n_params = sum(p.numel() for p in model.parameters())
-        self.single_thread = n_params < 100_000_000 and not any(p.is_cuda for p in model.parameters())
+        self.max_batch_sequences = max_batch_sequences  # CPU threads: the process's (runtime.configure_threads)
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         assert model is self.model, "HFEngine generates with the trainer's own model object"
+
+    def probe_logprobs(self, token_ids: list[int]) -> None:
+        """None: this engine generates with the trainer's own model, so a weight sync cannot be missed."""
+        return None
 
     def sleep(self) -> None:
         """Nothing to free: the engine is the trainer's model."""
@@ -59,16 +59,12 @@ class HFEngine:
         self.model.eval()
         out: list[Completion] = []
         chunk = max(1, self.max_batch_sequences // n)
-        threads = torch.get_num_threads()
-        if self.single_thread:
-            torch.set_num_threads(1)
         with torch.random.fork_rng(devices=[]):
             if params.seed is not None:
                 torch.manual_seed(params.seed)
             for start in range(0, len(prompts), chunk):
                 batch = prompts[start : start + chunk]
                 out.extend(self._generate_chunk(batch, start, n, gen_cfg, multi_modal[start : start + chunk] if multi_modal else None))
-        torch.set_num_threads(threads)
         self.model.train(was_training)
         return out
 

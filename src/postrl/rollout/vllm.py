@@ -36,13 +36,13 @@ import numpy as np
 import torch
 
 from postrl.config import RolloutConfig
+from postrl.distributed import full_state_dict
 from postrl.modality import TEXT, Modality
 from postrl.rollout.base import Completion, SamplingParams, eos_token_ids
 
 GiB = 1 << 30
 MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams refuses higher temperatures
 # Wrapper prefixes that DDP / FSDP1 / torch.compile put in front of parameter names.
-_WRAPPER_PARTS = ("module.", "_fsdp_wrapped_module.", "_orig_mod.", "_checkpoint_wrapped_module.")
 _VLLM_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -145,10 +145,9 @@ class VLLMEngine:
             # thread for serving; the trainer shares this process and wants its threads back.
             torch.set_num_threads = torch._C.set_num_threads
             torch.set_num_threads(n_threads)
-        # Generation runs single-threaded on CPU (vLLM's own serving setting: multi-threaded torch ops
-        # spin-wait between small kernels; 5x slower on a busy 2-core machine) unless OMP_NUM_THREADS
-        # is set, which vLLM also respects.
-        self.rollout_threads = n_threads if "OMP_NUM_THREADS" in os.environ else 1
+        # Generation runs with the process's thread count (runtime.configure_threads decided it once:
+        # one thread for a small model on CPU, where multi-threaded ops spin-wait between small kernels).
+        self.rollout_threads = n_threads
         self._sampling_cls = vllm.SamplingParams
         self.sync_weights(model)
 
@@ -233,6 +232,16 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
         self._weights_stale = False
 
+    @torch.no_grad()
+    def probe_logprobs(self, token_ids: list[int]) -> list[float]:
+        """Log-probs of token_ids[1:] under the engine's current weights (temperature 1): the sync guard's probe."""
+        if self._asleep:
+            self.wake_up()
+        params = self._sampling_cls(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False, seed=0)
+        with self._rollout_threads(), _keep_rng():
+            out = self.llm.generate([{"prompt_token_ids": list(token_ids)}], sampling_params=params, use_tqdm=False)[0]
+        return [float(step[tok].logprob) for step, tok in zip(out.prompt_logprobs[1:], token_ids[1:])]
+
     # ------------------------------------------------------------------------------ sleep mode
 
     def sleep(self, level: int = 1) -> None:
@@ -300,28 +309,20 @@ def _all_ranks_agree(ok: bool) -> bool:
 
 
 def _hf_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) in Hugging Face checkpoint naming, one full tensor at a time.
+    """(name, tensor) in Hugging Face checkpoint naming, one full tensor at a time (`full_state_dict`).
 
-    Wrapper prefixes (DDP, FSDP1, torch.compile) are stripped and FSDP2 DTensor shards gathered
-    (a collective: every rank syncs). With tied embeddings `lm_head.weight` must still be sent: vLLM
-    reloads layer by layer, and on CPU the LM head keeps its own packed copy of the embedding, which
-    is only rebuilt when the layer receives its weight (without it, logits use the stale matrix).
+    With tied embeddings `lm_head.weight` must still be sent: vLLM reloads layer by layer, and on CPU
+    the LM head keeps its own packed copy of the embedding, which is only rebuilt when the layer
+    receives its weight (without it, logits use the stale matrix).
     """
     names = set()
-    for name, tensor in model.state_dict().items():
-        for part in _WRAPPER_PARTS:
-            name = name.replace(part, "")
+    for name, tensor in full_state_dict(model):  # FSDP2 shards gathered: a collective, every rank syncs
         names.add(name)
-        yield name, _full(tensor)
+        yield name, tensor
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
     if tied and "lm_head.weight" not in names and model.get_input_embeddings() is not None:
-        yield "lm_head.weight", _full(model.get_input_embeddings().weight)
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    if hasattr(tensor, "full_tensor"):  # FSDP2 DTensor shard
-        tensor = tensor.full_tensor()
-    return tensor.detach()
+        embedding = model.get_input_embeddings().weight
+        yield "lm_head.weight", (embedding.full_tensor() if hasattr(embedding, "full_tensor") else embedding).detach()
 
 
 def _sampled_logprobs(logprobs: Any, tokens: list[int]) -> list[float] | None:
