@@ -124,9 +124,13 @@ def get_entry(name: str) -> VerifierEntry:
         if not callable(fn):
             raise UserError(f"verifier '{name}' is a {type(fn).__name__}, not a function. Fix: name a function.")
         return VerifierEntry(fn)
+    import difflib
+
+    guess = difflib.get_close_matches(name, registered_verifiers(), n=1)
+    hint = f" (did you mean '{guess[0]}'?)" if guess else ""
     raise UserError(
-        f"unknown verifier '{name}'. Registered verifiers: {', '.join(registered_verifiers())}; "
-        "or name your own function as 'package.module:function'."
+        f"unknown verifier '{name}'{hint}. Registered verifiers: {', '.join(registered_verifiers())}. "
+        "Fix: use one of those, or name your own function as 'package.module:function'."
     )
 
 
