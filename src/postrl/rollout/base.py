@@ -74,11 +74,14 @@ def make_engine(
     log: Any = None,
     max_model_len: int | None = None,
     seed: int = 0,
+    *,
+    trust_remote_code: bool = False,
 ) -> RolloutEngine:
     """Build the engine that `cfg.engine` names; `auto` tries vLLM and falls back to HF.
 
     `max_model_len` (prompt + response tokens) keeps vLLM's KV cache to what the run needs; without it
     a long-context model would not fit a small CPU cache. It is capped at the model's own maximum.
+    `trust_remote_code` is the user's `model.trust_remote_code`, passed to vLLM as is.
     """
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if max_model_len is not None and isinstance(limit, int) and max_model_len > limit:
@@ -102,7 +105,7 @@ def make_engine(
         say(f"rollout engine: hf (vLLM unavailable: {exc})")
         return HFEngine(model, tokenizer)
     try:
-        engine = VLLMEngine(model, tokenizer, cfg, max_model_len=max_model_len, seed=seed)
+        engine = VLLMEngine(model, tokenizer, cfg, max_model_len=max_model_len, seed=seed, trust_remote_code=trust_remote_code)
     except VLLMUnavailable as exc:
         if cfg.engine == "vllm":
             from postrl.errors import UserError
