@@ -9,7 +9,7 @@ fresh process (`python -m postrl.cli`); `{name}` in an argument is replaced by t
 from the `files` fixture (add the file there). The test asserts the exit status, that each phrase is
 in the output (whitespace normalised), that `absent` is not, and that no traceback is printed.
 Cases that need more than one command (a file that must be torn after writing, an engine built in
-this process) are written as ordinary tests below the table, one per case, named test_<case id>.
+this process) are written as ordinary tests below the table, named test_<case id>_<what it checks>.
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def test_no_chat_template_warned_once(files):
 
 
 # ------------------------------------------------------------------- 2. silent reward failures
-def test_failed_verifier_calls_are_counted_by_kind(caplog):
+def test_failed_verifier_calls_counted_by_kind(caplog):
     caplog.set_level(logging.WARNING, logger="postrl.rewards")
     completions = ["ok", "sleep", "raise", "nan", "text", "ok", "raise"]
     with RewardFunction(RewardConfig(verifiers=["verifiers_for_tests:flaky"], timeout_s=0.5, workers=2)) as rf:
@@ -180,7 +180,7 @@ def test_failed_verifier_calls_are_counted_by_kind(caplog):
         ("returns_text", "returned no finite number (counted in reward/invalid), for example: score is a str ('correct')", "Fix: make it return"),
     ],
 )  # fmt: skip
-def test_verifier_failing_every_call_stops_the_run(verifier, kind, example):
+def test_verifier_fails_every_call_stops_the_run(verifier, kind, example):
     name = f"verifiers_for_tests:{verifier}"
     with RewardFunction(RewardConfig(verifiers=[name], timeout_s=0.3, workers=2)) as rf:
         with pytest.raises(UserError) as err:
@@ -191,14 +191,14 @@ def test_verifier_failing_every_call_stops_the_run(verifier, kind, example):
         assert sum(rf(["a", "b", "c"], ["1"] * 3, [{}] * 3).failures.values()) == 3
 
 
-def test_weight_zero_verifier_failing_is_counted_not_fatal():
+def test_verifier_fails_every_call_weight_zero_is_counted_not_fatal():
     cfg = RewardConfig(verifiers=[{"name": "verifiers_for_tests:raises", "weight": 0}], timeout_s=2, workers=1)
     with RewardFunction(cfg) as rf:
         assert rf(["a"] * 4, ["1"] * 4, [{}] * 4).failures == {"reward/timeouts": 0, "reward/errors": 4, "reward/invalid": 0}
 
 
 # --------------------------------------------------------------------- 6. torn metrics.jsonl
-def test_torn_last_metrics_line_is_skipped_and_cut_before_appending(tmp_path):
+def test_torn_last_metrics_line_skipped_and_cut_before_appending(tmp_path):
     from postrl.metrics import MetricsLogger, read_jsonl
 
     run = tmp_path / "run"
@@ -227,7 +227,7 @@ def test_torn_last_metrics_line_is_skipped_and_cut_before_appending(tmp_path):
 
 
 # ------------------------------------------------------------------ 5. no chat template (train)
-def test_render_chat_falls_back_to_plain_text_and_says_so_once(files, caplog):
+def test_no_chat_template_in_training_plain_text_said_once(files, caplog):
     from transformers import AutoTokenizer
 
     from postrl.data.templates import render_chat
@@ -245,7 +245,7 @@ def test_render_chat_falls_back_to_plain_text_and_says_so_once(files, caplog):
 
 # ------------------------------------------------- 1. vLLM and model-directory code (auto_map)
 @pytest.mark.slow
-def test_vllm_imports_no_model_directory_code_without_trust_remote_code(tmp_path, tiny_model_path):
+def test_vllm_remote_code_not_imported_without_trust(tmp_path, tiny_model_path):
     import postrl.rollout.vllm as vllm_mod
 
     try:
