@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
-from postrl.rewards.registry import InvalidVerdict, VerifierResult, to_result
+from postrl.rewards.verdict import InvalidVerdict, VerifierResult, to_result
 
 log = logging.getLogger("postrl.rewards")
 
@@ -79,7 +79,7 @@ def _worker_main(conn: Connection, soft_timeout_s: float, memory_limit_mb: int |
     signal.signal(signal.SIGALRM, on_alarm)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
 
-    from postrl.rewards import equivalence
+    import postrl.rewards.equivalence as equivalence
 
     equivalence.disable_signal_timeout()
     import math_verify  # noqa: F401  (warm the import before reporting ready)
