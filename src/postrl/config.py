@@ -350,10 +350,6 @@ class EvalConfig(Section):
     max_tokens: int | None = Field(None, ge=1, description="Default rollout.max_tokens.")
 
 
-# Sinks that need an optional package: sink -> (module to look for, pip extra that installs it).
-SINK_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"), "swanlab": ("swanlab", "swanlab")}
-
-
 class LoggingConfig(Section):
     sinks: list[Literal["console", "jsonl", "tensorboard", "wandb", "swanlab"]] = Field(
         default_factory=lambda: ["console", "jsonl"],
@@ -367,16 +363,14 @@ class LoggingConfig(Section):
     def missing_packages(self) -> list[str]:
         """One problem per sink whose optional package is not installed on this machine."""
         # find_spec, not import: wandb / swanlab take seconds to import and start threads.
-        problems = []
-        for sink in dict.fromkeys(self.sinks):
-            module, extra = SINK_PACKAGES.get(sink, (None, None))
-            if module is not None and importlib.util.find_spec(module) is None:
-                problems.append(
-                    f"logging.sinks: the '{sink}' sink needs the {module} package, which is not installed here; "
-                    f"the run would stop with ModuleNotFoundError after loading the model. "
-                    f"Fix: pip install 'postrl[{extra}]', or remove {sink} from logging.sinks."
-                )
-        return problems
+        # Each optional sink's package and the pip extra that installs it carry the sink's name.
+        return [
+            f"logging.sinks: the '{sink}' sink needs the {sink} package, which is not installed here; the run "
+            f"would stop with ModuleNotFoundError after loading the model. Fix: pip install 'postrl[{sink}]', "
+            f"or remove {sink} from logging.sinks."
+            for sink in dict.fromkeys(self.sinks)
+            if sink in ("tensorboard", "wandb", "swanlab") and importlib.util.find_spec(sink) is None
+        ]
 
 
 class ClusterConfig(Section):
