@@ -239,7 +239,7 @@ def test_a_text_model_refuses_image_rows_with_a_fix(tmp_path):
 
 def test_vllm_engine_refuses_vlms_here_with_the_reason_and_auto_falls_back(vlm):
     from postrl.config import RolloutConfig
-    from postrl.rollout.base import make_engine
+    from postrl.rollout import make_engine
 
     reason = vlm.mod.vllm_blocker()
     if reason is None:

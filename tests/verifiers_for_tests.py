@@ -25,3 +25,32 @@ def parity_unless_multiple_of_three(completion: str, ground_truth: str, row: dic
     if int(ground_truth) % 3 == 0:
         return {"score": 0.0, "acc": 0.0}
     return length_parity(completion, ground_truth, row)
+
+
+# Verifiers that fail, for the reliability catalogue (tests/test_catalogue.py). `flaky` fails in the
+# way its completion names, so one batch can hold every kind of failure next to good calls.
+def sleeps(completion: str, ground_truth: str, row: dict) -> float:
+    """Always runs past any test's reward.timeout_s."""
+    import time
+
+    time.sleep(60)
+    return 1.0
+
+
+def raises(completion: str, ground_truth: str, row: dict) -> float:
+    raise ValueError(f"cannot parse {completion!r}")
+
+
+def returns_nan(completion: str, ground_truth: str, row: dict) -> float:
+    return float("nan")
+
+
+def returns_text(completion: str, ground_truth: str, row: dict) -> str:
+    return "correct"
+
+
+def flaky(completion: str, ground_truth: str, row: dict):
+    """'sleep' -> times out, 'raise' -> raises, 'nan' / 'text' -> invalid, anything else -> 1.0."""
+    return {"sleep": sleeps, "raise": raises, "nan": returns_nan, "text": returns_text}.get(
+        completion, lambda *_: 1.0
+    )(completion, ground_truth, row)

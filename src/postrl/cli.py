@@ -23,7 +23,7 @@ console = Console()
 
 def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="YAML config file")
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.total_steps=5")
+    p.add_argument("overrides", nargs="*", default=[], help="dotted overrides, e.g. train.total_steps=5")
 
 
 def cmd_train(args) -> int:
@@ -139,6 +139,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Parse a command line; options may stand anywhere among the overrides
+    (`postrl train CONFIG --nproc 2 key=value`), hence intermixed parsing of the subcommand's arguments.
+    (`parse_intermixed_args` refuses a parser with subcommands, so the subcommand is picked first.)"""
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    if not argv or argv[0] not in sub.choices:
+        return parser.parse_args(argv)  # --help, or an unknown command: argparse's own message
+    args = sub.choices[argv[0]].parse_intermixed_args(argv[1:])
+    args.command = argv[0]
+    return args
+
+
 def print_user_error(exc: UserError) -> None:
     console.print(f"[bold red]error:[/bold red] {exc.title}")
     for problem in exc.problems:
@@ -150,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if argv and argv[0] == "verify":
             return cmd_verify(argv[1:])
-        args = build_parser().parse_args(argv)
+        args = parse_args(argv)
         return args.fn(args)
     except UserError as exc:
         print_user_error(exc)

@@ -11,6 +11,7 @@ token-mean, overlong buffer, filter_groups, no KL), and every DAPO piece also wo
 from __future__ import annotations
 
 import difflib
+import importlib.util
 from pathlib import Path
 from typing import Any, Literal
 
@@ -265,6 +266,18 @@ class RewardConfig(Section):
             return [{"name": x} if isinstance(x, str) else x for x in v]
         return v
 
+    @field_validator("verifiers")
+    @classmethod
+    def _resolve(cls, v: list[VerifierSpec]) -> list[VerifierSpec]:
+        # Resolve names now (built-ins, and users' 'module:function' imported here), so that a typo is
+        # reported by check-config with the other problems, not by train after the model has loaded.
+        from postrl.rewards.registry import verifier_problems
+
+        problems = verifier_problems([spec.name for spec in v])
+        if problems:
+            raise ValueError("\n".join(problems))
+        return v
+
 
 # -------------------------------------------------------------------------------------------- train
 class TrainConfig(Section):
@@ -385,11 +398,25 @@ class GuardsConfig(Section):
 
 class LoggingConfig(Section):
     sinks: list[Literal["console", "jsonl", "tensorboard", "wandb", "swanlab"]] = Field(
-        default_factory=lambda: ["console", "jsonl"], description="Where metrics go."
+        default_factory=lambda: ["console", "jsonl"],
+        description="Where metrics go; tensorboard, wandb and swanlab need their extra "
+        "(pip install 'postrl[tensorboard]').",
     )
     dir: str = Field("runs/default", description="Run directory: metrics.jsonl, plots, checkpoints.")
     log_interval: int = Field(1, ge=1, description="Print a step line every N steps.")
     progress: bool = Field(True, description="Show a rich progress bar.")
+
+    def missing_packages(self) -> list[str]:
+        """One problem per sink whose optional package is not installed on this machine."""
+        # find_spec, not import: wandb / swanlab take seconds to import and start threads.
+        # Each optional sink's package and the pip extra that installs it carry the sink's name.
+        return [
+            f"logging.sinks: the '{sink}' sink needs the {sink} package, which is not installed here; the run "
+            f"would stop with ModuleNotFoundError after loading the model. Fix: pip install 'postrl[{sink}]', "
+            f"or remove {sink} from logging.sinks."
+            for sink in dict.fromkeys(self.sinks)
+            if sink in ("tensorboard", "wandb", "swanlab") and importlib.util.find_spec(sink) is None
+        ]
 
 
 class ClusterConfig(Section):
@@ -528,7 +555,8 @@ def build_config(tree: dict, source: str = "config") -> Config:
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None, check_paths: bool = True) -> Config:
-    """Load a YAML file, apply dotted overrides, validate; optionally check that input paths exist."""
+    """Load a YAML file, apply dotted overrides, validate; optionally check this machine
+    (`environment_problems`: input paths exist, the logging sinks' packages are installed)."""
     tree: dict = {}
     source = str(path) if path else "command line"
     if path is not None:
@@ -545,7 +573,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, che
         _set_dotted(tree, key, value)
     cfg = build_config(tree, source)
     if check_paths:
-        problems = path_problems(cfg)
+        problems = environment_problems(cfg)
         if problems:
             raise UserError(*problems, title=f"{source}: {len(problems)} problem(s) in the configuration")
     return cfg
@@ -571,6 +599,11 @@ def path_problems(cfg: Config) -> list[str]:
             if not f.startswith("builtin:") and not Path(f).expanduser().exists():
                 problems.append(f"{key}: file '{f}' does not exist. Fix: run `postrl preprocess` or correct the path.")
     return problems
+
+
+def environment_problems(cfg: Config) -> list[str]:
+    """What this machine lacks for the run: missing input paths, uninstalled sink packages."""
+    return path_problems(cfg) + cfg.logging.missing_packages()
 
 
 def dump_config(cfg: Config) -> str:

@@ -96,6 +96,7 @@ class Experience:
         want = cfg.train.global_batch_size
         kept: list[Batch] = []
         n_kept = n_generated = num_gen_batches = 0
+        self.failures = {"reward/calls": 0, "reward/timeouts": 0, "reward/errors": 0, "reward/invalid": 0}
         while n_kept < want:
             num_gen_batches += 1
             if fg.enable and 0 < fg.max_num_gen_batches < num_gen_batches:
@@ -119,6 +120,7 @@ class Experience:
             n_kept += batch.size // G
         full = select(concat(kept), list(range(want * G)))
         stats = {f"{self.prefix}/num_gen_batches": num_gen_batches, f"{self.prefix}/kept_groups_ratio": n_kept / n_generated}
+        stats.update(distributed.all_reduce_sum_dict({k: float(v) for k, v in self.failures.items()}))
         return full, stats
 
     def _seed(self, step: int, gen_batch: int) -> int:
@@ -135,6 +137,9 @@ class Experience:
             texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
             owners = [examples[c.prompt_index] for c in completions]
             out = self.reward_fn(texts, [e.ground_truth for e in owners], [e.row for e in owners])
+            self.failures["reward/calls"] += len(texts) * len(cfg.reward.verifiers)  # one call per verifier
+            for key, n in out.failures.items():
+                self.failures[key] += n
             scores = list(out.scores)
             rewards = scores
             ob = cfg.algorithm.overlong_buffer

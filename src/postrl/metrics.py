@@ -8,10 +8,13 @@ dapo/num_gen_batches, dapo/kept_groups_ratio, e2e_tps, update_tps, vllm_tps (rol
 from __future__ import annotations
 
 import json
+import logging
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
+
+log = logging.getLogger("postrl.metrics")
 
 TIMING_KEYS = (
     "all", "rollout", "reward", "old_log_p", "reference_model", "adv", "update",
@@ -83,7 +86,9 @@ class MetricsLogger:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
         if "jsonl" in sinks:
-            self._jsonl = open(self.dir / "metrics.jsonl", "a")
+            path = self.dir / "metrics.jsonl"
+            drop_torn_tail(path)  # else the next line would be glued to the torn one
+            self._jsonl = open(path, "a")
         if "tensorboard" in sinks:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -121,7 +126,54 @@ class MetricsLogger:
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The records of a metrics file, one JSON object per line.
+
+    A run killed while writing leaves a torn last line: it is skipped with a warning (it held at most
+    one step, which the resumed run logs again). A bad line anywhere else means the file was edited
+    or damaged, and is a UserError naming the file and the line.
+    """
+    from postrl.errors import UserError
+
+    lines = Path(path).read_text(encoding="utf-8", errors="replace").splitlines()
+    numbered = [(no, line) for no, line in enumerate(lines, start=1) if line.strip()]
+    rows = []
+    for k, (no, line) in enumerate(numbered):
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict):
+                raise ValueError(f"a JSON {type(row).__name__}, not an object")
+        except ValueError as exc:
+            if k == len(numbered) - 1:
+                log.warning("%s: skipped the torn last line %d (%d characters; a run stopped mid-write).", path, no, len(line))
+                break
+            raise UserError(
+                f"{path} line {no} is not a JSON object ({exc}). A metrics file holds one object per line, "
+                "and only the last line can be torn by a run that was stopped. Fix: delete or repair that line."
+            ) from None
+        rows.append(row)
+    return rows
+
+
+def drop_torn_tail(path: str | Path) -> int:
+    """Before appending to a JSONL file: cut off an unterminated last line that is not valid JSON
+    (a write torn by a kill), or end a complete one with its newline. Returns the bytes cut."""
+    path = Path(path)
+    if not path.exists():
+        return 0
+    data = path.read_bytes()
+    if not data or data.endswith(b"\n"):
+        return 0
+    keep = data.rfind(b"\n") + 1  # 0 when the torn line is the only one
+    try:
+        json.loads(data[keep:])
+    except ValueError:
+        with open(path, "r+b") as f:
+            f.truncate(keep)
+        log.warning("%s: removed a torn last line (%d bytes; a run stopped mid-write).", path, len(data) - keep)
+        return len(data) - keep
+    with open(path, "ab") as f:
+        f.write(b"\n")
+    return 0
 
 
 def plot_run(metrics_path: str | Path, out_png: str | Path, algo: str) -> Path:

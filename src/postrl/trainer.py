@@ -73,9 +73,14 @@ class Trainer:
         engine = make_engine(
             cfg.rollout, self.model, self.tokenizer, log=self.log,
             max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_tokens, seed=cfg.train.seed,
-            modality=self.policy.modality,
+            modality=self.policy.modality, trust_remote_code=cfg.model.trust_remote_code,
         )  # fmt: skip
         self.engine = distributed.colocate(engine, self.model)
+        if cfg.algorithm.rollout_correction.enable and engine.name != "vllm":
+            self.log(
+                f"[yellow]algorithm.rollout_correction is on, but the {engine.name} engine reports no sampling log-probs "
+                "(it samples with the trainer's own model, so there is no gap to correct): no correction is applied.[/yellow]"
+            )
         self.experience = Experience(cfg, self.engine, self.tokenizer, self.reward_fn, self.train_examples, self.sampler)
         self.logger = MetricsLogger(cfg.logging.dir, cfg.logging.sinks, cfg.model_dump(mode="json"), enabled=rt.is_main)
         self.step = 0

@@ -60,14 +60,10 @@ def read_rows(path: str, builtin_knobs: dict | None = None, shapes_knobs: dict |
 
 
 def render_prompt(tokenizer, prompt: Any) -> list[int]:
-    """Token ids of a prompt: chat messages through the chat template, or a plain string as is."""
-    if isinstance(prompt, str):
-        prompt = [{"role": "user", "content": prompt}]
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(list(prompt), tokenize=True, add_generation_prompt=True, return_dict=False)
-        return list(ids)
-    text = "\n".join(m["content"] for m in prompt)
-    return tokenizer(text, add_special_tokens=True)["input_ids"]
+    """Token ids of a prompt: chat messages through the chat template (plain text, said once, without one)."""
+    from postrl.data.templates import render_chat
+
+    return render_chat(tokenizer, prompt)
 
 
 def encode_prompt(

@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from postrl.data.handlers import MAP_KEY_NAMES, Context, RowError, get_handler
 from postrl.data.readers import expand_inputs, iter_records
-from postrl.data.templates import get_template
+from postrl.data.templates import get_template, has_chat_template
 from postrl.errors import UserError
 
 CHUNK_ROWS = 256
@@ -363,6 +363,8 @@ def run_preprocess(cfg: PreprocessConfig, config_dir: Path = Path("."), out=sys.
         tokenizer_path=_tokenizer_path(cfg.tokenizer_name_or_path, config_dir),
         seq_length=cfg.seq_length,
     )
+    if settings.tokenizer_path:  # counting on a template's text, not the tokenizer's own format: say so
+        has_chat_template(load_tokenizer(settings.tokenizer_path), f"prompt tokens are counted on prompt_type '{cfg.prompt_type}' text")
     summary = Summary(files)
     results: list[dict] = []
     last_log = 0

@@ -2,7 +2,8 @@
 
 `iter_records(path)` yields every record of a file as a `Record`: either a row (a dict) or a
 problem saying what is wrong, where (file and 1-based row number; the line number too for text
-files) and how to fix it. A malformed row never hides the good rows around it:
+files) and how to fix it. A malformed row never hides the good rows around it, so that every
+problem of a file is found in one pass:
 
 - JSONL: a bad line is reported and the next line is read;
 - JSON list: a bad element is reported and reading resumes at the next element;
@@ -11,8 +12,12 @@ files) and how to fix it. A malformed row never hides the good rows around it:
 Only problems that make a whole file unreadable (missing, empty, truncated parquet footer, unknown
 type) yield a single file-level problem (row 0).
 
-`read_records(path)` is the strict form the trainer uses: it yields the rows and, if any problem was
-met, raises one `UserError` listing them all.
+What happens to a malformed row is the caller's choice, and the messages say only what is wrong
+and how to fix it, never what happens next:
+
+- `postrl preprocess` (and `postrl verify`) skip it, count it and report it in their summary;
+- `read_records(path)`, the strict form the trainer uses, yields the rows and, if any problem was met,
+  raises one `UserError` listing them all: training never runs on a silently shortened data set.
 """
 
 from __future__ import annotations
@@ -111,7 +116,11 @@ def read_records(path: str | Path) -> Iterator[dict]:
             problems.append(rec.describe())
     if problems:
         shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
-        raise UserError(*shown, title=f"{path}: {len(problems)} malformed record(s)")
+        shown.append(
+            "Training reads every row or stops, so that it never runs on a silently shortened data set. "
+            "Fix the rows above, or run `postrl preprocess` on the raw file, which skips and counts malformed rows."
+        )
+        raise UserError(*shown, title=f"{path}: {len(problems)} malformed record(s); training stops")
 
 
 # ------------------------------------------------------------------------------------- parquet
@@ -139,8 +148,7 @@ def _iter_parquet(path: str) -> Iterator[Record]:
             yield Record(
                 path,
                 start + 1,
-                problem=f"rows {start + 1}-{start + n} (row group {g}) cannot be read ({exc}). The other row groups "
-                "are read. Fix: re-export the file.",
+                problem=f"rows {start + 1}-{start + n} (row group {g}) cannot be read ({exc}). Fix: re-export the file.",
             )
             start += n
             continue
@@ -179,7 +187,7 @@ def _iter_jsonl(path: str) -> Iterator[Record]:
                     number,
                     line=line_no,
                     problem=f"is not valid JSON ({exc.msg} at column {exc.colno}).{hint} "
-                    "Fix: correct or delete that line; the other lines are read.",
+                    "Fix: correct or delete that line.",
                 )
                 continue
             if not isinstance(value, dict):
@@ -241,8 +249,7 @@ def _iter_json_list(path: str, text: str, pos: int) -> Iterator[Record]:
                 path,
                 number + 1,
                 line=_line_of(text, n),
-                problem="the file ends before the closing ']' (truncated?). The rows before this point are read. "
-                "Fix: re-export the file.",
+                problem="the file ends before the closing ']' (truncated?). Fix: re-export the file.",
             )
             return
         if text[pos] == "]":
@@ -257,7 +264,7 @@ def _iter_json_list(path: str, text: str, pos: int) -> Iterator[Record]:
                 number,
                 line=line,
                 problem=f"is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno}). "
-                "Fix: correct or delete this element; the other elements are read.",
+                "Fix: correct or delete this element.",
             )
             m = _NEXT_ELEMENT.search(text, max(exc.pos, pos + 1))
             if m is None:

@@ -7,13 +7,22 @@ A template does two things during `postrl preprocess`:
    (qwen_r1's R1-Zero instruction);
 2. it renders those messages to text for counting prompt tokens against `seq_length` when the
    tokenizer has no chat template of its own (when it has one, that one is used, as at training time).
+
+At training time `render_chat` turns a row's prompt into token ids with the tokenizer's own chat
+template; a tokenizer without one falls back to plain text, and says so once (`has_chat_template`).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from typing import Any
 
 from postrl.errors import UserError
+
+log = logging.getLogger("postrl.data")
+PLAIN_TEXT = "prompts are rendered as plain text (the messages' contents joined by newlines, no role markers)"
+_warned_no_template: set[str] = set()  # tokenizers already warned about, by location
 
 R1_INSTRUCTION = (
     "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. "
@@ -96,3 +105,31 @@ def get_template(name: str | None) -> ChatTemplate:
             "training of a base model, qwen_math_r1 for Qwen2.5-Math, empty for no template)."
         )
     return TEMPLATES[key]
+
+
+def has_chat_template(tokenizer: Any, instead: str = PLAIN_TEXT) -> bool:
+    """Whether `tokenizer` renders chat messages itself. When it does not, say once per tokenizer
+    what is done `instead`: a chat model fed prompts without its format answers worse, silently."""
+    if getattr(tokenizer, "chat_template", None):
+        return True
+    where = str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
+    if where not in _warned_no_template:
+        _warned_no_template.add(where)
+        log.warning(
+            "tokenizer '%s' has no chat template, so %s. Fix: point model.tokenizer_path at a tokenizer that has "
+            "one, or add a chat_template to it (tokenizer_config.json or chat_template.jinja); ignore this for a "
+            "base model trained on plain text.",
+            where, instead,
+        )  # fmt: skip
+    return False
+
+
+def render_chat(tokenizer: Any, prompt: Any) -> list[int]:
+    """Token ids of a prompt (chat messages, or a plain string taken as one user message): through the
+    tokenizer's chat template, else as plain text (warned once per tokenizer)."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if has_chat_template(tokenizer):
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+        return list(ids)
+    text = "\n".join(m["content"] for m in messages)
+    return list(tokenizer(text, add_special_tokens=True)["input_ids"])

@@ -14,7 +14,7 @@ Implemented with `str.find`, not regexes, so the cost is linear even on a 1 MB c
 from __future__ import annotations
 
 from postrl.rewards.equivalence import math_equal, quick_equal
-from postrl.rewards.registry import VerifierResult, register
+from postrl.rewards.verdict import VerifierResult, register
 from postrl.rewards.text import last_boxed, matching_brace
 
 _TAGS = ("<think>", "</think>", "<answer>", "</answer>")

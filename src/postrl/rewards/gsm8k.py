@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from decimal import Decimal
 
-from postrl.rewards.registry import VerifierResult, register
+from postrl.rewards.verdict import VerifierResult, register
 from postrl.rewards.text import numbers_equal, parse_number
 
 _NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"

@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 
 from postrl.rewards.equivalence import completion_matches, math_equal, quick_equal
-from postrl.rewards.registry import VerifierResult, register
+from postrl.rewards.verdict import VerifierResult, register
 from postrl.rewards.text import last_boxed, minerva_normalize
 
 __all__ = ["boxed_accuracy", "dapo_accuracy", "extract_dapo_answer", "last_boxed", "math_verify_accuracy"]

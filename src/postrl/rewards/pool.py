@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
-from postrl.rewards.registry import VerifierResult, to_result
+from postrl.rewards.verdict import InvalidVerdict, VerifierResult, to_result
 
 log = logging.getLogger("postrl.rewards")
 
@@ -46,7 +46,8 @@ class Call:
 
 @dataclass
 class Outcome:
-    """What became of a call: status is "ok", "timeout" or "error" (message says why)."""
+    """What became of a call: status is "ok", "timeout", "error" (it raised) or "invalid" (it returned
+    no finite score); message says why."""
 
     status: str
     result: VerifierResult | None = None
@@ -78,7 +79,7 @@ def _worker_main(conn: Connection, soft_timeout_s: float, memory_limit_mb: int |
     signal.signal(signal.SIGALRM, on_alarm)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
 
-    from postrl.rewards import equivalence
+    import postrl.rewards.equivalence as equivalence
 
     equivalence.disable_signal_timeout()
     import math_verify  # noqa: F401  (warm the import before reporting ready)
@@ -103,6 +104,8 @@ def _worker_main(conn: Connection, soft_timeout_s: float, memory_limit_mb: int |
             out = Outcome("ok", res)
         except _SoftTimeout:
             out = Outcome("timeout", message=f"soft time limit ({soft_timeout_s:.2f} s)")
+        except InvalidVerdict as exc:
+            out = Outcome("invalid", message=str(exc)[:500])
         except MemoryError:
             out = Outcome("error", message="out of memory in the verifier worker")
         except BaseException as exc:  # noqa: BLE001 - a verifier's bug must not kill the worker

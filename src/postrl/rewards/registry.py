@@ -9,81 +9,41 @@ themselves by name with `@register("name")`; users name their own as `package.mo
 1. in the calling process, each verifier's cheap `fast` path (string and number comparison) or,
    for verifiers registered `in_process=True`, the verifier itself (pure, bounded string work);
 2. whatever is left (a symbolic check through math-verify, any user verifier) in a pool of worker
-   processes, each call under a hard time limit (`reward.timeout_s`). A call that overruns it, or
-   raises, scores the verifier's `fail_score` (0 unless registered otherwise) and is counted.
+   processes, each call under a hard time limit (`reward.timeout_s`).
+
+A call that overruns the limit, raises, or returns something that is not a finite number (NaN, a
+string, None) scores the verifier's `fail_score` (0 unless registered otherwise). It is never silent:
+each kind is counted per call of `RewardFunction` (`RewardOutput.failures`: reward/timeouts,
+reward/errors, reward/invalid), warned about the first time it happens, and when (nearly) every call
+of one weighted verifier fails the run stops with a `UserError`, since a reward that is always the
+fail score teaches the policy nothing.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
-import math
 import pickle
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+
+# The verdict types and the name registry live in a leaf module (the built-in verifiers and the
+# worker pool import them without importing this one); re-exported here, where users look.
+from postrl.rewards.verdict import (  # noqa: F401
+    _REGISTRY,
+    FastPath,
+    InvalidVerdict,
+    Verifier,
+    VerifierEntry,
+    VerifierResult,
+    register,
+    to_result,
+)
 
 if TYPE_CHECKING:
-    from postrl.config import RewardConfig
     from postrl.rewards.pool import VerifierPool
 
 log = logging.getLogger("postrl.rewards")
-
-
-@dataclass
-class VerifierResult:
-    """A verifier's verdict: the reward `score` and named metrics (at least `acc`, 1.0 or 0.0)."""
-
-    score: float
-    metrics: dict[str, float] = field(default_factory=dict)
-
-
-Verifier = Callable[[str, str, dict], "VerifierResult | float"]
-FastPath = Callable[[str, str, dict], "VerifierResult | None"]
-
-
-@dataclass(frozen=True)
-class VerifierEntry:
-    """How the reward function runs a verifier.
-
-    fn:          the full verifier (may be slow: runs in the worker pool unless `in_process`).
-    fast:        optional cheap verdict in the calling process; None means "ask `fn`".
-    in_process:  `fn` is pure and bounded (string work): always run it in the calling process.
-    fail_score:  score given when a call times out or raises (e.g. -1 for DAPO's +1/-1 rule).
-    accuracy:    its `acc` metric is an accuracy that dynamic sampling may filter on (False for
-                 pure format rewards, so listing `format` first does not change what `acc` means).
-    uses_row:    the verifier reads `row`; if not, the row (maybe holding images) is not shipped
-                 to the worker processes.
-    """
-
-    fn: Verifier
-    fast: FastPath | None = None
-    in_process: bool = False
-    fail_score: float = 0.0
-    accuracy: bool = True
-    uses_row: bool = True
-
-
-_REGISTRY: dict[str, VerifierEntry] = {}
-
-
-def register(
-    *names: str,
-    fast: FastPath | None = None,
-    in_process: bool = False,
-    fail_score: float = 0.0,
-    accuracy: bool = True,
-    uses_row: bool = True,
-) -> Callable[[Verifier], Verifier]:
-    """Register a verifier under one or more names (decorator); see `VerifierEntry` for the options."""
-    assert names, "register() needs at least one name"
-
-    def deco(fn: Verifier) -> Verifier:
-        entry = VerifierEntry(fn, fast, in_process, fail_score, accuracy, uses_row)
-        for name in names:
-            _REGISTRY[name] = entry
-        return fn
-
-    return deco
 
 
 def registered_verifiers() -> list[str]:
@@ -118,9 +78,13 @@ def get_entry(name: str) -> VerifierEntry:
         if not callable(fn):
             raise UserError(f"verifier '{name}' is a {type(fn).__name__}, not a function. Fix: name a function.")
         return VerifierEntry(fn)
+    import difflib
+
+    guess = difflib.get_close_matches(name, registered_verifiers(), n=1)
+    hint = f" (did you mean '{guess[0]}'?)" if guess else ""
     raise UserError(
-        f"unknown verifier '{name}'. Registered verifiers: {', '.join(registered_verifiers())}; "
-        "or name your own function as 'package.module:function'."
+        f"unknown verifier '{name}'{hint}. Registered verifiers: {', '.join(registered_verifiers())}. "
+        "Fix: use one of those, or name your own function as 'package.module:function'."
     )
 
 
@@ -129,24 +93,23 @@ def get_verifier(name: str) -> Verifier:
     return get_entry(name).fn
 
 
-def to_result(value: Any) -> VerifierResult:
-    """Coerce what a verifier returned (VerifierResult, float, bool, or {"score": ..., ...})."""
-    if isinstance(value, VerifierResult):
-        return value
-    if isinstance(value, dict):
-        if "score" not in value:
-            raise TypeError(f"a verifier returned a dict without a 'score' key (keys: {sorted(value)})")
-        metrics = {}
-        for k, v in value.items():
-            if k != "score" and isinstance(v, (int, float, bool)):
-                metrics[k] = float(v)
-        score = float(value["score"])
-        metrics.setdefault("acc", float(score > 0))
-        return VerifierResult(score, metrics)
-    if value is None or not isinstance(value, (int, float)):
-        raise TypeError(f"a verifier must return a VerifierResult, a number or a dict, not {type(value).__name__}")
-    score = float(value)
-    return VerifierResult(score, {"acc": float(score > 0)})
+def verifier_problems(names: Sequence[str]) -> list[str]:
+    """One message per name that does not resolve (config validation reports them with the rest)."""
+    from postrl.errors import UserError
+
+    problems = []
+    for name in dict.fromkeys(names):
+        try:
+            get_entry(name)
+        except UserError as exc:
+            problems.extend(exc.problems)
+    return problems
+
+
+# Failure kinds: the status a verifier call ends with, and the metric that counts it.
+FAILURE_METRICS = {"timeout": "reward/timeouts", "error": "reward/errors", "invalid": "reward/invalid"}
+FAIL_ALL_SHARE = 0.95  # a verifier failing this share of its calls in one batch stops the run ...
+FAIL_ALL_MIN_CALLS = 4  # ... when the batch gave it at least this many calls
 
 
 @dataclass
@@ -155,9 +118,9 @@ class RewardOutput:
 
     `scores[i]` is the weighted sum over verifiers; `metrics[name][i]` holds per-completion values:
     `acc` (from the first accuracy verifier that reports it; dynamic sampling filters on it) and, for
-    each verifier, its own score under the verifier's name. `timeouts` and `errors` count verifier
-    calls that hit the time limit or raised (both score the verifier's fail_score);
-    `timed_out[i]` says whether any call of completion i timed out.
+    each verifier, its own score under the verifier's name. `timeouts`, `errors` and `invalid` count
+    verifier calls that hit the time limit, raised, or returned no finite number (all score the
+    verifier's fail_score); `timed_out[i]` says whether any call of completion i timed out.
     """
 
     scores: list[float]
@@ -165,10 +128,24 @@ class RewardOutput:
     timeouts: int = 0
     errors: int = 0
     timed_out: list[bool] = field(default_factory=list)
+    invalid: int = 0
+
+    @property
+    def failures(self) -> dict[str, int]:
+        """Failed verifier calls of this batch by kind, under their metric names (logged per step)."""
+        return {"reward/timeouts": self.timeouts, "reward/errors": self.errors, "reward/invalid": self.invalid}
 
     def means(self) -> dict[str, float]:
         """Mean of every per-completion metric (the trainer logs them as <algo>/<name>/mean)."""
         return {k: (sum(v) / len(v) if v else 0.0) for k, v in self.metrics.items()}
+
+
+class RewardSettings(Protocol):
+    """What `RewardFunction` reads from the `reward` section (postrl.config.RewardConfig)."""
+
+    verifiers: Sequence[Any]  # items with .name and .weight
+    timeout_s: float
+    workers: int
 
 
 def _picklable(fn: Callable) -> bool:
@@ -186,7 +163,7 @@ class RewardFunction:
     until `close()`.
     """
 
-    def __init__(self, cfg: "RewardConfig", memory_limit_mb: int | None = 4096):
+    def __init__(self, cfg: RewardSettings, memory_limit_mb: int | None = 4096):
         self.cfg = cfg
         self.verifiers: list[tuple[str, float, VerifierEntry]] = [
             (v.name, float(v.weight), get_entry(v.name)) for v in cfg.verifiers
@@ -194,7 +171,7 @@ class RewardFunction:
         self._memory_limit_mb = memory_limit_mb
         self._pool: "VerifierPool | None" = None
         self._in_process_only: set[str] = set()
-        self._warned: set[str] = set()
+        self._warned: set[tuple[str, str]] = set()  # (verifier, failure kind) already warned about
         for name, _, entry in self.verifiers:
             if not entry.in_process and not _picklable(entry.fn):
                 self._in_process_only.add(name)
@@ -215,10 +192,42 @@ class RewardFunction:
             self._pool = VerifierPool(self.cfg.workers, self.cfg.timeout_s, self._memory_limit_mb)
         return self._pool
 
-    def _warn_once(self, name: str, message: str) -> None:
-        if name not in self._warned:
-            self._warned.add(name)
-            log.warning("verifier '%s' failed on a completion and scored its fail score: %s", name, message)
+    def _fail(self, counts: dict[str, list[str]], name: str, kind: str, message: str) -> None:
+        """Record one failed call of verifier `name`; warn the first time each kind happens."""
+        counts.setdefault(kind, []).append(message)
+        if (name, kind) not in self._warned:
+            self._warned.add((name, kind))
+            what = {"timeout": "timed out", "error": "raised", "invalid": "returned no valid score"}[kind]
+            log.warning(
+                "reward: verifier '%s' %s (%s); it scores its fail score, counted in %s from now on.",
+                name, what, message, FAILURE_METRICS[kind],
+            )  # fmt: skip
+
+    def _check_not_all_failing(self, name: str, n_calls: int, counts: dict[str, list[str]]) -> None:
+        """Stop the run when (nearly) every call of one verifier failed: its reward carries no signal."""
+        n_failed = sum(len(m) for m in counts.values())
+        if n_calls < FAIL_ALL_MIN_CALLS or n_failed < FAIL_ALL_SHARE * n_calls:
+            return
+        from postrl.errors import UserError
+
+        kind, messages = max(counts.items(), key=lambda kv: len(kv[1]))
+        why = {
+            "timeout": f"ran past reward.timeout_s ({self.cfg.timeout_s:g} s)",
+            "error": "raised an exception",
+            "invalid": "returned no finite number",
+        }[kind]
+        fix = {
+            "timeout": f"raise reward.timeout_s (now {self.cfg.timeout_s:g}) if the verifier is slow but correct, "
+            "or make it faster",
+            "error": "fix the function (try it on one record with `postrl verify`)",
+            "invalid": "make it return a finite number, a bool, a dict with a numeric 'score', or a VerifierResult",
+        }[kind]
+        raise UserError(
+            f"verifier '{name}' failed on {n_failed} of its {n_calls} calls in this batch; {len(messages)} {why} "
+            f"(counted in {FAILURE_METRICS[kind]}), for example: {messages[0]}. A failed call scores the fail "
+            f"score, so the reward would carry no signal and training would learn nothing. Fix: {fix}.",
+            title="the reward function fails on (nearly) every completion",
+        )
 
     def __call__(self, completions: list[str], ground_truths: list[str], rows: list[dict]) -> RewardOutput:
         from postrl.rewards.pool import Call
@@ -233,8 +242,9 @@ class RewardFunction:
 
         # results[v][i]: the verdict of verifier v on completion i (None until known)
         results: list[list[VerifierResult | None]] = [[None] * n for _ in self.verifiers]
+        # failed[v][kind]: messages of verifier v's failed calls, by kind (timeout / error / invalid)
+        failed: list[dict[str, list[str]]] = [{} for _ in self.verifiers]
         timed_out = [False] * n
-        timeouts = errors = 0
         queued: list[tuple[int, int]] = []
         calls: list[Call] = []
 
@@ -249,9 +259,10 @@ class RewardFunction:
                         if quick is not None:
                             results[v][i] = to_result(quick)
                             continue
-                except Exception as exc:  # noqa: BLE001 - a verifier's bug scores fail_score, once logged
-                    errors += 1
-                    self._warn_once(name, f"{type(exc).__name__}: {exc}")
+                except Exception as exc:  # noqa: BLE001 - a verifier's bug scores fail_score, counted
+                    kind = "invalid" if isinstance(exc, InvalidVerdict) else "error"
+                    detail = str(exc) if kind == "invalid" else f"{type(exc).__name__}: {exc}"
+                    self._fail(failed[v], name, kind, detail[:300])
                     results[v][i] = VerifierResult(entry.fail_score, {"acc": 0.0})
                     continue
                 queued.append((v, i))
@@ -263,13 +274,14 @@ class RewardFunction:
                 if outcome.status == "ok" and outcome.result is not None:
                     results[v][i] = outcome.result
                     continue
-                if outcome.status == "timeout":
-                    timeouts += 1
-                    timed_out[i] = True
-                else:
-                    errors += 1
-                    self._warn_once(name, outcome.message)
+                kind = outcome.status if outcome.status in FAILURE_METRICS else "error"
+                timed_out[i] |= kind == "timeout"
+                self._fail(failed[v], name, kind, outcome.message or "no result")
                 results[v][i] = VerifierResult(entry.fail_score, {"acc": 0.0})
+
+        for v, (name, weight, _) in enumerate(self.verifiers):
+            if weight != 0:  # a weight-0 verifier is only logged: its failures are counted, not fatal
+                self._check_not_all_failing(name, n, failed[v])
 
         scores = [0.0] * n
         metrics: dict[str, list[float]] = {name: [0.0] * n for name, _, _ in self.verifiers}
@@ -279,9 +291,8 @@ class RewardFunction:
             for i in range(n):
                 res = results[v][i]
                 assert res is not None, "every verifier call has a verdict"
-                score = res.score if math.isfinite(res.score) else entry.fail_score
-                scores[i] += weight * score
-                metrics[name][i] = score
+                scores[i] += weight * res.score
+                metrics[name][i] = res.score
                 if "acc" in res.metrics:
                     if entry.accuracy and acc[i] is None:
                         acc[i] = res.metrics["acc"]
@@ -291,9 +302,10 @@ class RewardFunction:
             a if a is not None else (f if f is not None else float(s > 0))
             for a, f, s in zip(acc, fallback_acc, scores)
         ]
-        self.timeouts_total += timeouts
+        count = {kind: sum(len(f.get(kind, [])) for f in failed) for kind in FAILURE_METRICS}
+        self.timeouts_total += count["timeout"]
         self.calls_total += n * len(self.verifiers)
-        return RewardOutput(scores, metrics, timeouts, errors, timed_out)
+        return RewardOutput(scores, metrics, count["timeout"], count["error"], timed_out, count["invalid"])
 
     def close(self) -> None:
         """Stop the worker processes (safe to call twice)."""

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
-    from postrl.config import RolloutConfig
     from postrl.modality import Modality
 
 
@@ -79,55 +78,6 @@ class RolloutEngine(Protocol):
     def close(self) -> None:
         """Release the engine at the end of the run."""
         ...
-
-
-def make_engine(
-    cfg: "RolloutConfig",
-    model: "torch.nn.Module",
-    tokenizer: Any,
-    log: Any = None,
-    max_model_len: int | None = None,
-    seed: int = 0,
-    modality: "Modality | None" = None,
-) -> RolloutEngine:
-    """Build the engine that `cfg.engine` names; `auto` tries vLLM and falls back to HF.
-
-    `max_model_len` (prompt + response tokens) keeps vLLM's KV cache to what the run needs; without it
-    a long-context model would not fit a small CPU cache. It is capped at the model's own maximum.
-    `modality` is the policy's adapter (None: text).
-    """
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if max_model_len is not None and isinstance(limit, int) and max_model_len > limit:
-        max_model_len = limit
-    from postrl.rollout.hf import HFEngine
-
-    def say(msg: str) -> None:
-        if log is not None:
-            log(msg)
-
-    if cfg.engine == "hf":
-        say("rollout engine: hf (transformers generate)")
-        return HFEngine(model, tokenizer, modality=modality)
-    try:
-        from postrl.rollout.vllm import VLLMEngine, VLLMUnavailable
-    except ImportError as exc:  # the module itself is missing: treat as vLLM unavailable
-        if cfg.engine == "vllm":
-            from postrl.errors import UserError
-
-            raise UserError(f"rollout.engine is 'vllm' but postrl's vLLM engine cannot be imported ({exc}).") from exc
-        say(f"rollout engine: hf (vLLM unavailable: {exc})")
-        return HFEngine(model, tokenizer, modality=modality)
-    try:
-        engine = VLLMEngine(model, tokenizer, cfg, max_model_len=max_model_len, seed=seed, modality=modality)
-    except VLLMUnavailable as exc:
-        if cfg.engine == "vllm":
-            from postrl.errors import UserError
-
-            raise UserError(str(exc)) from exc
-        say(f"[yellow]rollout engine: hf (falling back: {exc})[/yellow]")
-        return HFEngine(model, tokenizer, modality=modality)
-    say("rollout engine: vllm")
-    return engine
 
 
 def eos_token_ids(model: "torch.nn.Module", tokenizer: Any) -> list[int]:

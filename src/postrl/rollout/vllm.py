@@ -61,6 +61,8 @@ class VLLMEngine:
             Pass data.max_prompt_length + rollout.max_tokens to keep the KV cache small.
         seed: seed of vLLM's own RNG (used only for requests without a seed).
         modality: the policy's adapter (None: text): image request data, and why vLLM may not serve it.
+        trust_remote_code: the user's `model.trust_remote_code`, handed to vLLM unchanged: with False,
+            no Python file of the model directory is imported, even when config.json has an auto_map.
     """
 
     name = "vllm"
@@ -73,6 +75,8 @@ class VLLMEngine:
         max_model_len: int | None = None,
         seed: int = 0,
         modality: Modality | None = None,
+        *,
+        trust_remote_code: bool = False,
     ):
         self.cfg = cfg
         self.modality = modality or TEXT
@@ -117,8 +121,7 @@ class VLLMEngine:
             tensor_parallel_size=cfg.tensor_parallel_size,
             logprobs_mode="processed_logprobs",  # temperature-scaled, what the tokens were drawn from
             enable_prefix_caching=True,  # the n samples of a prompt share its KV cache
-            # Remote-code models: the trainer has already loaded (and so trusted) this code.
-            trust_remote_code=bool(getattr(model.config, "auto_map", None)),
+            trust_remote_code=trust_remote_code,  # the user's choice, never inferred from config.json
         )
         if self.on_gpu:
             # CUDA graphs survive reload_weights (it copies into the captured tensors).
