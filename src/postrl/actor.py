@@ -175,7 +175,7 @@ class Actor:
         out["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
         out["actor/lr"] = lr
         if not self.on_policy:
-            out["actor/first_ratio_gap"] = distributed.all_reduce_max_float(self.first_ratio_gap)
+            out["actor/first_ratio_gap"] = distributed.all_reduce_max(self.first_ratio_gap)
         return out
 
     def _micro_step(self, mb: dict, norms: dict, use_ref: bool, sums: "_WeightedSums", first: bool) -> tuple[float, float]:

@@ -34,6 +34,7 @@ import math
 from typing import Callable, Protocol
 
 import torch
+from torch import Tensor
 
 
 def _unknown(kind: str, name: str, valid) -> ValueError:
@@ -215,6 +216,9 @@ class PolicyLossFn(Protocol):
 POLICY_LOSSES: dict[str, PolicyLossFn] = {}
 
 
+LossAndStats = tuple[Tensor, dict[str, Tensor]]  # per-token loss [B, T] and masked-mean statistics
+
+
 def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Register a per-token policy loss under `name` (decorator)."""
     return _register_into(POLICY_LOSSES, "policy loss", name)
@@ -246,16 +250,8 @@ def _loss_stats(
 
 
 @register_policy_loss("vanilla")
-def policy_loss(
-    logp_BT: torch.Tensor,
-    old_logp_BT: torch.Tensor,
-    adv_BT: torch.Tensor,
-    mask_BT: torch.Tensor,
-    *,
-    clip_ratio_low: float,
-    clip_ratio_high: float,
-    clip_ratio_c: float | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def policy_loss(logp_BT: Tensor, old_logp_BT: Tensor, adv_BT: Tensor, mask_BT: Tensor, *, clip_ratio_low: float,
+                clip_ratio_high: float, clip_ratio_c: float | None = None) -> LossAndStats:
     """PPO's per-token clipped surrogate (Schulman et al., 2017) with clip-higher (DAPO) and dual clip.
 
     r = exp(clamp(logp - logp_old, -20, 20))
@@ -276,16 +272,8 @@ def policy_loss(
 
 
 @register_policy_loss("gspo")
-def gspo_policy_loss(
-    logp_BT: torch.Tensor,
-    old_logp_BT: torch.Tensor,
-    adv_BT: torch.Tensor,
-    mask_BT: torch.Tensor,
-    *,
-    clip_ratio_low: float,
-    clip_ratio_high: float,
-    clip_ratio_c: float | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def gspo_policy_loss(logp_BT: Tensor, old_logp_BT: Tensor, adv_BT: Tensor, mask_BT: Tensor, *, clip_ratio_low: float,
+                     clip_ratio_high: float, clip_ratio_c: float | None = None) -> LossAndStats:
     """GSPO (Zheng et al., 2025, "Group Sequence Policy Optimization"): one clipped ratio per sequence.
 
     s_i  = exp((1 / |y_i|) sum_t m_t (logp_t - logp_old_t))      (length-normalised sequence ratio)
@@ -307,16 +295,8 @@ def gspo_policy_loss(
 
 
 @register_policy_loss("cispo")
-def cispo_policy_loss(
-    logp_BT: torch.Tensor,
-    old_logp_BT: torch.Tensor,
-    adv_BT: torch.Tensor,
-    mask_BT: torch.Tensor,
-    *,
-    clip_ratio_low: float,
-    clip_ratio_high: float,
-    clip_ratio_c: float | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def cispo_policy_loss(logp_BT: Tensor, old_logp_BT: Tensor, adv_BT: Tensor, mask_BT: Tensor, *, clip_ratio_low: float,
+                      clip_ratio_high: float, clip_ratio_c: float | None = None) -> LossAndStats:
     """CISPO (MiniMax, 2025, "MiniMax-M1", arXiv 2506.13585, eq. 4): clip the IS weight, not the update.
 
     r = exp(clamp(logp - logp_old, -20, 20)),  w = sg(clip(r, 1 - eps_low, 1 + eps_high))

@@ -554,21 +554,27 @@ def build_config(tree: dict, source: str = "config") -> Config:
         raise UserError(*problems, title=f"{source}: {len(problems)} problem(s) in the configuration") from None
 
 
+def read_yaml_mapping(path: str | Path, example: str, keys: str) -> dict:
+    """The mapping at the top of a YAML file; a missing file, bad YAML or a non-mapping is a UserError."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"config file '{path}' does not exist. Fix: pass the path of a YAML file, e.g. {example}.")
+    try:
+        tree = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise UserError(f"{path} is not valid YAML: {exc}. Fix the syntax at the line shown.") from None
+    if not isinstance(tree, dict):
+        raise UserError(f"{path} must hold a mapping of {keys}, not {type(tree).__name__}.")
+    return tree
+
+
 def load_config(path: str | Path | None, overrides: list[str] | None = None, check_paths: bool = True) -> Config:
     """Load a YAML file, apply dotted overrides, validate; optionally check this machine
     (`environment_problems`: input paths exist, the logging sinks' packages are installed)."""
     tree: dict = {}
     source = str(path) if path else "command line"
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise UserError(f"config file '{path}' does not exist. Fix: pass the path of a YAML file, e.g. configs/tiny_dapo.yaml.")
-        try:
-            tree = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise UserError(f"{path} is not valid YAML: {exc}. Fix the syntax at the line shown.") from None
-        if not isinstance(tree, dict):
-            raise UserError(f"{path} must hold a mapping of sections (model:, data:, ...), not {type(tree).__name__}.")
+        tree = read_yaml_mapping(path, example="configs/tiny_dapo.yaml", keys="sections (model:, data:, ...)")
     for key, value in parse_overrides(overrides or []):
         _set_dotted(tree, key, value)
     cfg = build_config(tree, source)

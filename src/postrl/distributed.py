@@ -105,20 +105,13 @@ def all_reduce_sum_dict(values: dict[str, float]) -> dict[str, float]:
     return dict(zip(keys, all_reduce_sum([values[k] for k in keys])))
 
 
-def all_reduce_max(value: int) -> int:
+def all_reduce_max(value: float) -> float:
+    """The largest `value` over ranks (an int stays an int)."""
     if not is_distributed():
         return value
-    t = torch.tensor([value], dtype=torch.int64)
+    t = torch.tensor([value], dtype=torch.int64 if isinstance(value, int) else torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
-
-
-def all_reduce_max_float(value: float) -> float:
-    if not is_distributed():
-        return value
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+    return t.item()
 
 
 def all_gather_object(obj: Any) -> list[Any]:

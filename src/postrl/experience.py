@@ -76,18 +76,20 @@ def select_groups(batch: Batch, groups: list[int], group_size: int) -> Batch:
     return select(batch, [g * group_size + j for g in groups for j in range(group_size)])
 
 
+@dataclass
 class Experience:
     """Produces the training batch of a step: rollout, rewards, dynamic sampling, advantages."""
 
-    def __init__(self, cfg: Any, engine: Any, tokenizer: Any, reward_fn: Callable, examples: list[PromptExample], sampler: PromptSampler):
-        self.cfg = cfg
-        self.engine = engine
-        self.tokenizer = tokenizer
-        self.reward_fn = reward_fn
-        self.examples = examples
-        self.sampler = sampler
-        self.G = cfg.rollout.n_samples_per_prompt
-        self.prefix = cfg.algorithm.name  # metric namespace: dapo/..., grpo/...
+    cfg: Any
+    engine: Any  # the rollout engine (rollout/)
+    tokenizer: Any
+    reward_fn: Callable  # rewards.RewardFunction
+    examples: list[PromptExample]  # the training prompts
+    sampler: PromptSampler  # their order; its position is the only state that crosses steps
+
+    def __post_init__(self) -> None:
+        self.G = self.cfg.rollout.n_samples_per_prompt
+        self.prefix = self.cfg.algorithm.name  # metric namespace: dapo/..., grpo/...
 
     def collect(self, step: int, timer: Timer) -> tuple[Batch, dict[str, float]]:
         """Draw generation batches until global_batch_size groups survive dynamic sampling."""

@@ -31,13 +31,13 @@ class TaskKnobs(MixedTeacherKnobs):
     """What both built-in tasks have."""
 
     seed: int = Field(1234, description="Seed of the task's generator (problems, pictures).")
+    train_size: int = Field(20000, ge=1, description="Number of training rows.")
+    val_size: int = Field(500, ge=1, description="Number of held-out rows (disjoint from training).")
 
 
 class BuiltinTaskConfig(TaskKnobs):
     """Knobs of the built-in synthetic arithmetic word problems (`builtin:arithmetic:<split>`)."""
 
-    train_size: int = Field(20000, ge=1, description="Number of training problems.")
-    val_size: int = Field(500, ge=1, description="Number of held-out problems (disjoint from training).")
     max_value: int = Field(20, ge=2, description="Operands are drawn from 1..max_value.")
     min_operands: int = Field(2, ge=2, description="Fewest numbers in a problem.")
     max_operands: int = Field(3, ge=2, description="Most numbers in a problem.")

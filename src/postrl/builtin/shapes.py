@@ -120,16 +120,8 @@ def to_verl_row(problem: dict, png: bytes, index: int, split: str, style: str = 
 
 
 def generate_splits(
-    train_size: int,
-    val_size: int,
-    image_size: int = 56,
-    min_shapes: int = 1,
-    max_shapes: int = 5,
-    max_value: int = 20,
-    max_ops: int = 2,
-    terse_ratio: float = 0.0,
-    hasty_ratio: float = 0.0,
-    seed: int = 1234,
+    train_size: int, val_size: int, image_size: int = 56, min_shapes: int = 1,
+    max_shapes: int = 5, max_value: int = 20, max_ops: int = 2, terse_ratio: float = 0.0, hasty_ratio: float = 0.0, seed: int = 1234,
 ) -> dict[str, list[dict]]:
     """Rows of both splits; validation signatures never occur in training."""
     if image_size % (2 * PATCH):

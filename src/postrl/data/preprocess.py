@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from postrl.data.handlers import MAP_KEY_NAMES, Context, RowError, get_handler
@@ -102,15 +101,9 @@ class PreprocessConfig(BaseModel):
 
 
 def load_preprocess_config(path: str) -> PreprocessConfig:
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"config file '{path}' does not exist. Fix: pass a YAML file, e.g. configs/datasets/gsm8k.yaml.")
-    try:
-        tree = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise UserError(f"{path} is not valid YAML: {exc}") from None
-    if not isinstance(tree, dict):
-        raise UserError(f"{path} must hold a mapping of keys (input:, handler_name:, ...).")
+    from postrl.config import read_yaml_mapping
+
+    tree = read_yaml_mapping(path, example="configs/datasets/gsm8k.yaml", keys="keys (input:, handler_name:, ...)")
     tree = {k.replace("-", "_") if isinstance(k, str) else k: v for k, v in tree.items()}  # --map-keys style too
     try:
         cfg = PreprocessConfig.model_validate(tree)
