@@ -186,6 +186,9 @@ class ScriptedRollout:
     def sleep(self):
         pass
 
+    def probe_logprobs(self, token_ids):
+        return None  # no weights of its own: nothing for the sync guard to check
+
     def close(self):
         pass
 
