@@ -338,16 +338,40 @@ def _check_run(run_dir: Path, out: str, steps: int) -> None:
 
 
 @pytest.mark.slow
-def test_nproc_2_trains_under_torchrun_with_dynamic_batch_size(tmp_path):
-    """`postrl train --nproc 2`: torchrun on loopback, FSDP2, HF rollout on the unsharded weights,
-    token-budget micro-batches with counts synced over ranks; 2 steps and a checkpoint."""
+def test_nproc_2_trains_on_loopback_only_with_dynamic_batch_size(tmp_path):
+    """`postrl train --nproc 2`: 2 ranks on this machine, FSDP2, HF rollout on the unsharded weights,
+    token-budget micro-batches with counts synced over ranks; 2 steps and a checkpoint. While it runs,
+    no process of the job listens on anything but loopback (psutil reads the sockets)."""
+    import psutil
+
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text("model:\n  path: builtin:tiny-qwen2\n")
     overrides = _launcher_overrides(tmp_path, "train.use_dynamic_bsz=true", "train.max_token_len_per_device=160")
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    res = _run([PY, "-m", "postrl.cli", "train", str(cfg), *overrides, "--nproc", "2"], timeout=200, env=env, cwd=tmp_path)
-    assert res.returncode == 0, res.stdout[-4000:]
-    _check_run(tmp_path / "run", res.stdout, steps=2)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("GLOO_SOCKET_IFNAME", None)  # the launcher itself must pick loopback
+    proc = subprocess.Popen(
+        [PY, "-m", "postrl.cli", "train", str(cfg), *overrides, "--nproc", "2"], stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    listening: set[tuple[str, int]] = set()
+    deadline = time.monotonic() + 200
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+                for p in family:
+                    listening |= {c.laddr[:2] for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+            except psutil.Error:  # a process ended between the listing and the read
+                pass
+            time.sleep(0.1)
+        out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out[-4000:]
+    _check_run(tmp_path / "run", out, steps=2)
+    assert listening, "the ranks' collectives listen somewhere: the scan should have seen them"
+    assert all(host in ("127.0.0.1", "::1") for host, _port in listening), listening
 
 
 RAY_DRIVER = """

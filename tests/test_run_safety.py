@@ -54,13 +54,13 @@ def test_sigterm_saves_the_step_and_the_resumed_run_matches_an_uninterrupted_one
     assert full.returncode == 0, err[-2000:]
 
     cut = tmp_path / "cut"
-    proc = _train(cut, "train.total_steps=5", "checkpoint.save_final=true")
+    proc = _train(cut, "train.total_steps=5", "checkpoint.save_final=true", start_new_session=True)
     deadline = time.monotonic() + 600
     while max(_steps_logged(cut / "run"), default=0) < 2:
         assert proc.poll() is None, proc.communicate()[1][-2000:]
         assert time.monotonic() < deadline, "the run did not reach step 2"
         time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
+    os.killpg(proc.pid, signal.SIGTERM)  # as a scheduler does: the trainer and its verifier workers
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 143, err[-2000:]
     assert "Traceback" not in out + err

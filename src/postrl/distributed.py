@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 STRATEGIES = ("fsdp2", "ddp")  # train.strategy
+RENDEZVOUS_FILE_ENV = "POSTRL_RENDEZVOUS_FILE"  # set by launch.launch_local for its ranks
 # Wrapper prefixes that DDP / FSDP1 / torch.compile put in front of parameter names.
 _WRAPPER_PARTS = ("module.", "_fsdp_wrapped_module.", "_orig_mod.", "_checkpoint_wrapped_module.")
 
@@ -50,7 +51,14 @@ def init_process_group(timeout_s: float = 1800.0) -> bool:
         return False
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend(), timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    if RENDEZVOUS_FILE_ENV in os.environ:  # launch.launch_local: ranks meet through a file, no TCP store
+        store = dist.FileStore(os.environ[RENDEZVOUS_FILE_ENV], int(os.environ["WORLD_SIZE"]))
+        dist.init_process_group(
+            backend(), store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout
+        )
+    else:
+        dist.init_process_group(backend(), timeout=timeout)
     return True
 
 

@@ -1,7 +1,7 @@
-"""Launchers above the trainer: torchrun on one machine, one rank under torchrun, or Ray Train.
+"""Launchers above the trainer: N ranks on this machine, one rank under torchrun, or Ray Train.
 
 - `postrl train --nproc N` (or `cluster.devices_per_node: N`) starts N ranks of `postrl train` on
-  this machine with torchrun, rendezvous on loopback.
+  this machine, bound to loopback only (a file rendezvous, collectives over `lo`).
 - Inside torchrun (multi-node: torchrun on every node) `launch` runs this process's rank.
 - `cluster.launcher: ray` (or `--ray-address`) runs the same SPMD loop through Ray Train's
   TorchTrainer: on an existing cluster (`ray start --head` printed its address; `auto` finds the
@@ -93,21 +93,60 @@ def launch(args: Any, cfg: "Config") -> int:
         )
     nproc = getattr(args, "nproc", 0) or cfg.cluster.devices_per_node
     check_world(cfg, nproc)
-    return launch_torchrun(args.config, list(args.overrides), nproc)
+    return launch_local(args.config, list(args.overrides), nproc)
 
 
-def launch_torchrun(config: str, overrides: list[str], nproc: int) -> int:
-    """Start `nproc` ranks of `postrl train` on this machine with torchrun (rendezvous on loopback)."""
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "--master-addr", "127.0.0.1",
-        "-m", "postrl.cli", "train", config, *overrides,
-    ]  # fmt: skip
+def launch_local(config: str, overrides: list[str], nproc: int) -> int:
+    """Start `nproc` ranks of `postrl train` on this machine, bound to loopback only.
+
+    torchrun's rendezvous store listens on every interface, which a job on one machine has no reason
+    to expose. Here the ranks meet through a file (torch.distributed's FileStore: no TCP store at all)
+    and talk over the loopback interface (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME = lo). As with
+    torchrun, the first rank that fails stops the others. SIGTERM is forwarded to every rank (each
+    saves its step and exits, see trainer.py); Ctrl-C reaches them from the terminal already.
+    """
+    import signal
+    import tempfile
+    import time
+
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     if Path("/sys/class/net/lo").exists():
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # all ranks are on this machine: talk over loopback
-    return subprocess.run(cmd, env=env).returncode
+        env.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    cmd = [sys.executable, "-m", "postrl.cli", "train", config, *overrides]
+    with tempfile.TemporaryDirectory(prefix="postrl-rendezvous-") as rendezvous:
+        ranks = [
+            subprocess.Popen(cmd, env={
+                **env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+                distributed.RENDEZVOUS_FILE_ENV: str(Path(rendezvous) / "store"),
+            })  # fmt: skip
+            for r in range(nproc)
+        ]
+
+        def forward(signum: int, frame: Any) -> None:  # noqa: ARG001
+            for p in ranks:
+                if p.poll() is None:
+                    p.send_signal(signum)
+
+        previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, forward), signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN)}
+        try:
+            while True:
+                codes = [p.poll() for p in ranks]
+                failed = next((c for c in codes if c not in (None, 0)), None)
+                if failed is not None:  # one rank is gone: the others would wait for it forever
+                    for p in ranks:
+                        if p.poll() is None:
+                            p.kill()
+                    return failed
+                if all(c == 0 for c in codes):
+                    return 0
+                time.sleep(0.2)
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            for p in ranks:
+                p.wait()
 
 
 def launch_ray(cfg: "Config", address: str | None) -> int:
@@ -124,13 +163,16 @@ def launch_ray(cfg: "Config", address: str | None) -> int:
     except ImportError as exc:
         raise UserError(
             f"cluster.launcher is 'ray' but Ray Train cannot be imported ({exc}). Fix: pip install 'postrl[ray]' "
-            "(ray[train]), or use --nproc N for torchrun on one machine."
+            "(ray[train]), or use --nproc N for N processes on one machine."
         ) from None
     check_world(cfg, cfg.world_size)
     env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
     started_here = not ray.is_initialized()
     if started_here:
-        ray.init(address=address, runtime_env={"env_vars": env}, include_dashboard=False if address is None else None)
+        if address is None:  # a one-node cluster for this job: every Ray server on loopback only
+            ray.init(runtime_env={"env_vars": env}, include_dashboard=False, _node_ip_address="127.0.0.1")
+        else:
+            ray.init(address=address, runtime_env={"env_vars": env})
     try:
         gpus = ray.cluster_resources().get("GPU", 0) > 0
         workers = cfg.world_size
