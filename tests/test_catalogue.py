@@ -68,6 +68,9 @@ CLI_CASES = [
          "Fix: pip install 'postrl[wandb]'", needs_missing="wandb"),
     Case("sink-swanlab-missing", ("train", "{cfg}", "logging.sinks=[jsonl,swanlab]"), 2,
          "Fix: pip install 'postrl[swanlab]'", needs_missing="swanlab"),
+    # a damaged weight file in the model directory: named, with the way to restore it
+    Case("model-weights-damaged", ("train", "{cfg}", "model.path={damaged_model}", "logging.dir={run}"), 2,
+         ("is damaged and cannot be read", "restore the model directory")),
     # 7. options anywhere among the overrides: parsed (the run then stops at the planted bad verifier)
     Case("option-after-override", ("train", "{cfg}", "train.total_steps=2", "--nproc", "2", "reward.verifiers=[nope]"), 2,
          "unknown verifier 'nope'", absent="unrecognized arguments"),
@@ -122,7 +125,12 @@ def files(tmp_path_factory, tiny_model_path) -> dict[str, str]:
         f"input: {raw}\nhandler_name: gsm8k\nprompt_type: qwen\ntokenizer_name_or_path: {tok}\n"
         f"output_prefix: {d / 'pre_out' / 'train'}\nworkers: 1\n"
     )
+    damaged = d / "damaged_model"  # the tiny model with its weights cut to a third
+    shutil.copytree(tiny_model_path, damaged)
+    weights = damaged / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 3])
     return {
+        "damaged_model": str(damaged),
         "cfg": str(d / "cfg.yaml"), "bad_jsonl": str(d / "bad.jsonl"), "bad_metrics_run": str(run),
         "completions": str(d / "completions.jsonl"), "preprocess_yaml": str(d / "pre.yaml"), "run": str(d / "run"),
         "tokenizer_without_template": str(tok),

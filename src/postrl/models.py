@@ -72,9 +72,16 @@ def load_model(
     modality: Modality | None = None,
 ):
     """The model of `path`, with the auto class of its modality (chosen from its config.json when not given)."""
+    from safetensors import SafetensorError
+
     loader = modality or modality_type(model_config(path))
     try:
         model = loader.load_model(path, DTYPES[dtype], trust_remote_code)
+    except SafetensorError as exc:  # a truncated or garbage weight file
+        raise UserError(
+            f"a weight file of '{path}' is damaged and cannot be read ({exc}). Fix: restore the model directory "
+            "from its source (re-export the checkpoint with `postrl export`, or copy / download the model again)."
+        ) from None
     except (OSError, ValueError) as exc:
         raise UserError(
             f"cannot load a causal LM from '{path}' ({exc}). Fix: point model.path at a Hugging Face model "
