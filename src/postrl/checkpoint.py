@@ -517,6 +517,38 @@ def _verify_model_dir(model_dir: Path) -> None:
         _read(f, lambda p: load_file(str(p)))
 
 
+# --------------------------------------------------------------------------------- best weights
+
+BEST = "best"
+
+
+def best_so_far(cfg: Any) -> dict | None:
+    """{"step", "metric", "value"} of the weights in <checkpoint.dir>/best, or None."""
+    info = Path(cfg.checkpoint.dir) / BEST / "best.json"
+    return json.loads(info.read_text()) if info.is_file() else None
+
+
+def save_best(cfg: Any, model: Any, tokenizer: Any, step: int, value: float) -> Path:
+    """Replace <checkpoint.dir>/best with these weights (a Hugging Face model dir in best/model)."""
+    root = Path(cfg.checkpoint.dir)
+    final, tmp = root / BEST, root / f".tmp_{BEST}"
+    write = distributed.rank() == 0
+    if write:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    distributed.barrier()
+    distributed.save_pretrained(model, tmp / "model", write=write)  # FSDP2: every rank gathers
+    if write:
+        tokenizer.save_pretrained(tmp / "model")
+        (tmp / "best.json").write_text(json.dumps({"step": step, "metric": cfg.checkpoint.keep_best, "value": value}))
+        _fsync_tree(tmp)
+        _remove(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+    distributed.barrier()
+    return final
+
+
 # ------------------------------------------------------------------------------ the run directory
 
 

@@ -1,4 +1,4 @@
-"""Command line: postrl train | sft | eval | preprocess | verify | export | check-config | report | tiny-model.
+"""Command line: postrl train | sft | eval | doctor | preprocess | verify | export | check-config | report | tiny-model.
 
 Every command takes a YAML config and dotted overrides (`algorithm.clip_ratio_high=0.3`). A problem
 the user can fix is printed as one short paragraph per problem, without a traceback, and the
@@ -62,6 +62,14 @@ def cmd_eval(args) -> int:
     return run_eval(args, console)
 
 
+def cmd_doctor(args) -> int:
+    from postrl.config import load_config
+    from postrl.doctor import diagnose, print_report
+
+    print_report(diagnose(load_config(args.config, args.overrides), args.prompts, console.print), console)
+    return 0
+
+
 def cmd_export(args) -> int:
     from postrl.checkpoint import export
 
@@ -121,6 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(p)
     p.add_argument("--model", default=None, help="model directory or checkpoint (default: model.path)")
     p.set_defaults(fn=cmd_eval)
+    p = sub.add_parser("doctor", help="greedy vs sampled accuracy and pass@k: does RL have headroom here?")
+    _config_args(p)
+    p.add_argument("--prompts", type=int, default=48, help="held-out prompts to measure on")
+    p.set_defaults(fn=cmd_doctor)
     p = sub.add_parser("export", help="checkpoint -> plain Hugging Face model directory")
     p.add_argument("checkpoint")
     p.add_argument("out")

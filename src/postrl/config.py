@@ -368,6 +368,21 @@ class CheckpointConfig(Section):
     load_rng: bool = Field(True, description="Restore RNG states on resume.")
     ref_model_path: str | None = Field(None, description="Weights of the reference model (default model.path).")
     keep_last: int = Field(2, ge=0, description="Keep the newest N checkpoints; 0 keeps all.")
+    keep_best: str | None = Field(
+        None,
+        description="A validation metric to maximise, e.g. val/arithmetic/acc_mean@1: the weights of its best "
+        "validation (the start included) are kept in <checkpoint.dir>/best (export with `postrl export DIR/best OUT`).",
+    )
+
+    @field_validator("keep_best")
+    @classmethod
+    def _validation_metric(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith("val/"):
+            raise ValueError(
+                f"checkpoint.keep_best is '{v}', not a validation metric. Fix: name one of the val/<set>/... metrics, "
+                "e.g. val/arithmetic/acc_mean@1 (<set> is the validation file's stem)."
+            )
+        return v
 
 
 class EvalConfig(Section):

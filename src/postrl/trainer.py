@@ -86,6 +86,7 @@ class Trainer:
         self.step = 0
         self.timer = Timer()
         self.streaks = guards.Streaks()
+        self.val_history: list[tuple[int, float]] = []  # (step, headline validation metric)
         self.warned: set[str] = set()  # guards that already warned (each says it once)
 
         restored = checkpoint.resume(cfg, len(self.train_examples), self.log)
@@ -142,6 +143,8 @@ class Trainer:
             self.log(self._val_line("after RL", final))
         if cfg.checkpoint.save_final and not (cfg.checkpoint.save_freq and self.step % cfg.checkpoint.save_freq == 0):
             checkpoint.save(cfg, self.state_dict())
+        if (summary := self._summary_line()) is not None:
+            self.log(summary)
         self.close()
         self._plot()
         return {**last, **final}
@@ -310,7 +313,44 @@ class Trainer:
         for name, examples in self.val_sets.items():
             out.update(evaluate(self.engine, self.tokenizer, self.reward_fn, examples, self.cfg.eval, name, self.cfg.train.seed))
         out["timing/eval"] = time.perf_counter() - start
+        self._track_best(out)
         return out
+
+    def _track_best(self, val: dict[str, float]) -> None:
+        """Record the headline validation metric; keep the best weights when checkpoint.keep_best names it."""
+        keep = self.cfg.checkpoint.keep_best
+        name = keep or next((k for k in val if "acc_mean@" in k), None)
+        if name is None:
+            return
+        if name not in val:
+            raise UserError(
+                f"checkpoint.keep_best is '{name}', but validation reports only {sorted(k for k in val if k.startswith('val/'))}. "
+                "Fix: name one of those (the set is the validation file's stem)."
+            )
+        self.val_history.append((self.step, val[name]))
+        if keep:
+            best = checkpoint.best_so_far(self.cfg)
+            if best is None or best.get("metric") != keep or val[name] > best["value"]:
+                checkpoint.save_best(self.cfg, self.model, self.tokenizer, self.step, val[name])
+
+    def _summary_line(self) -> str | None:
+        """Start, best and last of the headline validation metric; a warning when the run ended below its start."""
+        if len(self.val_history) < 2:
+            return None
+        (s0, start), (s1, last) = self.val_history[0], self.val_history[-1]
+        b, best = max(self.val_history, key=lambda sv: (sv[1], -sv[0]))
+        line = f"held-out accuracy: start {start:.1%} (step {s0}), best {best:.1%} (step {b}), last {last:.1%} (step {s1})"
+        if last >= start:
+            return f"[bold]{line}[/bold]"
+        where = (
+            f"the best weights are in {Path(self.cfg.checkpoint.dir) / checkpoint.BEST} (postrl export that directory)"
+            if self.cfg.checkpoint.keep_best
+            else "set checkpoint.keep_best to keep the best weights"
+        )
+        return (
+            f"[yellow]{line}: this run ended {start - last:.1%} below where it started; {where}. "
+            "`postrl doctor CONFIG` says whether RL has headroom on this task and what to change.[/yellow]"
+        )
 
 
 class _StopOnSignal:

@@ -1,0 +1,85 @@
+"""Never end worse than the start without saying so: best-checkpoint keeping, the start/best/last line,
+and `postrl doctor`'s reading of greedy vs sampled accuracy."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+from conftest import tiny_overrides
+from rich.console import Console
+
+from postrl import checkpoint
+from postrl.config import load_config
+from postrl.doctor import advice
+from postrl.errors import UserError
+from postrl.metrics import read_jsonl
+from postrl.trainer import Trainer
+
+PARITY = "reward.verifiers=[verifiers_for_tests:length_parity]"
+
+
+def test_keep_best_keeps_the_best_validation_and_exports(tmp_path):
+    cfg = load_config(None, tiny_overrides(
+        tmp_path, PARITY, "eval.before_train=true", "eval.after_train=true", "eval.freq=1", "eval.max_prompts=8",
+        "train.total_steps=3", "train.lr=5e-3", "checkpoint.keep_best=val/arithmetic/acc_mean@1",
+    ))  # fmt: skip
+    tr = Trainer(cfg, Console(file=io.StringIO(), width=300))
+    tr.fit()
+    vals = [(r["step"], r["val/arithmetic/acc_mean@1"]) for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "val/arithmetic/acc_mean@1" in r]
+    assert [s for s, _ in vals] == [0, 1, 2, 3]
+    best = checkpoint.best_so_far(cfg)
+    first_best = max(vals, key=lambda sv: (sv[1], -sv[0]))  # the earliest of equal bests: later ties do not replace it
+    assert (best["step"], best["value"]) == first_best and best["metric"] == "val/arithmetic/acc_mean@1"
+    out = checkpoint.export(Path(cfg.checkpoint.dir) / checkpoint.BEST, tmp_path / "exported")
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+    text = tr.console.file.getvalue()
+    assert f"held-out accuracy: start {vals[0][1]:.1%} (step 0), best {first_best[1]:.1%} (step {first_best[0]})" in text
+
+
+def test_a_run_that_ends_below_its_start_says_so(tmp_path):
+    cfg = load_config(None, tiny_overrides(tmp_path, PARITY, "checkpoint.keep_best=val/arithmetic/acc_mean@1"))
+    tr = Trainer(cfg, Console(file=io.StringIO(), width=300))
+    tr.val_history = [(0, 0.743), (10, 0.760), (30, 0.683)]
+    line = tr._summary_line()
+    assert "start 74.3% (step 0), best 76.0% (step 10), last 68.3% (step 30)" in line
+    assert "ended 6.0% below where it started" in line and str(Path(cfg.checkpoint.dir) / "best") in line
+    tr.val_history = [(0, 0.5), (30, 0.5)]
+    assert "below" not in tr._summary_line()
+    tr.close()
+
+
+def test_keep_best_must_name_a_reported_validation_metric(tmp_path):
+    with pytest.raises(UserError, match="not a validation metric"):
+        load_config(None, tiny_overrides(tmp_path, "checkpoint.keep_best=acc"))
+    cfg = load_config(None, tiny_overrides(tmp_path, PARITY, "checkpoint.keep_best=val/nope/acc_mean@1", "eval.before_train=true"))
+    tr = Trainer(cfg, Console(file=io.StringIO()))
+    with pytest.raises(UserError, match="validation reports only \\['val/arithmetic/acc_mean@1'"):
+        tr.validate()
+    tr.close()
+
+
+def test_doctor_advice_reads_the_numbers():
+    # issue 15's finding: greedy 74%, sampled 17% at T 1.0; at T 0.6 the samples are good again
+    report = {"greedy": 0.74, "n": 8, "temperature": 1.0, "sampled": {
+        0.6: {"acc": 0.62, "pass@k": 0.95}, 0.8: {"acc": 0.35, "pass@k": 0.90}, 1.0: {"acc": 0.17, "pass@k": 0.56}}}  # fmt: skip
+    said = " ".join(advice(report))
+    assert "little headroom: pass@8 at T 1.0 (56%)" in said  # 56% < 74% greedy: nothing above greedy to reach
+    assert "samples much worse than it decodes greedily (17% sampled at T 1.0 vs 74% greedy)" in said
+    assert "rollout.temperature: 0.6" in said
+    report["temperature"] = 0.6
+    said = " ".join(advice(report))
+    assert "RL has headroom: pass@8 at T 0.6 is 95%, 21% above greedy (74%)" in said and "temperature:" not in said
+    report["sampled"][0.6] = {"acc": 0.0, "pass@k": 0.01}
+    assert "SFT warm start" in advice(report)[0]
+
+
+def test_doctor_runs_on_the_tiny_model(tmp_path, capsys):
+    from postrl.cli import main
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: {path: builtin:tiny-qwen2}\nrollout: {engine: hf, max_tokens: 8, n_samples_per_prompt: 4}\n")
+    assert main(["doctor", str(cfg), PARITY, "data.builtin.train_size=50", "data.builtin.val_size=8", "--prompts", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "8 held-out prompts; greedy accuracy" in out and "pass@4" in out and "<- rollout.temperature" in out
