@@ -528,7 +528,7 @@ def best_so_far(cfg: Any) -> dict | None:
     return json.loads(info.read_text()) if info.is_file() else None
 
 
-def save_best(cfg: Any, model: Any, tokenizer: Any, step: int, value: float) -> Path:
+def save_best(cfg: Any, model: Any, tokenizer: Any, step: int, value: float, metric: str) -> Path:
     """Replace <checkpoint.dir>/best with these weights (a Hugging Face model dir in best/model)."""
     root = Path(cfg.checkpoint.dir)
     final, tmp = root / BEST, root / f".tmp_{BEST}"
@@ -540,7 +540,7 @@ def save_best(cfg: Any, model: Any, tokenizer: Any, step: int, value: float) -> 
     distributed.save_pretrained(model, tmp / "model", write=write)  # FSDP2: every rank gathers
     if write:
         tokenizer.save_pretrained(tmp / "model")
-        (tmp / "best.json").write_text(json.dumps({"step": step, "metric": cfg.checkpoint.keep_best, "value": value}))
+        (tmp / "best.json").write_text(json.dumps({"step": step, "metric": metric, "value": value}))
         _fsync_tree(tmp)
         _remove(final)
         os.replace(tmp, final)

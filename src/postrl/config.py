@@ -370,8 +370,9 @@ class CheckpointConfig(Section):
     keep_last: int = Field(2, ge=0, description="Keep the newest N checkpoints; 0 keeps all.")
     keep_best: str | None = Field(
         None,
-        description="A validation metric to maximise, e.g. val/arithmetic/acc_mean@1: the weights of its best "
-        "validation (the start included) are kept in <checkpoint.dir>/best (export with `postrl export DIR/best OUT`).",
+        description="A validation metric to maximise, e.g. val/arithmetic/acc_mean@1 (or val/*/acc_mean@1: the first "
+        "validation set's): the weights of its best validation (the start included) are kept in "
+        "<checkpoint.dir>/best (export with `postrl export DIR/best OUT`).",
     )
 
     @field_validator("keep_best")

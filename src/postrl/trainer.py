@@ -12,6 +12,7 @@ then only composes them; formulas live in algorithms.py, files in checkpoint.py.
 from __future__ import annotations
 
 import copy
+import fnmatch
 import os
 import signal
 import threading
@@ -319,10 +320,11 @@ class Trainer:
     def _track_best(self, val: dict[str, float]) -> None:
         """Record the headline validation metric; keep the best weights when checkpoint.keep_best names it."""
         keep = self.cfg.checkpoint.keep_best
-        name = keep or next((k for k in val if "acc_mean@" in k), None)
-        if name is None:
+        pattern = keep or "val/*/acc_mean@*"
+        name = next((k for k in val if fnmatch.fnmatchcase(k, pattern)), None)
+        if name is None and keep is None:
             return
-        if name not in val:
+        if name is None:
             raise UserError(
                 f"checkpoint.keep_best is '{name}', but validation reports only {sorted(k for k in val if k.startswith('val/'))}. "
                 "Fix: name one of those (the set is the validation file's stem)."
@@ -330,8 +332,8 @@ class Trainer:
         self.val_history.append((self.step, val[name]))
         if keep:
             best = checkpoint.best_so_far(self.cfg)
-            if best is None or best.get("metric") != keep or val[name] > best["value"]:
-                checkpoint.save_best(self.cfg, self.model, self.tokenizer, self.step, val[name])
+            if best is None or best.get("metric") != name or val[name] > best["value"]:
+                checkpoint.save_best(self.cfg, self.model, self.tokenizer, self.step, val[name], name)
 
     def _summary_line(self) -> str | None:
         """Start, best and last of the headline validation metric; a warning when the run ended below its start."""
