@@ -80,7 +80,7 @@ def main() -> None:
     args = ap.parse_args()
     out = Path(args.out)
     files = user_tasks.write(out / "data")
-    print(f"| task | recipe | setting | SFT greedy | start | best | last | wall |", flush=True)
+    print("| task | recipe | setting | SFT greedy | start | best | last | wall |", flush=True)
     print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |", flush=True)
     for task in args.tasks:
         model, sft_acc = sft(files, task, out / task, args.sft_steps)

@@ -68,9 +68,9 @@ def test_step_guards_fire_on_their_numbers(tmp_path, metrics, expected):
     tr = _trainer(tmp_path, PARITY, "train.total_steps=1")
     healthy = tr.train_step()
     tr.close()
-    tr.check_guards(healthy)
+    tr.guards.after_step(healthy, 1)
     assert _fired(tr) == []
-    tr.check_guards({**healthy, **metrics})
+    tr.guards.after_step({**healthy, **metrics}, 1)
     assert expected in _output(tr)
 
 
@@ -79,12 +79,12 @@ def test_entropy_collapse_fires_after_its_streak_only(tmp_path):
     healthy = tr.train_step()
     tr.close()
     collapsed = {**healthy, "actor/entropy": 0.001}
-    tr.check_guards(collapsed)
-    tr.check_guards(collapsed)
+    tr.guards.after_step(collapsed, 1)
+    tr.guards.after_step(collapsed, 1)
     assert _fired(tr) == []
-    tr.check_guards(healthy)  # the streak restarts
+    tr.guards.after_step(healthy, 1)  # the streak restarts
     for _ in range(3):
-        tr.check_guards(collapsed)
+        tr.guards.after_step(collapsed, 1)
     assert "guard entropy: actor/entropy has stayed below 0.01 for 3 steps" in _output(tr)
 
 

@@ -13,6 +13,7 @@ from rich.console import Console
 from postrl import checkpoint
 from postrl.config import load_config
 from postrl.doctor import advice
+from postrl.evaluate import ValidationHistory
 from postrl.errors import UserError
 from postrl.metrics import read_jsonl
 from postrl.trainer import Trainer
@@ -38,16 +39,18 @@ def test_keep_best_keeps_the_best_validation_and_exports(tmp_path):
     assert f"held-out accuracy: start {vals[0][1]:.1%} (step 0), best {first_best[1]:.1%} (step {first_best[0]})" in text
 
 
-def test_a_run_that_ends_below_its_start_says_so(tmp_path):
-    cfg = load_config(None, tiny_overrides(tmp_path, PARITY, "checkpoint.keep_best=val/arithmetic/acc_mean@1"))
-    tr = Trainer(cfg, Console(file=io.StringIO(), width=300))
-    tr.val_history = [(0, 0.743), (10, 0.760), (30, 0.683)]
-    line = tr._summary_line()
+def test_a_run_that_ends_below_its_start_says_so():
+    history = ValidationHistory("val/*/acc_mean@1")
+    for step, value in [(0, 0.743), (10, 0.760), (30, 0.683)]:
+        assert history.record(step, {"val/mine/acc_mean@1": value, "val/mine/pass@1": value}) == ("val/mine/acc_mean@1", value)
+    line = history.summary(Path("ckpts/best"))
     assert "start 74.3% (step 0), best 76.0% (step 10), last 68.3% (step 30)" in line
-    assert "ended 6.0% below where it started" in line and str(Path(cfg.checkpoint.dir) / "best") in line
-    tr.val_history = [(0, 0.5), (30, 0.5)]
-    assert "below" not in tr._summary_line()
-    tr.close()
+    assert "ended 6.0% below where it started; the best weights are in ckpts/best" in line
+    assert "set checkpoint.keep_best" in history.summary(None)
+    flat = ValidationHistory()
+    flat.record(0, {"val/a/acc_mean@4": 0.5})
+    flat.record(30, {"val/a/acc_mean@4": 0.5})
+    assert "below" not in flat.summary()
 
 
 def test_keep_best_must_name_a_reported_validation_metric(tmp_path):

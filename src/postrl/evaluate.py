@@ -27,6 +27,53 @@ from typing import Any
 from postrl.errors import UserError
 
 
+class ValidationHistory:
+    """The headline validation metric over a run, and the line that compares its start, best and last.
+
+    The metric is `checkpoint.keep_best` (a name or an fnmatch pattern such as val/*/acc_mean@1), else
+    the first validation set's acc_mean@n.
+    """
+
+    def __init__(self, keep_best: str | None = None):
+        self.keep_best = keep_best
+        self.points: list[tuple[int, float]] = []  # (step, value)
+
+    def record(self, step: int, val: dict[str, float]) -> tuple[str, float] | None:
+        """(metric name, value) of this validation, recorded; None when it reports no accuracy."""
+        import fnmatch
+
+        name = next((k for k in val if fnmatch.fnmatchcase(k, self.keep_best or "val/*/acc_mean@*")), None)
+        if name is None and self.keep_best:
+            raise UserError(
+                f"checkpoint.keep_best is '{self.keep_best}', but validation reports only "
+                f"{sorted(k for k in val if k.startswith('val/'))}. Fix: name one of those (the set is the "
+                "validation file's stem), or a pattern such as val/*/acc_mean@1."
+            )
+        if name is None:
+            return None
+        self.points.append((step, val[name]))
+        return name, val[name]
+
+    def summary(self, best_dir: Path | None = None) -> str | None:
+        """Start, best and last; a warning, with where the best weights are, when the run ended below its start."""
+        if len(self.points) < 2:
+            return None
+        (s0, start), (s1, last) = self.points[0], self.points[-1]
+        b, best = max(self.points, key=lambda sv: (sv[1], -sv[0]))
+        line = f"held-out accuracy: start {start:.1%} (step {s0}), best {best:.1%} (step {b}), last {last:.1%} (step {s1})"
+        if last >= start:
+            return f"[bold]{line}[/bold]"
+        where = (
+            f"the best weights are in {best_dir} (postrl export that directory)"
+            if best_dir is not None
+            else "set checkpoint.keep_best to keep the best weights"
+        )
+        return (
+            f"[yellow]{line}: this run ended {start - last:.1%} below where it started; {where}. "
+            "`postrl doctor CONFIG` says whether RL has headroom on this task and what to change.[/yellow]"
+        )
+
+
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k from n samples of which c are correct."""
     assert 0 < k <= n and 0 <= c <= n, f"pass_at_k needs 0 < k <= n and 0 <= c <= n (n={n}, c={c}, k={k})"

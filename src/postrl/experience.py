@@ -23,7 +23,7 @@ from postrl import algorithms as algo
 from postrl import distributed
 from postrl.data.dataset import PromptExample, PromptSampler, multi_modal_of
 from postrl.errors import UserError
-from postrl.metrics import Timer
+from postrl.metrics import Timer, summary_stats
 from postrl.partition import shard_range, shard_seed
 from postrl.rollout import SamplingParams
 
@@ -176,6 +176,19 @@ class Experience:
         a = self.cfg.algorithm
         estimator = algo.get_adv_estimator(a.adv_estimator)
         return estimator(torch.tensor(batch.rewards), self.G, norm_adv_by_std=a.norm_adv_by_std, epsilon=a.epsilon)
+
+
+def batch_metrics(batch: Batch, prefix: str, group_size: int) -> dict[str, float]:
+    """The guides' per-step metrics of a training batch (rewards, scores, lengths, groups without spread)."""
+    m = {**summary_stats(f"{prefix}/rewards", batch.rewards), **summary_stats(f"{prefix}/score", batch.scores)}
+    for key in batch.verifier_metrics[0]:
+        m[f"{prefix}/{key}/mean"] = sum(batch.metric(key)) / batch.size
+    m.update(summary_stats("response_length", [float(len(r)) for r in batch.response_ids]))
+    m["response_length/clip_ratio"] = sum(not f for f in batch.finished) / batch.size
+    m.update(summary_stats("prompt_length", [float(len(p)) for p in batch.prompt_ids]))
+    spread = algo.group_keep_mask(torch.tensor(batch.rewards), group_size)
+    m[f"{prefix}/zero_spread_groups_ratio"] = 1 - float(spread.float().mean())  # zero advantage: nothing learned
+    return m
 
 
 def gather(part: Batch) -> Batch:

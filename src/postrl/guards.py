@@ -19,6 +19,11 @@ waste the run (weights that never reach the rollout engine). docs/algorithms.md 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from postrl.errors import UserError
 
 
 @dataclass
@@ -95,3 +100,53 @@ def slow_reward(timeouts: int, calls: int, share: float, timeout_s: float) -> st
         "scored 0, so rewards are wrong for those completions and each step waits on the time limit. Fix: raise "
         "reward.timeout_s, or make the verifier faster."
     )
+
+
+class Guards:
+    """The guards of one run: streak state, what has been said, and the two checks the loop calls."""
+
+    def __init__(self, cfg: Any, log=print):
+        self.cfg, self.log = cfg, log
+        self.g = cfg.guards
+        self.streaks = Streaks()
+        self.warned: set[str] = set()  # each guard speaks once per run
+
+    def after_step(self, m: dict[str, float], step: int) -> None:
+        """Warn once per guard on what the step's metrics show."""
+        g, name = self.g, self.cfg.algorithm.name
+        if not g.enable:
+            return
+        entropy_streak = self.streaks.update("entropy", m["actor/entropy"] < g.entropy_floor)
+        signal_streak = self.streaks.update("no_signal", m[f"{name}/zero_spread_groups_ratio"] >= 1.0)
+        found = {
+            "first_ratio": first_ratio(m.get("actor/first_ratio_gap", 0.0), g.first_ratio_tol),
+            "drift": drift(m.get("rollout/logprob_diff_mean"), g.drift_limit),
+            "entropy": entropy(m["actor/entropy"], g.entropy_floor, entropy_streak, g.entropy_steps),
+            "no_signal": no_signal(signal_streak, g.no_signal_steps),
+            "slow_reward": slow_reward(
+                int(m.get("reward/timeouts", 0)), int(m.get("reward/calls", 0)), g.slow_reward_share, self.cfg.reward.timeout_s
+            ),
+        }
+        for key, message in found.items():
+            if message and key not in self.warned:
+                self.warned.add(key)
+                self.log(f"[yellow]warning (step {step}): {message}[/yellow]")
+
+    @torch.no_grad()
+    def check_sync(self, engine: Any, model: torch.nn.Module, probe: list[int]) -> None:
+        """The engine scores a probe sequence as the trainer's model does, or the run stops."""
+        from postrl.models import response_logprobs
+
+        if not self.g.enable:
+            return
+        engine_lp = engine.probe_logprobs(probe)
+        if engine_lp is None:  # the engine generates with the trainer's own model
+            return
+        device = next(model.parameters()).device
+        ids = torch.tensor([probe], device=device)
+        positions = torch.arange(len(probe), device=device)[None]
+        mine, _ = response_logprobs(model, ids, torch.ones_like(ids), positions, len(probe) - 1)
+        gap = float((mine[0].cpu() - torch.tensor(engine_lp)).abs().max())
+        tol = self.g.sync_tol or (1e-3 if self.cfg.model.dtype == "float32" else 5e-2)
+        if (message := sync(gap, tol, engine.name)) is not None:
+            raise UserError(message)

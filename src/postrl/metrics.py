@@ -207,3 +207,20 @@ def plot_run(metrics_path: str | Path, out_png: str | Path, algo: str) -> Path:
     fig.savefig(out_png, dpi=100)
     plt.close(fig)
     return Path(out_png)
+
+
+def step_line(m: dict[str, float], algo: str, step: int) -> str:
+    """The console line of a training step."""
+    return (
+        f"step {step:>4} | reward {m[f'{algo}/rewards/mean']:+.3f} acc {m.get(f'{algo}/acc/mean', 0):.3f} "
+        f"| len {m['response_length/mean']:.1f} | kept {m[f'{algo}/kept_groups_ratio']:.2f} "
+        f"({m[f'{algo}/num_gen_batches']:.0f} gen) | pg {m['actor/pg_loss']:+.4f} ent {m['actor/entropy']:.3f} "
+        f"clip {m['actor/pg_clipfrac']:.3f} | {m['timing/all']:.1f}s {m['e2e_tps']:.0f} tok/s"
+    )
+
+
+def val_line(when: str, m: dict[str, float]) -> str:
+    """The console line of a validation: each set's accuracy."""
+    accs = [f"{k.split('/')[1]} {v * 100:.1f}%" for k, v in m.items() if k.startswith("val/") and "acc_mean@" in k]
+    return f"[bold]held-out accuracy {when}:[/bold] " + ", ".join(accs)
+

@@ -12,29 +12,25 @@ then only composes them; formulas live in algorithms.py, files in checkpoint.py.
 from __future__ import annotations
 
 import copy
-import fnmatch
-import os
 import signal
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from postrl import algorithms as algo
 from postrl import checkpoint, distributed, guards
-from postrl.actor import Actor, Packed, lr_lambda  # noqa: F401  (lr_lambda: shared with sft)
+from postrl.actor import Actor
 from postrl.config import Config
 from postrl.data.dataset import PromptSampler, load_prompts
-from postrl.errors import Stopped, UserError
-from postrl.evaluate import evaluate, load_val_sets
-from postrl.experience import Batch, Experience
-from postrl.metrics import MetricsLogger, Timer, plot_run, summary_stats, throughput
-from postrl.models import load_model, load_policy, response_logprobs
+from postrl.errors import Stopped
+from postrl.evaluate import ValidationHistory, evaluate, load_val_sets
+from postrl.experience import Batch, Experience, batch_metrics
+from postrl.metrics import MetricsLogger, Timer, plot_run, step_line, throughput, val_line
+from postrl.models import load_model, load_policy
 from postrl.rewards import RewardFunction
 from postrl.rollout import make_engine
-from postrl.runtime import configure_threads, init_runtime, rng_state, seed_everything, set_rng_state
+from postrl.runtime import StopOnSignal, configure_threads, init_runtime, rng_state, seed_everything, set_rng_state
 
 
 class Trainer:
@@ -86,9 +82,8 @@ class Trainer:
         self.logger = MetricsLogger(cfg.logging.dir, cfg.logging.sinks, cfg.model_dump(mode="json"), enabled=rt.is_main)
         self.step = 0
         self.timer = Timer()
-        self.streaks = guards.Streaks()
-        self.val_history: list[tuple[int, float]] = []  # (step, headline validation metric)
-        self.warned: set[str] = set()  # guards that already warned (each says it once)
+        self.guards = guards.Guards(cfg, self.log)
+        self.history = ValidationHistory(cfg.checkpoint.keep_best)  # the headline validation metric
 
         restored = checkpoint.resume(cfg, len(self.train_examples), self.log)
         if restored is not None:
@@ -113,17 +108,17 @@ class Trainer:
         if cfg.eval.before_train and self.step == 0 and self.val_sets:
             last.update(self.validate())
             self.logger.log(0, last)
-            self.log(self._val_line("before RL", last))
+            self.log(val_line("before RL", last))
         progress = Progress(
             TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             TimeRemainingColumn(), console=self.console, disable=not cfg.logging.progress, transient=True,
         )  # fmt: skip
-        with progress, _StopOnSignal() as stop:
+        with progress, StopOnSignal() as stop:
             task = progress.add_task(f"{self.algo_name} training", total=cfg.train.total_steps, completed=self.step)
             while self.step < cfg.train.total_steps:
                 metrics = self.train_step()
                 self.step += 1
-                self.check_guards(metrics)
+                self.guards.after_step(metrics, self.step)
                 if cfg.eval.freq and self.step % cfg.eval.freq == 0 and self.step < cfg.train.total_steps:
                     metrics.update(self.validate())
                 if cfg.checkpoint.save_freq and self.step % cfg.checkpoint.save_freq == 0:
@@ -132,7 +127,7 @@ class Trainer:
                     metrics["timing/save"] = self.timer.seconds.pop("save")
                 self.logger.log(self.step, metrics)
                 if self.step % cfg.logging.log_interval == 0:
-                    progress.console.print(self._step_line(metrics))
+                    progress.console.print(step_line(metrics, self.algo_name, self.step))
                 progress.update(task, completed=self.step)
                 last = metrics
                 if distributed.all_reduce_max(stop.signum):  # every rank stops after the same step
@@ -141,10 +136,11 @@ class Trainer:
         if cfg.eval.after_train and self.val_sets:
             final = self.validate()
             self.logger.log(self.step, final)
-            self.log(self._val_line("after RL", final))
+            self.log(val_line("after RL", final))
         if cfg.checkpoint.save_final and not (cfg.checkpoint.save_freq and self.step % cfg.checkpoint.save_freq == 0):
             checkpoint.save(cfg, self.state_dict())
-        if (summary := self._summary_line()) is not None:
+        best_dir = Path(cfg.checkpoint.dir) / checkpoint.BEST if cfg.checkpoint.keep_best else None
+        if (summary := self.history.summary(best_dir)) is not None:
             self.log(summary)
         self.close()
         self._plot()
@@ -168,46 +164,9 @@ class Trainer:
                 update_stats = self.actor.update(local, use_ref=self.ref_model is not None)
             with self.timer("resharding_to_infer"):
                 self.engine.sync_weights(self.model)
-                self.check_sync()
+                if not self.train_examples[0].multi_modal:  # the probe is a text prompt
+                    self.guards.check_sync(self.engine, self.model, self.train_examples[0].prompt_ids)
         return self._step_metrics(batch, gen_stats, update_stats)
-
-    def check_sync(self) -> None:
-        """The sync guard: the engine scores a probe sequence as the trainer does, or the run stops."""
-        g = self.cfg.guards
-        probe = self.train_examples[0].prompt_ids
-        if not g.enable or self.train_examples[0].multi_modal:
-            return
-        engine_lp = self.engine.probe_logprobs(probe)
-        if engine_lp is None:  # the engine generates with the trainer's own model
-            return
-        ids = torch.tensor([probe], device=self.runtime.device)
-        with torch.no_grad():
-                mine, _ = response_logprobs(self.model, ids, torch.ones_like(ids), torch.arange(len(probe), device=ids.device)[None], len(probe) - 1)
-        gap = float((mine[0].cpu() - torch.tensor(engine_lp)).abs().max())
-        tol = g.sync_tol or (1e-3 if self.cfg.model.dtype == "float32" else 5e-2)
-        if (message := guards.sync(gap, tol, self.engine.name)) is not None:
-            raise UserError(message)
-
-    def check_guards(self, m: dict[str, float]) -> None:
-        """Warn once per guard on what the step's numbers show (src/postrl/guards.py)."""
-        g, name = self.cfg.guards, self.algo_name
-        if not g.enable:
-            return
-        entropy_streak = self.streaks.update("entropy", m["actor/entropy"] < g.entropy_floor)
-        signal_streak = self.streaks.update("no_signal", m[f"{name}/zero_spread_groups_ratio"] >= 1.0)
-        found = {
-            "first_ratio": guards.first_ratio(m.get("actor/first_ratio_gap", 0.0), g.first_ratio_tol),
-            "drift": guards.drift(m.get("rollout/logprob_diff_mean"), g.drift_limit),
-            "entropy": guards.entropy(m["actor/entropy"], g.entropy_floor, entropy_streak, g.entropy_steps),
-            "no_signal": guards.no_signal(signal_streak, g.no_signal_steps),
-            "slow_reward": guards.slow_reward(
-                int(m.get("reward/timeouts", 0)), int(m.get("reward/calls", 0)), g.slow_reward_share, self.cfg.reward.timeout_s
-            ),
-        }
-        for key, message in found.items():
-            if message and key not in self.warned:
-                self.warned.add(key)
-                self.log(f"[yellow]warning (step {self.step}): {message}[/yellow]")
 
     def _stop_for_signal(self, signum: int) -> None:
         """Preemption (SIGTERM) or Ctrl-C: checkpoint the finished step, release everything, exit cleanly."""
@@ -267,15 +226,7 @@ class Trainer:
     def _step_metrics(self, batch: Batch, gen_stats: dict, update_stats: dict) -> dict[str, float]:
         cfg, name = self.cfg, self.algo_name
         m: dict[str, float] = {"training/step": self.step + 1, "training/epoch": self.sampler.epoch}
-        m.update(summary_stats(f"{name}/rewards", batch.rewards))
-        m.update(summary_stats(f"{name}/score", batch.scores))
-        for key in batch.verifier_metrics[0]:
-            m[f"{name}/{key}/mean"] = sum(batch.metric(key)) / batch.size
-        m.update(summary_stats("response_length", [float(len(r)) for r in batch.response_ids]))
-        m["response_length/clip_ratio"] = sum(not f for f in batch.finished) / batch.size
-        m.update(summary_stats("prompt_length", [float(len(p)) for p in batch.prompt_ids]))
-        spread = algo.group_keep_mask(torch.tensor(batch.rewards), self.G)
-        m[f"{name}/zero_spread_groups_ratio"] = 1 - float(spread.float().mean())
+        m.update(batch_metrics(batch, name, self.G))
         m.update(gen_stats)
         m.update(update_stats)
         timing = self.timer.timing()
@@ -287,19 +238,6 @@ class Trainer:
             )
         )  # fmt: skip
         return m
-
-    def _step_line(self, m: dict[str, float]) -> str:
-        n = self.algo_name
-        return (
-            f"step {self.step:>4} | reward {m[f'{n}/rewards/mean']:+.3f} acc {m.get(f'{n}/acc/mean', 0):.3f} "
-            f"| len {m['response_length/mean']:.1f} | kept {m[f'{n}/kept_groups_ratio']:.2f} "
-            f"({m[f'{n}/num_gen_batches']:.0f} gen) | pg {m['actor/pg_loss']:+.4f} ent {m['actor/entropy']:.3f} "
-            f"clip {m['actor/pg_clipfrac']:.3f} | {m['timing/all']:.1f}s {m['e2e_tps']:.0f} tok/s"
-        )
-
-    def _val_line(self, when: str, m: dict[str, float]) -> str:
-        accs = [f"{k.split('/')[1]} {v * 100:.1f}%" for k, v in m.items() if k.startswith("val/") and "acc_mean@" in k]
-        return f"[bold]held-out accuracy {when}:[/bold] " + ", ".join(accs)
 
     def _plot(self) -> None:
         metrics_path = Path(self.cfg.logging.dir) / "metrics.jsonl"
@@ -319,68 +257,12 @@ class Trainer:
 
     def _track_best(self, val: dict[str, float]) -> None:
         """Record the headline validation metric; keep the best weights when checkpoint.keep_best names it."""
-        keep = self.cfg.checkpoint.keep_best
-        pattern = keep or "val/*/acc_mean@*"
-        name = next((k for k in val if fnmatch.fnmatchcase(k, pattern)), None)
-        if name is None and keep is None:
-            return
-        if name is None:
-            raise UserError(
-                f"checkpoint.keep_best is '{name}', but validation reports only {sorted(k for k in val if k.startswith('val/'))}. "
-                "Fix: name one of those (the set is the validation file's stem)."
-            )
-        self.val_history.append((self.step, val[name]))
-        if keep:
+        found = self.history.record(self.step, val)
+        if found is not None and self.cfg.checkpoint.keep_best:
+            name, value = found
             best = checkpoint.best_so_far(self.cfg)
-            if best is None or best.get("metric") != name or val[name] > best["value"]:
-                checkpoint.save_best(self.cfg, self.model, self.tokenizer, self.step, val[name], name)
-
-    def _summary_line(self) -> str | None:
-        """Start, best and last of the headline validation metric; a warning when the run ended below its start."""
-        if len(self.val_history) < 2:
-            return None
-        (s0, start), (s1, last) = self.val_history[0], self.val_history[-1]
-        b, best = max(self.val_history, key=lambda sv: (sv[1], -sv[0]))
-        line = f"held-out accuracy: start {start:.1%} (step {s0}), best {best:.1%} (step {b}), last {last:.1%} (step {s1})"
-        if last >= start:
-            return f"[bold]{line}[/bold]"
-        where = (
-            f"the best weights are in {Path(self.cfg.checkpoint.dir) / checkpoint.BEST} (postrl export that directory)"
-            if self.cfg.checkpoint.keep_best
-            else "set checkpoint.keep_best to keep the best weights"
-        )
-        return (
-            f"[yellow]{line}: this run ended {start - last:.1%} below where it started; {where}. "
-            "`postrl doctor CONFIG` says whether RL has headroom on this task and what to change.[/yellow]"
-        )
-
-
-class _StopOnSignal:
-    """SIGTERM / SIGINT set a flag that the loop reads after each step; a second one stops at once.
-
-    A scheduler sends SIGTERM before it preempts a job: the step in flight finishes (its length
-    bounds the wait), a checkpoint is written, and the run exits cleanly. Only the main thread can
-    install handlers; elsewhere (a Ray worker thread) signals keep their default meaning.
-    """
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __enter__(self) -> "_StopOnSignal":
-        self.signum = 0
-        self.previous = {}
-        if threading.current_thread() is threading.main_thread():
-            self.previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
-        return self
-
-    def _handle(self, signum: int, frame: Any) -> None:  # noqa: ARG002
-        if self.signum:  # asked twice: stop now, the last checkpoint stays the one to resume from
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-        self.signum = signum
-
-    def __exit__(self, *exc: Any) -> None:
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
+            if best is None or best.get("metric") != name or value > best["value"]:
+                checkpoint.save_best(self.cfg, self.model, self.tokenizer, self.step, value, name)
 
 
 def train(cfg: Config, console: Any = None) -> dict[str, float]:

@@ -13,8 +13,6 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
-    from postrl.modality import Modality
-
 
 @dataclass(frozen=True)
 class SamplingParams:
