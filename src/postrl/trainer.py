@@ -43,7 +43,7 @@ class Trainer:
         from rich.console import Console
 
         self.cfg = cfg
-        self.runtime = rt = init_runtime(cfg.train.device, cfg.model.dtype)
+        self.runtime = rt = init_runtime(cfg.train.device, cfg.model.dtype, cfg.train.strategy)
         self.console = console or Console()
         if not rt.is_main:
             self.console = Console(quiet=True)  # rank 0 prints for the run
@@ -55,13 +55,14 @@ class Trainer:
         if cfg.train.deterministic:
             torch.use_deterministic_algorithms(True)
 
-        self.policy = load_policy(cfg.model)
+        # fp32 master weights whatever model.dtype says; forwards compute in model.dtype (runtime.py).
+        self.policy = load_policy(cfg.model, dtype="float32")
         self.model, self.tokenizer, self.model_path = self.policy.model, self.policy.tokenizer, self.policy.path
         self.model.to(rt.device).train()
         configure_threads(self.model, cfg.train.num_threads, self.log)
         self.ref_model = self._reference_model() if cfg.algorithm.kl.coef > 0 else None
         # FSDP2 shards self.model in place (before the optimizer sees its parameters); DDP wraps it.
-        train_model = distributed.wrap_model(self.model, cfg.train.strategy)
+        train_model = distributed.wrap_model(self.model, cfg.train.strategy, compute_dtype=rt.dtype)
         self.actor = Actor(cfg, self.policy, train_model, rt, self.log)
 
         self.train_examples, summary = load_prompts(cfg.data.train_files, self.tokenizer, cfg.data, modality=self.policy.modality)
@@ -73,7 +74,7 @@ class Trainer:
         engine = make_engine(
             cfg.rollout, self.model, self.tokenizer, log=self.log,
             max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_tokens, seed=cfg.train.seed,
-            modality=self.policy.modality, trust_remote_code=cfg.model.trust_remote_code,
+            modality=self.policy.modality, trust_remote_code=cfg.model.trust_remote_code, runtime=rt,
         )  # fmt: skip
         self.engine = distributed.colocate(engine, self.model)
         if cfg.algorithm.rollout_correction.enable and engine.name != "vllm":
@@ -97,10 +98,17 @@ class Trainer:
         self.console.print(msg)
 
     def _reference_model(self) -> torch.nn.Module:
-        ref_path = self.cfg.checkpoint.ref_model_path
+        """The frozen reference, in the compute dtype (it never trains: no fp32 master copy).
+
+        With train.ref_offload it lives in host memory: FSDP2 keeps its shards there and copies each
+        block to the device for its forward; otherwise it moves to the device only for its pass
+        (`distributed.on_device`).
+        """
+        rt, ref_path = self.runtime, self.cfg.checkpoint.ref_model_path
         ref = load_model(ref_path, self.cfg.model.dtype, modality=self.policy.modality) if ref_path else copy.deepcopy(self.model)
-        ref.to(self.runtime.device).eval().requires_grad_(False)
-        return distributed.wrap_model(ref, self.cfg.train.strategy)
+        home = torch.device("cpu") if self.cfg.train.ref_offload else rt.device
+        ref.to(home, dtype=rt.dtype).eval().requires_grad_(False)
+        return distributed.wrap_model(ref, self.cfg.train.strategy, compute_dtype=rt.dtype, offload=self.cfg.train.ref_offload, device=rt.device)
 
     # ----------------------------------------------------------------------------------- the loop
     def fit(self) -> dict[str, float]:
@@ -158,10 +166,11 @@ class Trainer:
                 with self.timer("old_log_p"):
                     local.tensors["old_logp"] = self.actor.compute_logprobs(self.model, local)
             if self.ref_model is not None:
-                with self.timer("reference_model"):
+                with self.timer("reference_model"), distributed.on_device(self.ref_model, self.runtime):
                     local.tensors["ref_logp"] = self.actor.compute_logprobs(self.ref_model, local)
             with self.timer("update"):
                 update_stats = self.actor.update(local, use_ref=self.ref_model is not None)
+                self.actor.free_grads()
             with self.timer("resharding_to_infer"):
                 self.engine.sync_weights(self.model)
                 self.check_sync()
@@ -177,8 +186,8 @@ class Trainer:
         if engine_lp is None:  # the engine generates with the trainer's own model
             return
         ids = torch.tensor([probe], device=self.runtime.device)
-        with torch.no_grad():
-                mine, _ = response_logprobs(self.model, ids, torch.ones_like(ids), torch.arange(len(probe), device=ids.device)[None], len(probe) - 1)
+        with torch.no_grad(), self.runtime.autocast():
+            mine, _ = response_logprobs(self.model, ids, torch.ones_like(ids), torch.arange(len(probe), device=ids.device)[None], len(probe) - 1)
         gap = float((mine[0].cpu() - torch.tensor(engine_lp)).abs().max())
         tol = g.sync_tol or (1e-3 if self.cfg.model.dtype == "float32" else 5e-2)
         if (message := guards.sync(gap, tol, self.engine.name)) is not None:
