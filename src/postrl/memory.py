@@ -28,7 +28,7 @@ Log-prob logits of one micro-batch's N_r response tokens (models.response_logpro
   softmax for the entropy):  N_r V (b + 12)  bytes.
   N = micro_batch_size x (max_prompt_length + max_tokens), or max_token_len_per_device with dynamic
   batch size; N_r = the response share of N, N x max_tokens / (max_prompt_length + max_tokens).
-Rollout, on top of the resident state less the gradients (freed after the update):
+Rollout, on top of the resident state less the gradients (freed before each rollout):
   vLLM: its share of the device, gpu_memory_utilization x device memory (weights, KV cache, graphs;
   asleep during the update). HF generate: the compute weights and a KV cache of 2 L k b bytes per
   token for this rank's gen_batch_size x n / W sequences of max_prompt_length + max_tokens tokens.

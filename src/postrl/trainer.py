@@ -156,6 +156,7 @@ class Trainer:
 
     def train_step(self) -> dict[str, float]:
         self.timer = Timer()
+        self.actor.free_grads()  # the last update's fp32 gradients: rollout needs the memory more
         with self.timer("all"):
             batch, gen_stats = self.experience.collect(self.step, self.timer)  # the global batch, same on every rank
             with self.timer("resharding_to_train"):
@@ -170,7 +171,6 @@ class Trainer:
                     local.tensors["ref_logp"] = self.actor.compute_logprobs(self.ref_model, local)
             with self.timer("update"):
                 update_stats = self.actor.update(local, use_ref=self.ref_model is not None)
-                self.actor.free_grads()
             with self.timer("resharding_to_infer"):
                 self.engine.sync_weights(self.model)
                 self.check_sync()
