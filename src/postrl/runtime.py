@@ -54,13 +54,11 @@ class Runtime:
     """Where this process computes: device, compute dtype, its rank in the job."""
 
     device: torch.device
-    dtype: torch.dtype  # compute dtype (model.dtype); trained parameters are MASTER_DTYPE
+    dtype: torch.dtype  # compute dtype (model.dtype); trained parameters stay fp32 (masters)
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
     amp: bool = False  # forwards run under torch.autocast(device, dtype): bf16/fp16 without FSDP2
-
-    MASTER_DTYPE = torch.float32  # parameters, gradients and optimizer state of the trained policy
 
     @property
     def is_main(self) -> bool:
