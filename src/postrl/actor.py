@@ -133,10 +133,11 @@ class Actor:
         out = torch.zeros_like(packed.tensors["response_mask"], dtype=torch.float32)
         for idx, mb in self.micro_batches(range(packed.size), packed):
             T = mb["response_mask"].shape[1]
-            logp, _ = response_logprobs(
-                model, mb["input_ids"], mb["attention_mask"], mb["position_ids"], T, self.cfg.rollout.temperature,
-                multi_modal=mb.get("multi_modal"), modality=self.modality,
-            )  # fmt: skip
+            with self.runtime.autocast():  # bf16 compute, fp32 log-probs (runtime.py: precision)
+                logp, _ = response_logprobs(
+                    model, mb["input_ids"], mb["attention_mask"], mb["position_ids"], T, self.cfg.rollout.temperature,
+                    multi_modal=mb.get("multi_modal"), modality=self.modality,
+                )  # fmt: skip
             out[torch.tensor(idx, device=out.device), :T] = logp
         return out
 
@@ -182,10 +183,11 @@ class Actor:
         """Forward, loss and backward of one micro-batch; returns its (pg, kl) loss shares."""
         a = self.cfg.algorithm
         mask = mb["response_mask"]
-        logp, entropy = response_logprobs(
-            self.train_model, mb["input_ids"], mb["attention_mask"], mb["position_ids"], mask.shape[1],
-            self.cfg.rollout.temperature, with_entropy=True, multi_modal=mb.get("multi_modal"), modality=self.modality,
-        )  # fmt: skip
+        with self.runtime.autocast():  # the forward only: losses below and backward run outside, in fp32
+            logp, entropy = response_logprobs(
+                self.train_model, mb["input_ids"], mb["attention_mask"], mb["position_ids"], mask.shape[1],
+                self.cfg.rollout.temperature, with_entropy=True, multi_modal=mb.get("multi_modal"), modality=self.modality,
+            )  # fmt: skip
         old_logp = logp.detach() if self.on_policy else mb["old_logp"]
         adv_BT = mb["adv"].unsqueeze(1).expand_as(logp)
         pg_BT, stats = self.policy_loss(
@@ -221,6 +223,10 @@ class Actor:
             gap = float(((logp.detach() - old_logp).abs() * mask).max())
             self.first_ratio_gap = max(self.first_ratio_gap, gap)
         return float(pg.detach()), kl_value
+
+    def free_grads(self) -> None:
+        """Drop the last update's gradients (fp32, 4 bytes a parameter) so that rollout has the memory."""
+        self.optimizer.zero_grad(set_to_none=True)
 
     # ----------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:

@@ -53,7 +53,23 @@ def cmd_check_config(args) -> int:
     cfg = load_config(args.config, args.overrides, check_paths=not args.no_path_check)
     console.print(dump_config(cfg), markup=False, highlight=False)
     console.print(f"[green]{args.config}: configuration is valid[/green]")
+    _print_memory(cfg, args.device_memory)
     return 0
+
+
+def _print_memory(cfg, device_gib: float | None) -> None:
+    """The per-device memory estimate (postrl.memory) for the config's strategy and world size."""
+    from postrl.memory import estimate_for_config, report
+
+    if device_gib is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+        device_gib = torch.cuda.get_device_properties(0).total_memory / (1 << 30) if cuda else 80.0
+    est, what = estimate_for_config(cfg, device_gib)
+    lines = [what] if est is None else report(est, what, device_gib, cfg.rollout.engine, cfg.rollout.gpu_memory_utilization)
+    for line in lines:
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 def cmd_eval(args) -> int:
@@ -124,6 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check-config", help="print the resolved config, or every problem in it")
     _config_args(p)
     p.add_argument("--no-path-check", action="store_true", help="do not check that model and data paths exist")
+    p.add_argument(
+        "--device-memory", type=float, default=None, metavar="GIB",
+        help="memory of one device for the fit verdict of the memory estimate (default: this GPU's, else 80)",
+    )  # fmt: skip
     p.set_defaults(fn=cmd_check_config)
     p = sub.add_parser("eval", help="evaluate a model or checkpoint on a data set")
     _config_args(p)

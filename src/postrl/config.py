@@ -35,7 +35,12 @@ class ModelConfig(Section):
     )
     tokenizer_path: str | None = Field(None, description="Tokenizer/processor location; defaults to `path`.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Parameter dtype for training and rollout (float32 on CPU)."
+        "float32",
+        description="Compute dtype. bfloat16 (the guides' choice on GPUs) keeps fp32 master weights, gradients and "
+        "AdamW moments and runs the forward passes in bf16 (autocast on one device or DDP, FSDP2 mixed precision "
+        "with fp32 gradient reduction); log-probs and losses stay fp32. The reference model and the vLLM engine hold "
+        "bf16 weights. float32: everything fp32 (the CPU default). float16: as bfloat16 but without loss scaling; "
+        "prefer bfloat16 (docs/gpu.md).",
     )
     trust_remote_code: bool = Field(False, description="Passed to from_pretrained; keep false unless you trust the repo.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
@@ -307,6 +312,12 @@ class TrainConfig(Section):
     )
     strategy: Literal["fsdp2", "ddp"] = Field(
         "fsdp2", description="Data parallelism with more than one process: fsdp2 (sharded) or ddp (replicated)."
+    )
+    ref_offload: bool = Field(
+        False,
+        description="Keep the KL reference model in host memory: FSDP2 copies each block to the device for its "
+        "forward; one device or DDP moves it in for the reference pass only. Saves its bf16 weights (2 bytes per "
+        "parameter per device, divided by the world size under FSDP2) for a host-to-device copy per step.",
     )
     num_threads: int | None = Field(
         None, ge=1, description="CPU intra-op threads of each process (default: one for small models on CPU, else torch's)."

@@ -27,10 +27,13 @@ import os
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from postrl.runtime import Runtime
 
 STRATEGIES = ("fsdp2", "ddp")  # train.strategy
 RENDEZVOUS_FILE_ENV = "POSTRL_RENDEZVOUS_FILE"  # set by launch.launch_local for its ranks
@@ -134,7 +137,13 @@ def all_gather_object(obj: Any) -> list[Any]:
 # ------------------------------------------------------------------------------------------ model
 
 
-def wrap_model(model: torch.nn.Module, strategy: str = "fsdp2") -> torch.nn.Module:
+def wrap_model(
+    model: torch.nn.Module,
+    strategy: str = "fsdp2",
+    compute_dtype: torch.dtype = torch.float32,
+    offload: bool = False,
+    device: torch.device | None = None,
+) -> torch.nn.Module:
     """The module the update's forward/backward goes through (the model itself on one process).
 
     `fsdp2` shards `model` in place (its parameters become DTensor shards; it stays the same Python
@@ -142,28 +151,60 @@ def wrap_model(model: torch.nn.Module, strategy: str = "fsdp2") -> torch.nn.Modu
     wrapper around the unchanged model. Both average gradients over ranks: see the module docstring
     for why the actor scales its loss by world_size(). The model stays on the device it was placed
     on (runtime.device); the device mesh follows it (CPU: gloo, CUDA: nccl).
+
+    Under FSDP2 a `compute_dtype` other than float32 becomes `MixedPrecisionPolicy(param_dtype=
+    compute_dtype, reduce_dtype=float32)`: the fp32 shards are gathered as bf16 for compute and the
+    gradients are reduce-scattered in fp32 into fp32 shards (runtime.py: precision). `offload` (a
+    frozen model placed on the CPU, e.g. the reference with train.ref_offload) shards it with
+    `CPUOffloadPolicy`: its shards stay in host memory and each block is copied to `device` for its
+    forward. DDP and single-process runs use autocast instead (runtime.autocast) and ignore both.
     """
     assert strategy in STRATEGIES, f"unknown strategy {strategy!r}; valid: {', '.join(STRATEGIES)}"
     if not is_distributed():
         return model
-    device = next(model.parameters()).device
+    here = next(model.parameters()).device
     if strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         if not any(p.requires_grad for p in model.parameters()):
             return model  # a frozen model (the reference) stays a plain replica
 
-        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        return DistributedDataParallel(model, device_ids=[here.index] if here.type == "cuda" else None)
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    mesh = init_device_mesh(device.type, (world_size(),))  # FSDP would otherwise move CPU weights to a GPU
+    target = device or here
+    offload = offload and target.type != "cpu"  # on CPU the shards are in host memory already
+    mesh = init_device_mesh(target.type, (world_size(),))  # FSDP would otherwise move CPU weights to a GPU
+    kwargs: dict[str, Any] = {"mesh": mesh, "offload_policy": CPUOffloadPolicy(pin_memory=True) if offload else OffloadPolicy()}
+    if compute_dtype != torch.float32:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     block_names = set(getattr(model, "_no_split_modules", None) or [])
     blocks = [m for m in model.modules() if type(m).__name__ in block_names]
     for block in blocks:  # one FSDP unit per transformer block: only one block is gathered at a time
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
     return model
+
+
+@contextmanager
+def on_device(model: torch.nn.Module, runtime: "Runtime") -> Iterator[None]:
+    """Hold a model that lives in host memory (train.ref_offload) on runtime.device for the block.
+
+    A no-op for a model already there, and for an FSDP2-sharded one (its offload policy copies each
+    block in for its forward). Otherwise the whole model moves in, and back out afterwards, and the
+    freed blocks go back to the device (`runtime.empty_cache`) for the update that comes next.
+    """
+    home = next(model.parameters()).device
+    if is_sharded(model) or home == runtime.device:
+        yield
+        return
+    model.to(runtime.device)
+    try:
+        yield
+    finally:
+        model.to(home)
+        runtime.empty_cache()
 
 
 def _fsdp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:

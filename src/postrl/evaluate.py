@@ -144,14 +144,15 @@ def evaluate_model(cfg, log: Any = None) -> tuple[dict[str, float], str]:
 
     if not cfg.model.path.startswith("builtin:"):
         cfg.model.path = str(_resolve(cfg.model.path))
-    policy = load_policy(cfg.model)
+    policy = load_policy(cfg.model)  # weights in model.dtype: nothing trains here (runtime.py: precision)
     model, tokenizer = policy.model, policy.tokenizer
-    model.to(init_runtime(cfg.train.device, cfg.model.dtype).device).eval()
+    rt = init_runtime(cfg.train.device, cfg.model.dtype)
+    model.to(rt.device).eval()
     configure_threads(model, cfg.train.num_threads, log)
     engine = make_engine(
         cfg.rollout, model, tokenizer, log=log,
         max_model_len=cfg.data.max_prompt_length + (cfg.eval.max_tokens or cfg.rollout.max_tokens), seed=cfg.train.seed,
-        modality=policy.modality,
+        modality=policy.modality, runtime=rt,
     )  # fmt: skip
     reward_fn = RewardFunction(cfg.reward)
     results: dict[str, float] = {}

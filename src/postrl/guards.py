@@ -18,6 +18,7 @@ waste the run (weights that never reach the rollout engine). docs/algorithms.md 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,7 +134,7 @@ class Guards:
                 self.log(f"[yellow]warning (step {step}): {message}[/yellow]")
 
     @torch.no_grad()
-    def check_sync(self, engine: Any, model: torch.nn.Module, probe: list[int]) -> None:
+    def check_sync(self, engine: Any, model: torch.nn.Module, probe: list[int], autocast: Any = None) -> None:
         """The engine scores a probe sequence as the trainer's model does, or the run stops."""
         from postrl.models import response_logprobs
 
@@ -145,7 +146,8 @@ class Guards:
         device = next(model.parameters()).device
         ids = torch.tensor([probe], device=device)
         positions = torch.arange(len(probe), device=device)[None]
-        mine, _ = response_logprobs(model, ids, torch.ones_like(ids), positions, len(probe) - 1)
+        with autocast or contextlib.nullcontext():  # the trained model's compute dtype (runtime.autocast)
+            mine, _ = response_logprobs(model, ids, torch.ones_like(ids), positions, len(probe) - 1)
         gap = float((mine[0].cpu() - torch.tensor(engine_lp)).abs().max())
         tol = self.g.sync_tol or (1e-3 if self.cfg.model.dtype == "float32" else 5e-2)
         if (message := sync(gap, tol, engine.name)) is not None:

@@ -16,8 +16,7 @@ import torch
 
 from postrl.errors import UserError
 from postrl.modality import TEXT, Modality, load_modality, modality_type
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from postrl.runtime import DTYPES
 
 
 def resolve_model_path(path: str, tiny: dict | None = None) -> str:
@@ -103,13 +102,17 @@ class Policy:
     modality: Modality
 
 
-def load_policy(model_cfg) -> Policy:
-    """The policy of a `ModelConfig`; its modality adapter is chosen once, here, from config.json."""
+def load_policy(model_cfg, dtype: str | None = None) -> Policy:
+    """The policy of a `ModelConfig`; its modality adapter is chosen once, here, from config.json.
+
+    `dtype` overrides `model.dtype` as the parameter dtype: a model that trains loads in float32 (its
+    master weights, runtime.py) and computes in model.dtype under autocast / FSDP2 mixed precision.
+    """
     path = resolve_model_path(model_cfg.path, model_cfg.tiny)
     processor_path = model_cfg.tokenizer_path or path
     modality = load_modality(model_config(path), processor_path, model_cfg.trust_remote_code)
     tokenizer = modality.prepare_tokenizer(load_tokenizer(processor_path, model_cfg.trust_remote_code), processor_path)
-    model = load_model(path, model_cfg.dtype, model_cfg.trust_remote_code, model_cfg.gradient_checkpointing, modality)
+    model = load_model(path, dtype or model_cfg.dtype, model_cfg.trust_remote_code, model_cfg.gradient_checkpointing, modality)
     if model_cfg.freeze_vision_tower:
         modality.freeze_vision_tower(model)  # no-op for text-only models
     return Policy(model=model, tokenizer=tokenizer, path=path, modality=modality)

@@ -3,12 +3,26 @@
 Every entry point (`postrl train`, `sft`, `eval`) calls `init_runtime` once after the config is
 loaded and hands the result to whoever builds models or tensors, as nanochat's `compute_init()`:
 
-    rt = init_runtime(cfg.train.device, cfg.model.dtype)
+    rt = init_runtime(cfg.train.device, cfg.model.dtype, cfg.train.strategy)
     model = model.to(rt.device)                          # the policy, the reference, every micro-batch
+    with rt.autocast():                                  # every forward pass of a trained model
+        out = model(...)
 
 - Device: `train.device: auto` is `cuda:LOCAL_RANK` where CUDA is present, `npu:LOCAL_RANK` where
   torch_npu is, else `cpu`; `cpu`, `cuda` and `npu` force one (a forced accelerator that is absent is a
   user error). LOCAL_RANK comes from torchrun / Ray Train; one process drives one device.
+- Precision (`model.dtype`), verl's recipe: float32 trains and computes in fp32, bit for bit as
+  before. bfloat16 (or float16) is the COMPUTE dtype only: the trained policy keeps fp32 parameters
+  (the master weights AdamW updates; a bf16 weight would swallow updates below 2^-8 of its value,
+  and lr 1e-6 updates are far below that), gradients and optimizer moments stay fp32, and the forward
+  passes compute in bf16. On one device (or DDP) `Runtime.autocast()` runs each forward under
+  `torch.autocast(device, bf16)`; under FSDP2 the shards' `MixedPrecisionPolicy(param_dtype=bf16,
+  reduce_dtype=fp32)` casts the gathered weights instead (distributed.wrap_model) and autocast is
+  off. Log-probs, ratios, advantages and losses are fp32 either way (models.response_logprobs casts
+  the logits). Frozen copies (the reference, the vLLM engine, `postrl eval`) hold weights in the
+  compute dtype: they never take an update, so a master copy would only cost memory.
+  float16 takes the same path without loss scaling; prefer bfloat16 (fp16's 5-bit exponent lets
+  small gradients underflow).
 - Rank and world size come from torch.distributed once the process group exists (launch.py creates
   it); before that a process is rank 0 of 1.
 - CPU threads (`threads_for`): one intra-op thread for a model under 100M parameters on CPU unless
@@ -22,6 +36,7 @@ loaded and hands the result to whoever builds models or tensors, as nanochat's `
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -40,13 +55,14 @@ SMALL_MODEL_PARAMS = 100_000_000  # below this, CPU work of one process gains no
 
 @dataclass(frozen=True)
 class Runtime:
-    """Where this process computes: device, parameter dtype, its rank in the job."""
+    """Where this process computes: device, compute dtype, its rank in the job."""
 
     device: torch.device
-    dtype: torch.dtype
+    dtype: torch.dtype  # compute dtype (model.dtype); trained parameters stay fp32 (masters)
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    amp: bool = False  # forwards run under torch.autocast(device, dtype): bf16/fp16 without FSDP2
 
     @property
     def is_main(self) -> bool:
@@ -57,15 +73,43 @@ class Runtime:
     def on_accelerator(self) -> bool:
         return self.device.type != "cpu"
 
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The context of a trained model's forward pass: autocast to the compute dtype, or nothing.
 
-def init_runtime(device: str = "auto", dtype: str = "float32") -> Runtime:
-    """Decide this process's device, dtype and rank (call once, after the process group exists)."""
+        Nothing in float32 (the default path stays bit-identical) and under FSDP2, whose mixed-precision
+        policy already hands the blocks bf16 weights. Backward runs outside it (autocast's rule).
+        """
+        if not self.amp:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+
+    def empty_cache(self) -> None:
+        """Give the caching allocator's free blocks back to the device (CUDA); a no-op on CPU.
+
+        Only where another allocator needs them next (vLLM waking up) or a large model just left the
+        device (the offloaded reference): elsewhere PyTorch reuses its cache faster than it can refill it.
+        """
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def init_runtime(device: str = "auto", dtype: str = "float32", strategy: str = "fsdp2") -> Runtime:
+    """Decide this process's device, dtype and rank (call once, after the process group exists).
+
+    `strategy` (train.strategy) decides who casts to the compute dtype with several processes:
+    FSDP2's mixed-precision policy, or autocast (DDP, and any single process).
+    """
     import torch.distributed as dist
 
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     joined = dist.is_available() and dist.is_initialized()
     rank, world = (dist.get_rank(), dist.get_world_size()) if joined else (0, 1)
-    return Runtime(device=resolve_device(device, local_rank), dtype=DTYPES[dtype], rank=rank, world_size=world, local_rank=local_rank)
+    compute = DTYPES[dtype]
+    fsdp_casts = world > 1 and strategy == "fsdp2"
+    return Runtime(
+        device=resolve_device(device, local_rank), dtype=compute, rank=rank, world_size=world, local_rank=local_rank,
+        amp=compute != torch.float32 and not fsdp_casts,
+    )  # fmt: skip
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:

@@ -18,7 +18,7 @@ from postrl.data.dataset import encode_prompt, file_dir, read_rows
 from postrl.errors import UserError
 from postrl.modality import Modality
 from postrl.models import Policy, load_policy
-from postrl.runtime import configure_threads, seed_everything
+from postrl.runtime import configure_threads, init_runtime, seed_everything
 from postrl.utils import get_dotted
 
 
@@ -70,8 +70,10 @@ def run_sft(cfg: Config, console: Any = None) -> dict[str, float]:
     console = console or Console()
     s = cfg.sft
     seed_everything(s.seed)
-    policy = load_policy(cfg.model)
+    rt = init_runtime(cfg.train.device, cfg.model.dtype)
+    policy = load_policy(cfg.model, dtype="float32")  # fp32 master weights; forwards in model.dtype (runtime.py)
     model, tokenizer = policy.model, policy.tokenizer
+    model.to(rt.device)
     configure_threads(model, cfg.train.num_threads, console.print)
     model.train()
     pairs = []
@@ -91,9 +93,10 @@ def run_sft(cfg: Config, console: Any = None) -> dict[str, float]:
         task = progress.add_task("sft", total=s.steps, loss=float("nan"))
         for step in range(s.steps):
             sample = rng.sample(pairs, min(s.batch_size, len(pairs)))
-            batch = collate(sample, tokenizer.pad_token_id, s.max_length)
+            batch = {k: v.to(rt.device) for k, v in collate(sample, tokenizer.pad_token_id, s.max_length).items()}
             images = policy.modality.forward_kwargs(model, batch["input_ids"], [x[2] if len(x) > 2 else None for x in sample])
-            loss = model(**batch, **images).loss
+            with rt.autocast():
+                loss = model(**batch, **images).loss
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -123,7 +126,7 @@ def eval_greedy(policy: Policy, cfg: Config, max_prompts: int) -> dict[str, floa
     from postrl.evaluate import evaluate, load_val_sets
 
     tokenizer = policy.tokenizer
-    engine = HFEngine(policy.model, tokenizer, modality=policy.modality)
+    engine = HFEngine(policy.model, tokenizer, modality=policy.modality, runtime=init_runtime(cfg.train.device, cfg.model.dtype))
     reward_fn = RewardFunction(cfg.reward)
     out = {}
     greedy = cfg.eval.model_copy(update={"n_samples": 1, "temperature": 0.0})

@@ -40,7 +40,7 @@ class Trainer:
         from rich.console import Console
 
         self.cfg = cfg
-        self.runtime = rt = init_runtime(cfg.train.device, cfg.model.dtype)
+        self.runtime = rt = init_runtime(cfg.train.device, cfg.model.dtype, cfg.train.strategy)
         self.console = console or Console()
         if not rt.is_main:
             self.console = Console(quiet=True)  # rank 0 prints for the run
@@ -52,13 +52,14 @@ class Trainer:
         if cfg.train.deterministic:
             torch.use_deterministic_algorithms(True)
 
-        self.policy = load_policy(cfg.model)
+        # fp32 master weights whatever model.dtype says; forwards compute in model.dtype (runtime.py).
+        self.policy = load_policy(cfg.model, dtype="float32")
         self.model, self.tokenizer, self.model_path = self.policy.model, self.policy.tokenizer, self.policy.path
         self.model.to(rt.device).train()
         configure_threads(self.model, cfg.train.num_threads, self.log)
         self.ref_model = self._reference_model() if cfg.algorithm.kl.coef > 0 else None
         # FSDP2 shards self.model in place (before the optimizer sees its parameters); DDP wraps it.
-        train_model = distributed.wrap_model(self.model, cfg.train.strategy)
+        train_model = distributed.wrap_model(self.model, cfg.train.strategy, compute_dtype=rt.dtype)
         self.actor = Actor(cfg, self.policy, train_model, rt, self.log)
 
         self.train_examples, summary = load_prompts(cfg.data.train_files, self.tokenizer, cfg.data, modality=self.policy.modality)
@@ -70,7 +71,7 @@ class Trainer:
         engine = make_engine(
             cfg.rollout, self.model, self.tokenizer, log=self.log,
             max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_tokens, seed=cfg.train.seed,
-            modality=self.policy.modality, trust_remote_code=cfg.model.trust_remote_code,
+            modality=self.policy.modality, trust_remote_code=cfg.model.trust_remote_code, runtime=rt,
         )  # fmt: skip
         self.engine = distributed.colocate(engine, self.model)
         if cfg.algorithm.rollout_correction.enable and engine.name != "vllm":
@@ -94,10 +95,17 @@ class Trainer:
         self.console.print(msg)
 
     def _reference_model(self) -> torch.nn.Module:
-        ref_path = self.cfg.checkpoint.ref_model_path
+        """The frozen reference, in the compute dtype (it never trains: no fp32 master copy).
+
+        With train.ref_offload it lives in host memory: FSDP2 keeps its shards there and copies each
+        block to the device for its forward; otherwise it moves to the device only for its pass
+        (`distributed.on_device`).
+        """
+        rt, ref_path = self.runtime, self.cfg.checkpoint.ref_model_path
         ref = load_model(ref_path, self.cfg.model.dtype, modality=self.policy.modality) if ref_path else copy.deepcopy(self.model)
-        ref.to(self.runtime.device).eval().requires_grad_(False)
-        return distributed.wrap_model(ref, self.cfg.train.strategy)
+        home = torch.device("cpu") if self.cfg.train.ref_offload else rt.device
+        ref.to(home, dtype=rt.dtype).eval().requires_grad_(False)
+        return distributed.wrap_model(ref, self.cfg.train.strategy, compute_dtype=rt.dtype, offload=self.cfg.train.ref_offload, device=rt.device)
 
     # ----------------------------------------------------------------------------------- the loop
     def fit(self) -> dict[str, float]:
@@ -148,6 +156,7 @@ class Trainer:
 
     def train_step(self) -> dict[str, float]:
         self.timer = Timer()
+        self.actor.free_grads()  # the last update's fp32 gradients: rollout needs the memory more
         with self.timer("all"):
             batch, gen_stats = self.experience.collect(self.step, self.timer)  # the global batch, same on every rank
             with self.timer("resharding_to_train"):
@@ -158,14 +167,14 @@ class Trainer:
                 with self.timer("old_log_p"):
                     local.tensors["old_logp"] = self.actor.compute_logprobs(self.model, local)
             if self.ref_model is not None:
-                with self.timer("reference_model"):
+                with self.timer("reference_model"), distributed.on_device(self.ref_model, self.runtime):
                     local.tensors["ref_logp"] = self.actor.compute_logprobs(self.ref_model, local)
             with self.timer("update"):
                 update_stats = self.actor.update(local, use_ref=self.ref_model is not None)
             with self.timer("resharding_to_infer"):
                 self.engine.sync_weights(self.model)
                 if not self.train_examples[0].multi_modal:  # the probe is a text prompt
-                    self.guards.check_sync(self.engine, self.model, self.train_examples[0].prompt_ids)
+                    self.guards.check_sync(self.engine, self.model, self.train_examples[0].prompt_ids, self.runtime.autocast())
         return self._step_metrics(batch, gen_stats, update_stats)
 
     def _stop_for_signal(self, signum: int) -> None:

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
     from postrl.config import RolloutConfig
     from postrl.modality import Modality
+    from postrl.runtime import Runtime
 
 __all__ = ["Completion", "RolloutEngine", "SamplingParams", "make_engine"]
 
@@ -29,6 +30,7 @@ def make_engine(
     modality: "Modality | None" = None,
     *,
     trust_remote_code: bool = False,
+    runtime: "Runtime | None" = None,
 ) -> RolloutEngine:
     """Build the engine that `cfg.engine` names; `auto` tries vLLM and falls back to HF.
 
@@ -36,6 +38,8 @@ def make_engine(
     a long-context model would not fit a small CPU cache. It is capped at the model's own maximum.
     `modality` is the policy's adapter (None: text).
     `trust_remote_code` is the user's `model.trust_remote_code`, passed to vLLM as is.
+    `runtime` gives the compute dtype: HF generates under its autocast, vLLM holds weights in it
+    (None: the dtype of the model's parameters, no autocast).
     """
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if max_model_len is not None and isinstance(limit, int) and max_model_len > limit:
@@ -48,7 +52,7 @@ def make_engine(
 
     if cfg.engine == "hf":
         say("rollout engine: hf (transformers generate)")
-        return HFEngine(model, tokenizer, modality=modality)
+        return HFEngine(model, tokenizer, modality=modality, runtime=runtime)
     try:
         from postrl.rollout.vllm import VLLMEngine, VLLMUnavailable
     except ImportError as exc:  # the module itself is missing: treat as vLLM unavailable
@@ -57,17 +61,18 @@ def make_engine(
 
             raise UserError(f"rollout.engine is 'vllm' but postrl's vLLM engine cannot be imported ({exc}).") from exc
         say(f"rollout engine: hf (vLLM unavailable: {exc})")
-        return HFEngine(model, tokenizer, modality=modality)
+        return HFEngine(model, tokenizer, modality=modality, runtime=runtime)
     try:
         engine = VLLMEngine(
-            model, tokenizer, cfg, max_model_len=max_model_len, seed=seed, modality=modality, trust_remote_code=trust_remote_code
-        )
+            model, tokenizer, cfg, max_model_len=max_model_len, seed=seed, modality=modality, trust_remote_code=trust_remote_code,
+            dtype=runtime.dtype if runtime is not None else None,
+        )  # fmt: skip
     except VLLMUnavailable as exc:
         if cfg.engine == "vllm":
             from postrl.errors import UserError
 
             raise UserError(str(exc)) from exc
         say(f"[yellow]rollout engine: hf (falling back: {exc})[/yellow]")
-        return HFEngine(model, tokenizer, modality=modality)
+        return HFEngine(model, tokenizer, modality=modality, runtime=runtime)
     say("rollout engine: vllm")
     return engine

@@ -1,11 +1,14 @@
 """Rollout with transformers `generate` (KV cache, batched, left-padded prompts).
 
-The engine shares the trainer's model object (colocated), so `sync_weights` has nothing to copy.
+The engine shares the trainer's model object (colocated), so `sync_weights` has nothing to copy. It
+generates on the model's device, in the run's compute dtype (`runtime.autocast()`: bf16 on GPU while
+the trained weights stay fp32).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -13,12 +16,19 @@ from postrl.modality import TEXT, Modality
 from postrl.models import left_pad
 from postrl.rollout.base import Completion, SamplingParams, eos_token_ids
 
+if TYPE_CHECKING:
+    from postrl.runtime import Runtime
+
 
 class HFEngine:
     name = "hf"
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, max_batch_sequences: int = 512, modality: Modality | None = None):
+    def __init__(
+        self, model: torch.nn.Module, tokenizer: Any, max_batch_sequences: int = 512, modality: Modality | None = None,
+        runtime: "Runtime | None" = None,
+    ):  # fmt: skip
         self.model = model
+        self.autocast = runtime.autocast if runtime is not None else contextlib.nullcontext
         self.modality = modality or TEXT
         self.pad_id = tokenizer.pad_token_id
         self.eos_ids = eos_token_ids(model, tokenizer)
@@ -59,7 +69,9 @@ class HFEngine:
         self.model.eval()
         out: list[Completion] = []
         chunk = max(1, self.max_batch_sequences // n)
-        with torch.random.fork_rng(devices=[]):
+        device = next(self.model.parameters()).device
+        # A seeded call leaves the run's RNG streams as they were (CUDA's too: sampling draws there on a GPU).
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), self.autocast():
             if params.seed is not None:
                 torch.manual_seed(params.seed)
             for start in range(0, len(prompts), chunk):
@@ -70,6 +82,8 @@ class HFEngine:
 
     def _generate_chunk(self, batch, offset, n, gen_cfg, multi_modal) -> list[Completion]:
         input_ids, attention_mask = left_pad(batch, self.pad_id)  # [len(batch), P]
+        device = next(self.model.parameters()).device
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         P = input_ids.shape[1]
         extra = self.modality.forward_kwargs(self.model, input_ids, multi_modal) if multi_modal else {}  # VLMs: images
         seqs = self.model.generate(

@@ -63,6 +63,8 @@ class VLLMEngine:
         modality: the policy's adapter (None: text): image request data, and why vLLM may not serve it.
         trust_remote_code: the user's `model.trust_remote_code`, handed to vLLM unchanged: with False,
             no Python file of the model directory is imported, even when config.json has an auto_map.
+        dtype: the run's compute dtype (runtime.dtype): vLLM's weights, while the trainer keeps fp32
+            masters; None: the dtype of the model's parameters.
     """
 
     name = "vllm"
@@ -77,6 +79,7 @@ class VLLMEngine:
         modality: Modality | None = None,
         *,
         trust_remote_code: bool = False,
+        dtype: torch.dtype | None = None,
     ):
         self.cfg = cfg
         self.modality = modality or TEXT
@@ -107,9 +110,10 @@ class VLLMEngine:
         if not _all_ranks_agree(problem is None):
             raise problem or VLLMUnavailable("vLLM cannot start on another rank (see its log); all ranks use hf.")
 
-        dtype = _VLLM_DTYPES.get(next(model.parameters()).dtype, "float32")
-        if not self.on_gpu:
-            dtype = "float32" if dtype == "float16" else dtype  # no fp16 kernels on most CPUs
+        self.dtype = dtype or next(model.parameters()).dtype
+        if not self.on_gpu and self.dtype == torch.float16:
+            self.dtype = torch.float32  # no fp16 kernels on most CPUs
+        dtype = _VLLM_DTYPES.get(self.dtype, "float32")
         kwargs: dict[str, Any] = dict(
             model=model_dir,
             tokenizer=tokenizer_dir,
@@ -231,7 +235,7 @@ class VLLMEngine:
         """Stream `model`'s current parameters into vLLM (no disk) and drop cached prefixes."""
         if "weights" in self._asleep:
             self.wake_up(tags=["weights"])
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": _hf_weights(model)})
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": _hf_weights(model, self.dtype)})
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
         self._weights_stale = False
 
@@ -265,6 +269,8 @@ class VLLMEngine:
         if not self._asleep:
             return
         wanted = set(tags) if tags else set(self._asleep)
+        # vLLM allocates through its own pool: blocks the update left in PyTorch's cache are no use to it.
+        torch.cuda.empty_cache()
         self.llm.wake_up(tags=sorted(wanted & self._asleep))
         self._asleep -= wanted
 
@@ -311,8 +317,9 @@ def _all_ranks_agree(ok: bool) -> bool:
     return bool(flag.item())
 
 
-def _hf_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) in Hugging Face checkpoint naming, one full tensor at a time (`full_state_dict`).
+def _hf_weights(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) in Hugging Face checkpoint naming, one full tensor at a time (`full_state_dict`),
+    cast to the engine's `dtype` (fp32 masters leave as bf16: half the bytes to copy).
 
     With tied embeddings `lm_head.weight` must still be sent: vLLM reloads layer by layer, and on CPU
     the LM head keeps its own packed copy of the embedding, which is only rebuilt when the layer
@@ -321,11 +328,11 @@ def _hf_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     names = set()
     for name, tensor in full_state_dict(model):  # FSDP2 shards gathered: a collective, every rank syncs
         names.add(name)
-        yield name, tensor
+        yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
     if tied and "lm_head.weight" not in names and model.get_input_embeddings() is not None:
         embedding = model.get_input_embeddings().weight
-        yield "lm_head.weight", (embedding.full_tensor() if hasattr(embedding, "full_tensor") else embedding).detach()
+        yield "lm_head.weight", (embedding.full_tensor() if hasattr(embedding, "full_tensor") else embedding).detach().to(dtype)
 
 
 def _sampled_logprobs(logprobs: Any, tokens: list[int]) -> list[float] | None:

@@ -1,0 +1,121 @@
+"""Precision and memory on CPU: bf16 compute with fp32 master weights, gradient checkpointing.
+
+CPU autocast runs bf16 matmuls like a GPU does (to bf16 rounding), so the numerics of `model.dtype:
+bfloat16` are checked here; tests/test_gpu.py repeats the end-to-end checks on CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_overrides
+
+from postrl.config import load_config
+from postrl.runtime import init_runtime
+
+# The tests wrap optimizer.step to read the gradients; the LR scheduler notices and says so.
+pytestmark = pytest.mark.filterwarnings("ignore:.*optimizer.step.*:UserWarning")
+
+
+def test_autocast_is_off_in_float32_and_on_for_bfloat16():
+    fp32, bf16 = init_runtime("cpu", "float32"), init_runtime("cpu", "bfloat16")
+    assert not fp32.amp and bf16.amp
+    x = torch.randn(4, 4)
+    with fp32.autocast():
+        assert (x @ x).dtype == torch.float32  # the default path: no autocast at all
+    with bf16.autocast():
+        assert (x @ x).dtype == torch.bfloat16  # compute in bf16 (log-probs: models.response_logprobs casts to fp32)
+
+
+def _first_update(tmp_path, dtype: str, batch=None, *extra: str):
+    """One trainer; its first update on `batch` (collected here when None). Returns what the tests compare."""
+    from postrl.trainer import Trainer
+
+    cfg = load_config(
+        None,
+        tiny_overrides(
+            tmp_path / dtype, "reward.verifiers=[verifiers_for_tests:vowel_share]", f"model.dtype={dtype}",
+            "algorithm.kl.coef=0.01", "train.total_steps=1", *extra,
+        ),
+    )  # fmt: skip
+    tr = Trainer(cfg)
+    if batch is None:
+        batch, _ = tr.experience.collect(tr.step, tr.timer)
+    packed = tr.actor.pack(batch, tr.experience.advantages(batch))
+    logp = tr.actor.compute_logprobs(tr.model, packed)
+    packed.tensors["ref_logp"] = tr.actor.compute_logprobs(tr.ref_model, packed)
+    grads: list[torch.Tensor] = []
+    step = tr.actor.optimizer.step
+
+    def capture_then_step():
+        grads.extend(p.grad.detach().clone() for p in tr.actor.params)
+        step()
+
+    tr.actor.optimizer.step = capture_then_step
+    stats = tr.actor.update(packed, use_ref=True)
+    tr.close()
+    return tr, batch, packed.tensors["response_mask"].bool(), logp, stats, grads
+
+
+def test_bfloat16_keeps_fp32_masters_and_its_first_step_matches_fp32(tmp_path):
+    """The same batch through a float32 and a bfloat16 trainer from the same weights.
+
+    Tolerances: bf16 keeps 8 significant bits, a relative rounding of u = 2^-8 = 3.9e-3 per value.
+    The tiny model's logits are O(1), so a token's log-prob moves by a few u at most: 2e-2 (5 u).
+    The gradient norm sums thousands of products whose rounding errors average out: 1% (2.5 u); so
+    does the entropy, a mean over the vocabulary and the tokens: 0.1%. Measured: max log-prob gap
+    5e-3, gradient norms 2e-4 apart, entropies 5e-7 apart.
+    """
+    tr32, batch, mask, logp32, s32, g32 = _first_update(tmp_path, "float32")
+    tr16, _, _, logp16, s16, g16 = _first_update(tmp_path, "bfloat16", batch)
+    assert logp16.dtype == torch.float32  # log-probs, ratios and losses are fp32 under bf16 compute
+    assert float((logp32 - logp16)[mask].abs().max()) < 2e-2
+    assert 0 < float((logp32 - logp16)[mask].abs().max())  # bf16 really ran
+    assert s16["actor/grad_norm"] == pytest.approx(s32["actor/grad_norm"], rel=1e-2)
+    assert s16["actor/entropy"] == pytest.approx(s32["actor/entropy"], rel=1e-3)
+    assert s16["actor/pg_loss"] == pytest.approx(s32["actor/pg_loss"], abs=1e-6)  # ratio 1: -mean(A) either way
+    # Masters, their gradients and AdamW's moments stay fp32; the frozen reference holds bf16 weights.
+    assert {p.dtype for p in tr16.model.parameters()} == {torch.float32}
+    assert {g.dtype for g in g16} == {torch.float32} and len(g16) == len(g32)
+    moments = [v for state in tr16.actor.optimizer.state.values() for k, v in state.items() if k != "step"]
+    assert moments and {v.dtype for v in moments} == {torch.float32}
+    assert {p.dtype for p in tr16.ref_model.parameters()} == {torch.bfloat16}
+    assert s16["actor/kl_loss"] < 1e-4  # the bf16 reference vs the autocast policy: a rounding-sized KL
+    assert s32["actor/kl_loss"] == 0.0  # float32: the reference is an exact copy
+
+
+def test_gradient_checkpointing_gives_the_same_gradient(tmp_path):
+    """model.gradient_checkpointing recomputes each decoder layer in backward (its MLP's forward runs
+    twice) and changes no number: the same batch gives the same gradients to 1e-6 (fp32)."""
+    calls = []
+
+    def run(batch, *extra):
+        from postrl.trainer import Trainer
+
+        cfg = load_config(None, tiny_overrides(tmp_path / str(len(calls)), "reward.verifiers=[verifiers_for_tests:vowel_share]",
+                                               "train.total_steps=1", *extra))  # fmt: skip
+        tr = Trainer(cfg)
+        if batch is None:
+            batch, _ = tr.experience.collect(tr.step, tr.timer)
+        packed = tr.actor.pack(batch, tr.experience.advantages(batch))
+        mlp = tr.model.model.layers[0].mlp  # counted by its forward: checkpoint's recompute runs no module hooks
+        count, forward = [0], mlp.forward
+
+        def counting(*args, **kwargs):
+            count[0] += 1
+            return forward(*args, **kwargs)
+
+        mlp.forward = counting
+        grads = []
+        tr.actor.optimizer.step = lambda: grads.extend(p.grad.detach().clone() for p in tr.actor.params)
+        tr.actor.update(packed)
+        tr.close()
+        calls.append(count[0])
+        return batch, grads
+
+    batch, plain = run(None)
+    _, ckpt = run(batch, "model.gradient_checkpointing=true")
+    assert calls[1] == 2 * calls[0]  # checkpointing really ran: every layer forward recomputed once
+    assert len(plain) == len(ckpt) > 10
+    worst = max(float((a - b).abs().max()) for a, b in zip(plain, ckpt))
+    assert worst <= 1e-6, worst
