@@ -109,6 +109,25 @@ def test_three_steps_from_a_fixed_seed_pin_the_losses(tmp_path):
 PINNED = [[-0.029332, 1.46917, 0.329298], [-0.04125, 0.86563, 0.347167], [-0.027955, 0.7951, 0.337112]]
 
 
+def test_packing_without_padding_trains_the_same(tmp_path):
+    """train.use_remove_padding (prompts shared within a group, no padding) gives the losses of the padded run."""
+    runs = []
+    for packed in (False, True):
+        cfg = load_config(
+            None,
+            tiny_overrides(
+                tmp_path / str(packed), "reward.verifiers=[verifiers_for_tests:vowel_share]", "train.lr=1e-3",
+                "train.epochs_per_batch=2", "train.total_steps=2", f"train.use_remove_padding={packed}",
+            ),
+        )  # fmt: skip
+        train(cfg)
+        runs.append([r for r in read_jsonl(tmp_path / str(packed) / "run" / "metrics.jsonl") if "timing/all" in r])
+    assert len(runs[0]) == len(runs[1]) == 2
+    for padded, packed in zip(*runs):
+        for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/ppo_kl", "grpo/rewards/mean"):
+            assert abs(padded[key] - packed[key]) < 1e-5, (key, padded[key], packed[key])
+
+
 @pytest.mark.slow
 def test_grpo_learns_a_dense_reward(tmp_path):
     """20 steps of GRPO raise the vowel share of the tiny model's completions (learning happens)."""

@@ -71,6 +71,7 @@ class Actor:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(t.warmup_steps, t.total_steps, t.lr_schedule, t.min_lr_ratio))
         self.on_policy = t.mini_batch_size == t.global_batch_size and t.epochs_per_batch == 1
         self.policy_loss = algo.get_policy_loss_fn(cfg.algorithm.policy_loss)
+        self._logprob_options = dict(remove_padding=t.use_remove_padding, chunk_tokens=t.logprob_chunk_tokens)
 
     # --------------------------------------------------------------------------------- tensors
     def pack(self, batch: Batch, adv_B: torch.Tensor) -> Packed:
@@ -135,7 +136,7 @@ class Actor:
             T = mb["response_mask"].shape[1]
             logp, _ = response_logprobs(
                 model, mb["input_ids"], mb["attention_mask"], mb["position_ids"], T, self.cfg.rollout.temperature,
-                multi_modal=mb.get("multi_modal"), modality=self.modality,
+                multi_modal=mb.get("multi_modal"), modality=self.modality, **self._logprob_options,
             )  # fmt: skip
             out[torch.tensor(idx, device=out.device), :T] = logp
         return out
@@ -185,6 +186,7 @@ class Actor:
         logp, entropy = response_logprobs(
             self.train_model, mb["input_ids"], mb["attention_mask"], mb["position_ids"], mask.shape[1],
             self.cfg.rollout.temperature, with_entropy=True, multi_modal=mb.get("multi_modal"), modality=self.modality,
+            **self._logprob_options,
         )  # fmt: skip
         old_logp = logp.detach() if self.on_policy else mb["old_logp"]
         adv_BT = mb["adv"].unsqueeze(1).expand_as(logp)

@@ -98,3 +98,23 @@ def rank_rows(lengths: list[int], mini_batch: int, balance: bool = False) -> lis
             per = len(idx) // W
             rows += idx[r * per : (r + 1) * per]
     return rows
+
+
+def pack_sequences(lengths: list[int], capacity: int | None = None) -> tuple[list[int], list[int], tuple[int, int]]:
+    """Rows and offsets that pack sequences of `lengths` without padding: (row_of, offset_of, (rows, width)).
+
+    First-fit decreasing into rows of `capacity` tokens (None: one row holding everything); a
+    sequence is never split. The width is the longest row. Deterministic.
+    """
+    assert lengths, "no sequences to pack"
+    cap = capacity or sum(lengths)
+    assert max(lengths) <= cap, f"a sequence of {max(lengths)} tokens does not fit a row of {cap}"
+    row_of, offset_of = [0] * len(lengths), [0] * len(lengths)
+    fill: list[int] = []  # tokens used in each row
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = next((r for r, used in enumerate(fill) if used + lengths[i] <= cap), len(fill))
+        if r == len(fill):
+            fill.append(0)
+        row_of[i], offset_of[i] = r, fill[r]
+        fill[r] += lengths[i]
+    return row_of, offset_of, (len(fill), max(fill))
