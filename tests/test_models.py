@@ -113,8 +113,12 @@ def _groups(vocab: int, seed: int = 0):
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("shared", [True, False])
-def test_packed_logprobs_equal_padded(tiny_model_path, attn, shared):
+@pytest.mark.parametrize("row_tokens", [4096, 1])  # 1: rows as long as the longest sequence, groups split
+def test_packed_logprobs_equal_padded(tiny_model_path, attn, shared, row_tokens, monkeypatch):
     """train.use_remove_padding: log-probs, entropies and gradients equal the padded pass within 1e-5 (fp32)."""
+    import postrl.models
+
+    monkeypatch.setattr(postrl.models, "PACK_ROW_TOKENS", row_tokens)
     model = load_model(tiny_model_path)
     model.config._attn_implementation = attn
     prompts, responses = _groups(model.config.vocab_size)
@@ -153,6 +157,17 @@ def test_pack_sequences_first_fit_decreasing():
     row_of, offset_of, shape = pack_sequences([5, 9, 3, 4], 10)
     assert (row_of, offset_of, shape) == ([1, 0, 2, 1], [0, 0, 0, 5], (3, 9))
     assert pack_sequences([5, 9, 3], None) == ([0, 0, 0], [9, 0, 14], (1, 17))
+
+
+def test_share_prompts_units_and_capacity():
+    """Samples of one prompt share it while the unit fits: prompt 4 + responses 3, 2, 5 with capacity 10."""
+    from postrl.partition import share_prompts
+
+    same, plens, rlens = [False, True, True, False], [4, 4, 4, 6], [3, 2, 5, 1]
+    # no limit: units (4+3+2+5) and (6+1)
+    assert share_prompts(same, plens, rlens) == ([True, False, False, True], [14, 7])
+    # capacity 10: 4+3+2 = 9 fits, +5 would be 14 -> the third sample starts a unit with its own prompt copy
+    assert share_prompts(same, plens, rlens, 10) == ([True, False, True, True], [9, 9, 7])
 
 
 def test_hf_engine_groups_seeds_and_eos(tiny):

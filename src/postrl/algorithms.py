@@ -519,7 +519,8 @@ class _TokenLogprobs(torch.autograd.Function):
             s_CV = logits_NV[lo:hi].to(lse_N.dtype) / tau
             p_CV = torch.exp(s_CV - lse_N[lo:hi, None])
             g_CV = -grad_logp_N[lo:hi, None] * p_CV  # logp part: onehot(y) - p
-            g_CV.scatter_add_(-1, targets_N[lo:hi, None], grad_logp_N[lo:hi, None])
+            y_C1 = targets_N[lo:hi, None]
+            g_CV.scatter_(-1, y_C1, g_CV.gather(-1, y_C1) + grad_logp_N[lo:hi, None])  # one target per row
             if ctx.with_entropy:
                 g_CV -= grad_entropy_N[lo:hi, None] * p_CV * (s_CV - mean_s_N[lo:hi, None])
             grad_NV[lo:hi] = g_CV / tau

@@ -291,7 +291,7 @@ class TrainConfig(Section):
     micro_batch_size: int = Field(16, ge=1, description="Sequences per forward/backward pass (grad accumulation).")
     use_dynamic_bsz: bool = Field(False, description="Form micro-batches by token budget instead of count.")
     use_remove_padding: bool = Field(
-        False,
+        True,
         description="Pack each micro-batch's sequences into rows without padding (position ids restart per sequence; "
         "flash attention: one row, varlen kernels; sdpa / eager: block-diagonal causal mask). Same log-probs, fewer tokens.",
     )

@@ -196,7 +196,8 @@ def response_logprobs(
     return logp_N.view(B, T), entropy_N.view(B, T) if with_entropy else None
 
 
-PACK_ROW_FACTOR = 4  # sdpa / eager: a packed row holds up to this many times the longest sequence
+PACK_ROW_FACTOR = 4  # sdpa / eager: a packed row holds up to this many times the longest sequence ...
+PACK_ROW_TOKENS = 4096  # ... but no more than this (or the longest sequence, when that is longer)
 
 
 def _packed_forward(model, input_ids, attention_mask, T, temperature, with_entropy, chunk_tokens):
@@ -211,12 +212,12 @@ def _packed_forward(model, input_ids, attention_mask, T, temperature, with_entro
     ids P, P+1, ...) and allowed to attend the prompt and its own earlier tokens only (a 4D mask built
     here; transformers' own packed-sequence mask cannot express a shared prefix). The log-probs are those
     of k separate sequences, while the prompt is computed once instead of k times: with G samples of
-    prompt length P and response length R, G (P + R) tokens become P + G R. Units are packed first-fit
-    decreasing into rows of up to PACK_ROW_FACTOR times the longest sequence, since these kernels compute
-    every query-key pair of a row.
+    prompt length P and response length R, G (P + R) tokens become P + G R. These kernels compute every
+    query-key pair of a row, so rows are kept short: up to PACK_ROW_FACTOR times the longest sequence
+    and PACK_ROW_TOKENS (`partition.share_prompts`, then first-fit decreasing `partition.pack_sequences`).
     """
     from postrl.algorithms import token_logprobs
-    from postrl.partition import pack_sequences
+    from postrl.partition import pack_sequences, share_prompts
 
     B, L = input_ids.shape
     device = input_ids.device
@@ -227,19 +228,18 @@ def _packed_forward(model, input_ids, attention_mask, T, temperature, with_entro
     plen_B = prompt_cols - start_B
     rlen_B = attention_mask[:, prompt_cols:].sum(1)
     assert bool((plen_B > 0).all()), "every sequence needs at least one prompt token"
-    seq_len = (plen_B + rlen_B).tolist()
 
     # units: a prompt followed by the responses that share it (one response each with flash attention)
-    leader_B = torch.ones(B, dtype=torch.bool, device=device)
+    same_B = torch.zeros(B, dtype=torch.bool, device=device)
     if not varlen and B > 1:
-        same = (input_ids[1:, :prompt_cols] == input_ids[:-1, :prompt_cols]) & (attention_mask[1:, :prompt_cols] == attention_mask[:-1, :prompt_cols])
-        leader_B[1:] = ~same.all(1)
+        same_B[1:] = ((input_ids[1:, :prompt_cols] == input_ids[:-1, :prompt_cols]) & (start_B[1:] == start_B[:-1])[:, None]).all(1)
+    plens, rlens = plen_B.tolist(), rlen_B.tolist()
+    longest = max(p + r for p, r in zip(plens, rlens))
+    capacity = None if varlen else max(longest, min(PACK_ROW_FACTOR * longest, PACK_ROW_TOKENS))
+    leaders, unit_lengths = share_prompts(same_B.tolist(), plens, rlens, capacity)
+    leader_B = torch.tensor(leaders, device=device)
     unit_B = leader_B.cumsum(0) - 1
-    U = int(unit_B[-1]) + 1
-    unit_len_U = torch.zeros(U, dtype=torch.long, device=device).index_add_(0, unit_B, rlen_B)
-    unit_len_U += plen_B[leader_B]
-    capacity = None if varlen else max(PACK_ROW_FACTOR * max(seq_len), int(unit_len_U.max()))
-    row_of, offset_of, (R, C) = pack_sequences(unit_len_U.tolist(), capacity)
+    row_of, offset_of, (R, C) = pack_sequences(unit_lengths, capacity)
     row_U = torch.tensor(row_of, device=device)
     off_U = torch.tensor(offset_of, device=device)
     # each response starts after its unit's prompt and the responses of the unit before it

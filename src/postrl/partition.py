@@ -118,3 +118,23 @@ def pack_sequences(lengths: list[int], capacity: int | None = None) -> tuple[lis
         row_of[i], offset_of[i] = r, fill[r]
         fill[r] += lengths[i]
     return row_of, offset_of, (len(fill), max(fill))
+
+
+def share_prompts(
+    same_prompt: list[bool], prompt_lens: list[int], response_lens: list[int], capacity: int | None = None
+) -> tuple[list[bool], list[int]]:
+    """Which sequences start a packing unit `prompt, response, response, ...`, and each unit's length.
+
+    Sequence i joins the unit before it when its prompt is the same as sequence i-1's (`same_prompt[i]`)
+    and the unit stays within `capacity` tokens (None: no limit); otherwise it leads a new unit with its
+    own copy of the prompt. Returns (leader flag per sequence, tokens per unit).
+    """
+    leaders, lengths = [], []
+    for i, (same, p, r) in enumerate(zip(same_prompt, prompt_lens, response_lens)):
+        if i > 0 and same and (capacity is None or lengths[-1] + r <= capacity):
+            leaders.append(False)
+            lengths[-1] += r
+        else:
+            leaders.append(True)
+            lengths.append(p + r)
+    return leaders, lengths
