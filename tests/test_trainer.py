@@ -159,3 +159,26 @@ def test_logprobs_of_the_update_pass_equal_a_separate_no_grad_pass(tmp_path):
     full, _ = response_logprobs(tr.model, t["input_ids"], t["attention_mask"], t["position_ids"], T, 1.0)
     mask = t["response_mask"].bool()
     assert torch.allclose(separate[mask], full[mask], atol=1e-5)
+
+
+def test_thread_policy_uses_the_cores_this_process_may_use(monkeypatch):
+    """Cores of the affinity set / processes on the machine, capped by the idle cores; overrides win."""
+    import os
+
+    from postrl.runtime import threads_for
+
+    model = torch.nn.Linear(2, 2)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    load = [0.3]
+    monkeypatch.setattr(os, "getloadavg", lambda: (load[0], 0.0, 0.0))
+    assert threads_for(model)[0] == 8  # alone on an idle machine: every usable core
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert threads_for(model)[0] == 4  # two ranks on this machine (--nproc 2): half each
+    load[0] = 6.6  # other processes keep 7 of the 8 cores busy: one thread, not four spinning ones
+    n, why = threads_for(model)
+    assert n == 1 and "load 6.6" in why
+    assert threads_for(model, requested=3) == (3, "train.num_threads")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # conftest's setting: torch's own count stays
+    assert threads_for(model) == (None, "OMP_NUM_THREADS=1")

@@ -317,7 +317,8 @@ class TrainConfig(Section):
         "fsdp2", description="Data parallelism with more than one process: fsdp2 (sharded) or ddp (replicated)."
     )
     num_threads: int | None = Field(
-        None, ge=1, description="CPU intra-op threads of each process (default: one for small models on CPU, else torch's)."
+        None, ge=1, description="CPU intra-op threads of each process (default: its usable cores / processes on the machine, "
+        "no more than the idle ones; OMP_NUM_THREADS also counts). See docs/performance.md.",
     )
 
     # Field validators (not a model validator) so these run even when another train field is invalid.

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from postrl import distributed
 from postrl.errors import UserError
+from postrl.runtime import cpu_threads
 from postrl.trainer import train
 
 if TYPE_CHECKING:
@@ -104,7 +105,10 @@ def launch_torchrun(config: str, overrides: list[str], nproc: int) -> int:
         "-m", "postrl.cli", "train", config, *overrides,
     ]  # fmt: skip
     env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    if "OMP_NUM_THREADS" not in env:  # else torchrun gives every rank one thread
+        threads, why = cpu_threads(nproc)
+        env["OMP_NUM_THREADS"] = str(threads)
+        print(f"CPU intra-op threads per rank: {threads} ({why})")
     if Path("/sys/class/net/lo").exists():
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # all ranks are on this machine: talk over loopback
     return subprocess.run(cmd, env=env).returncode

@@ -149,7 +149,7 @@ class VLLMEngine:
             torch.set_num_threads = torch._C.set_num_threads
             torch.set_num_threads(n_threads)
         # Generation runs with the process's thread count (runtime.configure_threads decided it once:
-        # one thread for a small model on CPU, where multi-threaded ops spin-wait between small kernels).
+        # the cores this process may use and other processes leave idle).
         self.rollout_threads = n_threads
         self._sampling_cls = vllm.SamplingParams
         self.sync_weights(model)
