@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip
 POSTRL := $(VENV)/bin/postrl
 STAMP  := $(VENV)/.postrl-installed
 
-.PHONY: run test test-fast setup sft clean bench
+.PHONY: run test test-fast setup sft clean bench bench-trl
 
 setup: $(STAMP)
 
@@ -48,6 +48,11 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/rollout_engines.py
+
+# postrl (vLLM and HF engines) against TRL's GRPOTrainer on the make-run SFT model (docs/performance.md).
+bench-trl: $(STAMP) $(SFT_MODEL)
+	$(PIP) install --quiet -e ".[bench]"
+	$(PY) benchmarks/vs_trl.py
 
 clean:
 	rm -rf runs .pytest_cache
