@@ -13,7 +13,8 @@ step per batch):
 All peers live in this one process and take turns step by step (TRL's train() drives the loop; a
 callback runs one postrl step of each other peer after each TRL step), so they all see the same
 machine load; the ratio postrl / TRL is taken within the run. Each peer runs with its own CPU thread
-count: postrl's thread policy (runtime.threads_for) and TRL's default (torch's: every core).
+count: postrl's thread policy (runtime.threads_for), and for TRL by default the same count
+(`--trl-threads default` gives it torch's default, every core: on a busy machine that thrashes).
 
 e2e tokens/s is the guides' formula for every peer (DESIGN.md section 4), over each peer's own
 wall-clock time of a step: (mean response length + mean prompt length) x prompts x n / seconds.
@@ -231,7 +232,9 @@ def raw_forward_backward(model_path: str, rows: int, length: int, threads: int, 
 # ----------------------------------------------------------------------------------------- main
 
 
-def run_setting(model: str, prompts: int, steps: int, warmup: int, engines: list[str], extra: list[str]) -> dict[str, Peer]:
+def run_setting(
+    model: str, prompts: int, steps: int, warmup: int, engines: list[str], extra: list[str], trl_threads: str
+) -> dict[str, Peer]:
     default_threads = torch.get_num_threads()  # what a TRL user gets: torch's default
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
@@ -241,6 +244,10 @@ def run_setting(model: str, prompts: int, steps: int, warmup: int, engines: list
             torch.set_num_threads(default_threads)
             trainers[engine] = postrl_peer(engine, model, prompts, workdir, extra)
             peers[f"postrl-{engine}"] = Peer(f"postrl-{engine}", torch.get_num_threads())
+        if trl_threads == "postrl":  # TRL at postrl's count: on a busy machine its default would thrash
+            default_threads = next(iter(peers.values())).threads
+        elif trl_threads != "default":
+            default_threads = int(trl_threads)
         peers["trl"] = Peer("trl", default_threads)
 
         def on_trl_step(seconds: float) -> None:
@@ -303,6 +310,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6, help="measured steps per peer")
     ap.add_argument("--warmup", type=int, default=2, help="steps dropped first")
     ap.add_argument("--engines", nargs="+", default=["vllm", "hf"], help="postrl engines to run")
+    ap.add_argument(
+        "--trl-threads", default="postrl",
+        help="TRL's intra-op threads: postrl (the count postrl's thread policy chose), default (torch's), or N",
+    )  # fmt: skip
     ap.add_argument("overrides", nargs="*", help="extra postrl config overrides (train.use_remove_padding=true ...)")
     args = ap.parse_args()
     if not (Path(args.model) / "config.json").is_file():
@@ -312,7 +323,7 @@ def main() -> None:
         prompts, n = (int(x) for x in setting.split("x"))
         assert n == N, f"group size is fixed at {N}"
         print(f"\n== {setting}: {prompts} prompts x {N} samples, max {MAX_TOKENS} tokens")
-        peers = run_setting(args.model, prompts, args.steps, args.warmup, args.engines, args.overrides)
+        peers = run_setting(args.model, prompts, args.steps, args.warmup, args.engines, args.overrides, args.trl_threads)
         report(setting, peers, args.model)
     print(f"\nload after: {os.getloadavg()}")
 
