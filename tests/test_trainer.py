@@ -165,9 +165,11 @@ def test_thread_policy_uses_the_cores_this_process_may_use(monkeypatch):
     """Cores of the affinity set / processes on the machine, capped by the idle cores; overrides win."""
     import os
 
+    import postrl.runtime
     from postrl.runtime import threads_for
 
     model = torch.nn.Linear(2, 2)
+    monkeypatch.setattr(postrl.runtime, "_own_load", lambda: 0.0)  # the load below is all other processes
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))

@@ -239,7 +239,7 @@ def _packed_forward(model, input_ids, attention_mask, T, temperature, with_entro
     leaders, unit_lengths = share_prompts(same_B.tolist(), plens, rlens, capacity)
     leader_B = torch.tensor(leaders, device=device)
     unit_B = leader_B.cumsum(0) - 1
-    row_of, offset_of, (R, C) = pack_sequences(unit_lengths, capacity)
+    row_of, offset_of, (R, C) = pack_sequences(unit_lengths, None if varlen else max(unit_lengths))
     row_U = torch.tensor(row_of, device=device)
     off_U = torch.tensor(offset_of, device=device)
     # each response starts after its unit's prompt and the responses of the unit before it

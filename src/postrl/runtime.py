@@ -23,6 +23,7 @@ loaded and hands the result to whoever builds models or tensors, as nanochat's `
 
 from __future__ import annotations
 
+import math
 import os
 import random
 from dataclasses import dataclass
@@ -100,11 +101,12 @@ def cpu_threads(processes: int = 1) -> tuple[int, str]:
     """(intra-op threads for each of `processes` processes of this job on this machine, why).
 
     The cores this process may use, split among the job's processes, capped by the cores that the
-    rest of the machine leaves idle (cores minus the rounded 1-minute load average; at least one).
+    rest of the machine leaves idle (cores minus the rounded 1-minute load average of the other
+    processes: this one's own part is taken out; at least one).
     """
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     processes = max(1, processes)
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    load = max(0.0, os.getloadavg()[0] - _own_load()) if hasattr(os, "getloadavg") else 0.0  # other processes
     share = max(1, cores // processes)
     idle = max(1, cores - round(load))
     n = min(share, idle)
@@ -112,6 +114,21 @@ def cpu_threads(processes: int = 1) -> tuple[int, str]:
     if idle < share:
         why += f", {idle} idle (load {load:.1f}: busy threads would spin against other processes)"
     return n, why
+
+
+def _own_load() -> float:
+    """This process's part of the 1-minute load average: its CPU use so far, damped as the kernel damps it."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: start time since boot
+        with open("/proc/uptime") as f:
+            elapsed = float(f.read().split()[0]) - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    if elapsed <= 0:
+        return 0.0
+    cpu = sum(os.times()[:2])  # user + system seconds of every thread of this process
+    return cpu / elapsed * (1 - math.exp(-elapsed / 60))
 
 
 def threads_for(model: torch.nn.Module, requested: int | None = None) -> tuple[int | None, str]:
