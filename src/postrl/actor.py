@@ -1,7 +1,8 @@
 """The actor: the policy under training, its optimizer and LR schedule, and the clipped policy update.
 
     rows of the global batch -> this rank's rows, packed on runtime.device (`pack`)
-      -> micro-batches trimmed to their own padding (`micro_batches`)
+      -> micro-batches trimmed to their own padding (`micro_batches`); with train.use_remove_padding
+         (default) each forward packs them without padding, a group's prompt once (`models.response_logprobs`)
       -> old / ref log-probs (`compute_logprobs`, no grad)
       -> per mini-batch: normalisers over all ranks, then forward + loss + backward per micro-batch,
          clip, AdamW step (`update`); the LR scheduler steps once per training step.

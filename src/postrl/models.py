@@ -167,8 +167,8 @@ def response_logprobs(
     Inputs are padded rows (prompts left-padded, responses right-padded; `build_sequences`). One
     forward yields both; only the logits of positions that predict a response token are computed
     (`logits_to_keep`), and the log-softmax runs over them in fp32 chunks of `chunk_tokens`
-    (`algorithms.token_logprobs`), so [B, T, V] never exists in fp32. Padded positions of the result
-    are 0 (log-probs) and must be masked by the caller.
+    (`algorithms.token_logprobs`), so [B, T, V] never exists in fp32. Values at padded response
+    positions mean nothing (0 with `remove_padding`): callers mask them.
 
     `remove_padding` (train.use_remove_padding) runs the forward on the sequences packed without
     padding (`_packed_forward`); the result is the same up to float rounding. `multi_modal` holds
@@ -196,7 +196,7 @@ def response_logprobs(
     return logp_N.view(B, T), entropy_N.view(B, T) if with_entropy else None
 
 
-PACK_ROW_FACTOR = 4  # sdpa / eager: a packed row holds up to this many times the longest sequence ...
+PACK_ROW_FACTOR = 4  # sdpa / eager: a shared-prompt unit holds up to this many times the longest sequence ...
 PACK_ROW_TOKENS = 4096  # ... but no more than this (or the longest sequence, when that is longer)
 
 
@@ -213,8 +213,10 @@ def _packed_forward(model, input_ids, attention_mask, T, temperature, with_entro
     here; transformers' own packed-sequence mask cannot express a shared prefix). The log-probs are those
     of k separate sequences, while the prompt is computed once instead of k times: with G samples of
     prompt length P and response length R, G (P + R) tokens become P + G R. These kernels compute every
-    query-key pair of a row, so rows are kept short: up to PACK_ROW_FACTOR times the longest sequence
-    and PACK_ROW_TOKENS (`partition.share_prompts`, then first-fit decreasing `partition.pack_sequences`).
+    query-key pair of a row, so rows are kept short: a unit holds up to PACK_ROW_FACTOR times the longest
+    sequence and PACK_ROW_TOKENS (`partition.share_prompts`; a longer group is split into units with their
+    own prompt copy), and units are packed first-fit decreasing into rows as wide as the widest unit
+    (`partition.pack_sequences`).
     """
     from postrl.algorithms import token_logprobs
     from postrl.partition import pack_sequences, share_prompts
