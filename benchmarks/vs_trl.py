@@ -22,7 +22,9 @@ The first `--warmup` steps are dropped; medians of the rest are printed.
 
 The raw bound: one plain forward + backward (HF's own next-token loss, no optimizer step) of the
 same model on a dense batch with the same number of tokens as postrl's update (rows x mean length),
-at postrl's thread count. update / raw near 1 means the update costs what the model's math costs.
+at postrl's thread count, measured right after each postrl step (so under the same load). update /
+raw near 1 means the update costs what the model's math costs; above 1, postrl computes less than
+the dense batch (a group's prompt once, not once per sample).
 
     pip install -e '.[bench]'          # TRL
     python benchmarks/vs_trl.py [--settings 8x8 32x8] [--steps 6] [--warmup 2] [--model DIR]
@@ -60,6 +62,8 @@ class Step:
     split: dict[str, float]
     rows: int = 0
     update_tokens: float = 0.0  # tokens the update trains on (prompt + response, no padding)
+    raw_shape: tuple[int, int] = (0, 0)  # the raw bound's dense batch: rows x mean length
+    raw_seconds: float = 0.0  # its forward + backward, measured right after this step
 
 
 @dataclass
@@ -208,25 +212,22 @@ def trl_step(acc: dict[str, float], seconds: float) -> Step:
 # ------------------------------------------------------------------------------------ raw bound
 
 
-def raw_forward_backward(model_path: str, rows: int, length: int, threads: int, repeats: int = 5) -> float:
-    """Median seconds of one dense forward + backward (HF next-token loss) on [rows, length] tokens."""
-    from transformers import AutoModelForCausalLM
+class RawBound:
+    """One dense forward + backward (HF's next-token loss, no optimizer step) of a copy of the model."""
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).train()
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, model.config.vocab_size, (rows, length), generator=gen)
-    times = []
-    try:
-        for _ in range(repeats + 1):
-            start = time.perf_counter()
-            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-            times.append(time.perf_counter() - start)
-            model.zero_grad(set_to_none=True)
-    finally:
-        torch.set_num_threads(before)
-    return statistics.median(times[1:])
+    def __init__(self, model_path: str):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).train()
+        self.gen = torch.Generator().manual_seed(0)
+
+    def seconds(self, rows: int, length: int) -> float:
+        ids = torch.randint(3, self.model.config.vocab_size, (rows, length), generator=self.gen)
+        start = time.perf_counter()
+        self.model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        seconds = time.perf_counter() - start
+        self.model.zero_grad(set_to_none=True)
+        return seconds
 
 
 # ----------------------------------------------------------------------------------------- main
@@ -254,12 +255,16 @@ def run_setting(
             peers["trl"].steps.append(trl_step(acc, seconds))
             for engine, trainer in trainers.items():
                 torch.set_num_threads(peers[f"postrl-{engine}"].threads)
-                peers[f"postrl-{engine}"].steps.append(postrl_step(trainer))
+                step = postrl_step(trainer)
+                step.raw_shape = (step.rows, max(1, round(step.update_tokens / step.rows)))
+                step.raw_seconds = raw.seconds(*step.raw_shape)  # the bound, on the same tokens, same threads
+                peers[f"postrl-{engine}"].steps.append(step)
             torch.set_num_threads(default_threads)
             done = len(peers["trl"].steps)
             line = "  ".join(f"{p.name} {p.steps[-1].tokens / p.steps[-1].seconds:,.0f}" for p in peers.values())
             print(f"  step {done}/{steps + warmup}: e2e tok/s  {line}", flush=True)
 
+        raw = RawBound(model)
         torch.set_num_threads(default_threads)
         knobs = next(iter(trainers.values())).cfg.data.builtin.model_dump()
         trl = trl_trainer(model, prompts, steps + warmup, workdir, on_trl_step, knobs)
@@ -277,7 +282,7 @@ def med(values) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def report(setting: str, peers: dict[str, Peer], model: str) -> None:
+def report(setting: str, peers: dict[str, Peer]) -> None:
     trl = peers["trl"]
     trl_tps = med(s.tokens / s.seconds for s in trl.steps)
     print(f"\n### {setting}, max {MAX_TOKENS} tokens: median of {len(trl.steps)} steps after warm-up\n")
@@ -290,15 +295,13 @@ def report(setting: str, peers: dict[str, Peer], model: str) -> None:
     for p in peers.values():
         if not p.name.startswith("postrl"):
             continue
-        rows = p.steps[-1].rows
-        mean_len = med(s.update_tokens / s.rows for s in p.steps)
-        length = max(1, round(mean_len))
-        raw_s = raw_forward_backward(model, rows, length, p.threads)
-        raw_tps = rows * length / raw_s
         upd_tps = med(s.update_tokens / s.split["update"] for s in p.steps)
+        raw_tps = med(s.raw_shape[0] * s.raw_shape[1] / s.raw_seconds for s in p.steps)
+        ratio = med(s.update_tokens / s.split["update"] / (s.raw_shape[0] * s.raw_shape[1] / s.raw_seconds) for s in p.steps)
+        rows, length = p.steps[-1].raw_shape
         print(
-            f"\n{p.name}: update {upd_tps:,.0f} tok/s; raw forward+backward on [{rows}, {length}] "
-            f"{raw_tps:,.0f} tok/s ({raw_s:.3f} s); update / raw = {upd_tps / raw_tps:.2f}"
+            f"\n{p.name}: update {upd_tps:,.0f} tok/s; raw forward+backward on [{rows}, ~{length}] {raw_tps:,.0f} tok/s "
+            f"(measured after each step); update / raw = {ratio:.2f} (median of the per-step ratios)"
         )
 
 
@@ -324,7 +327,7 @@ def main() -> None:
         assert n == N, f"group size is fixed at {N}"
         print(f"\n== {setting}: {prompts} prompts x {N} samples, max {MAX_TOKENS} tokens")
         peers = run_setting(args.model, prompts, args.steps, args.warmup, args.engines, args.overrides, args.trl_threads)
-        report(setting, peers, args.model)
+        report(setting, peers)
     print(f"\nload after: {os.getloadavg()}")
 
 
