@@ -148,7 +148,8 @@ def configure_threads(model: torch.nn.Module, requested: int | None = None, log=
     if n is not None and n != torch.get_num_threads():
         torch.set_num_threads(n)
     if log is not None:
-        log(f"CPU intra-op threads: {torch.get_num_threads()} ({why}; train.num_threads overrides)")
+        hint = "" if requested else "; train.num_threads overrides"
+        log(f"CPU intra-op threads: {torch.get_num_threads()} ({why}{hint})")
 
 
 # ------------------------------------------------------------------------------------------ RNG
