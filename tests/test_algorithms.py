@@ -36,6 +36,7 @@ from postrl.algorithms import (
     reinforce_plus_plus_baseline_advantages,
     rloo_advantages,
     rollout_correction,
+    token_logprobs,
 )
 
 F64 = torch.float64
@@ -618,6 +619,58 @@ def test_entropy_hand_case_with_temperature():
     close(entropy_from_logits(t([[[0.0, math.log(3.0)]]])), [[0.562335]], atol=1e-6)
     # temperature 2 on z = (0, 2 ln 3): scaled logits (0, ln 3), the same distribution and entropy
     close(entropy_from_logits(t([[[0.0, 2 * math.log(3.0)]]]) / 2.0), [[0.562335]], atol=1e-6)
+
+
+def test_token_logprobs_hand_case():
+    # z = (0, ln 3): p = (1/4, 3/4); target 1 -> log 3/4 = -0.287682, target 0 -> log 1/4 = -1.386294;
+    # entropy 0.562335 (test_entropy_hand_case_with_temperature); temperature 2 on 2z: the same numbers
+    z = math.log(3.0)
+    logp_N, ent_N = token_logprobs(torch.tensor([[0.0, z], [0.0, z]]), torch.tensor([1, 0]), with_entropy=True)
+    close(logp_N, [-0.287682, -1.386294])
+    close(ent_N, [0.562335, 0.562335])
+    logp_N, _ = token_logprobs(torch.tensor([[0.0, 2 * z]]), torch.tensor([1]), temperature=2.0)
+    close(logp_N, [-0.287682])
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 1000])
+def test_token_logprobs_chunked_equal_unchunked_and_autograd(chunk):
+    """Values and gradients (log-prob and entropy terms) do not depend on the chunk, and match autograd."""
+    gen = torch.Generator().manual_seed(0)
+    logits_NV = (3 * torch.randn(11, 9, generator=gen, dtype=torch.float32)).requires_grad_(True)
+    targets_N = torch.randint(0, 9, (11,), generator=gen)
+    w_logp, w_ent = torch.randn(11, generator=gen), torch.randn(11, generator=gen)
+    tau = 0.7
+
+    logp_N, ent_N = token_logprobs(logits_NV, targets_N, tau, chunk_tokens=chunk, with_entropy=True)
+    (grad,) = torch.autograd.grad((w_logp * logp_N + w_ent * ent_N).sum(), logits_NV)
+    whole_logp, whole_ent = token_logprobs(logits_NV, targets_N, tau, chunk_tokens=11, with_entropy=True)
+    (whole_grad,) = torch.autograd.grad((w_logp * whole_logp + w_ent * whole_ent).sum(), logits_NV)
+    close(logp_N, whole_logp.detach())
+    close(ent_N, whole_ent.detach())
+    close(grad, whole_grad)
+
+    s_NV = logits_NV / tau  # reference: autograd through log_softmax
+    ref_logp = torch.log_softmax(s_NV, -1).gather(-1, targets_N[:, None]).squeeze(-1)
+    ref_ent = entropy_from_logits(s_NV)
+    (ref_grad,) = torch.autograd.grad((w_logp * ref_logp + w_ent * ref_ent).sum(), logits_NV)
+    close(logp_N, ref_logp.detach())
+    close(ent_N, ref_ent.detach())
+    close(grad, ref_grad)
+
+
+def test_token_logprobs_gradcheck_in_double():
+    gen = torch.Generator().manual_seed(1)
+    logits_NV = torch.randn(5, 4, generator=gen, dtype=F64, requires_grad=True)
+    targets_N = torch.randint(0, 4, (5,), generator=gen)
+    assert torch.autograd.gradcheck(lambda z: token_logprobs(z, targets_N, 1.3, chunk_tokens=2, with_entropy=True), (logits_NV,))
+
+
+def test_token_logprobs_of_bf16_logits_are_fp32_with_bf16_gradients():
+    logits_NV = torch.randn(6, 5).to(torch.bfloat16).requires_grad_(True)
+    logp_N, _ = token_logprobs(logits_NV, torch.zeros(6, dtype=torch.long), chunk_tokens=4)
+    assert logp_N.dtype == torch.float32
+    logp_N.sum().backward()
+    assert logits_NV.grad.dtype == torch.bfloat16
 
 
 # ---------------------------------------------------------------------------- reward shaping, sampling

@@ -96,6 +96,80 @@ def test_response_logprobs_match_a_full_forward(tiny, temperature):
     assert t["response_mask"].tolist() == [[1, 1, 1, 1], [1, 0, 0, 0]]
 
 
+def _groups(vocab: int, seed: int = 0):
+    """Prompts repeated per group (GRPO), of various lengths, with responses of 0 to 7 tokens."""
+    import random
+
+    rng = random.Random(seed)
+    prompts, responses = [], []
+    for _ in range(4):
+        p = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 9))]
+        for _ in range(rng.randint(1, 4)):
+            prompts.append(p)
+            responses.append([rng.randrange(3, vocab) for _ in range(rng.randint(0, 7))])
+    responses[0] = responses[0] or [5]
+    return prompts, responses
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("row_tokens", [4096, 1])  # 1: rows as long as the longest sequence, groups split
+def test_packed_logprobs_equal_padded(tiny_model_path, attn, shared, row_tokens, monkeypatch):
+    """train.use_remove_padding: log-probs, entropies and gradients equal the padded pass within 1e-5 (fp32)."""
+    import postrl.models
+
+    monkeypatch.setattr(postrl.models, "PACK_ROW_TOKENS", row_tokens)
+    model = load_model(tiny_model_path)
+    model.config._attn_implementation = attn
+    prompts, responses = _groups(model.config.vocab_size)
+    if not shared:  # every prompt different: one sequence per unit
+        prompts = [p + [3 + i] for i, p in enumerate(prompts)]
+    t = build_sequences(prompts, responses, 0)
+    T, mask = t["response_mask"].shape[1], t["response_mask"].bool()
+    slots = []
+    model.register_forward_pre_hook(lambda m, a, kw: slots.append(kw["input_ids"].numel()), with_kwargs=True)
+    results = []
+    for remove_padding in (False, True):
+        model.zero_grad()
+        logp, ent = response_logprobs(
+            model, t["input_ids"], t["attention_mask"], t["position_ids"], T, 0.7,
+            with_entropy=True, remove_padding=remove_padding, chunk_tokens=5,
+        )  # fmt: skip
+        ((logp * mask).sum() + (ent * mask).sum()).backward()
+        results.append((logp.detach(), ent.detach(), [p.grad.clone() for p in model.parameters()]))
+    (logp_a, ent_a, grads_a), (logp_b, ent_b, grads_b) = results
+    tokens = sum(len(p) + len(r) for p, r in zip(prompts, responses))
+    unique_prompts = sum(len(p) for i, p in enumerate(prompts) if i == 0 or p != prompts[i - 1])
+    expected = unique_prompts + sum(len(r) for r in responses) if shared else tokens
+    assert slots[0] == t["input_ids"].numel() and expected <= slots[1] < slots[0]  # each prompt computed once
+    assert (logp_a - logp_b)[mask].abs().max() < 1e-5
+    assert (ent_a - ent_b)[mask].abs().max() < 1e-5
+    assert logp_b[~mask].abs().max() == 0 and ent_b[~mask].abs().max() == 0
+    for ga, gb in zip(grads_a, grads_b):
+        torch.testing.assert_close(ga, gb, atol=1e-5, rtol=1e-4)
+
+
+def test_pack_sequences_first_fit_decreasing():
+    """Packing plan: whole units, longest first, each into the first row with room."""
+    from postrl.partition import pack_sequences
+
+    # units of 9, 5, 4, 3 tokens into rows of 10: [9], [5, 4], [3] -> widths 9, 9, 3
+    row_of, offset_of, shape = pack_sequences([5, 9, 3, 4], 10)
+    assert (row_of, offset_of, shape) == ([1, 0, 2, 1], [0, 0, 0, 5], (3, 9))
+    assert pack_sequences([5, 9, 3], None) == ([0, 0, 0], [9, 0, 14], (1, 17))
+
+
+def test_share_prompts_units_and_capacity():
+    """Samples of one prompt share it while the unit fits: prompt 4 + responses 3, 2, 5 with capacity 10."""
+    from postrl.partition import share_prompts
+
+    same, plens, rlens = [False, True, True, False], [4, 4, 4, 6], [3, 2, 5, 1]
+    # no limit: units (4+3+2+5) and (6+1)
+    assert share_prompts(same, plens, rlens) == ([True, False, False, True], [14, 7])
+    # capacity 10: 4+3+2 = 9 fits, +5 would be 14 -> the third sample starts a unit with its own prompt copy
+    assert share_prompts(same, plens, rlens, 10) == ([True, False, True, True], [9, 9, 7])
+
+
 def test_hf_engine_groups_seeds_and_eos(tiny):
     model, tok = tiny
     engine = HFEngine(model, tok)

@@ -109,6 +109,25 @@ def test_three_steps_from_a_fixed_seed_pin_the_losses(tmp_path):
 PINNED = [[-0.029332, 1.46917, 0.329298], [-0.04125, 0.86563, 0.347167], [-0.027955, 0.7951, 0.337112]]
 
 
+def test_packing_without_padding_trains_the_same(tmp_path):
+    """train.use_remove_padding (prompts shared within a group, no padding) gives the losses of the padded run."""
+    runs = []
+    for packed in (False, True):
+        cfg = load_config(
+            None,
+            tiny_overrides(
+                tmp_path / str(packed), "reward.verifiers=[verifiers_for_tests:vowel_share]", "train.lr=1e-3",
+                "train.epochs_per_batch=2", "train.total_steps=2", f"train.use_remove_padding={packed}",
+            ),
+        )  # fmt: skip
+        train(cfg)
+        runs.append([r for r in read_jsonl(tmp_path / str(packed) / "run" / "metrics.jsonl") if "timing/all" in r])
+    assert len(runs[0]) == len(runs[1]) == 2
+    for padded, packed in zip(*runs):
+        for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/ppo_kl", "grpo/rewards/mean"):
+            assert abs(padded[key] - packed[key]) < 1e-5, (key, padded[key], packed[key])
+
+
 @pytest.mark.slow
 def test_grpo_learns_a_dense_reward(tmp_path):
     """20 steps of GRPO raise the vowel share of the tiny model's completions (learning happens)."""
@@ -140,3 +159,28 @@ def test_logprobs_of_the_update_pass_equal_a_separate_no_grad_pass(tmp_path):
     full, _ = response_logprobs(tr.model, t["input_ids"], t["attention_mask"], t["position_ids"], T, 1.0)
     mask = t["response_mask"].bool()
     assert torch.allclose(separate[mask], full[mask], atol=1e-5)
+
+
+def test_thread_policy_uses_the_cores_this_process_may_use(monkeypatch):
+    """Cores of the affinity set / processes on the machine, capped by the idle cores; overrides win."""
+    import os
+
+    import postrl.runtime
+    from postrl.runtime import threads_for
+
+    model = torch.nn.Linear(2, 2)
+    monkeypatch.setattr(postrl.runtime, "_own_load", lambda: 0.0)  # the load below is all other processes
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    load = [0.3]
+    monkeypatch.setattr(os, "getloadavg", lambda: (load[0], 0.0, 0.0))
+    assert threads_for(model)[0] == 8  # alone on an idle machine: every usable core
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert threads_for(model)[0] == 4  # two ranks on this machine (--nproc 2): half each
+    load[0] = 6.6  # other processes keep 7 of the 8 cores busy: one thread, not four spinning ones
+    n, why = threads_for(model)
+    assert n == 1 and "load 6.6" in why
+    assert threads_for(model, requested=3) == (3, "train.num_threads")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # conftest's setting: torch's own count stays
+    assert threads_for(model) == (None, "OMP_NUM_THREADS=1")

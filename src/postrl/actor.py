@@ -1,7 +1,8 @@
 """The actor: the policy under training, its optimizer and LR schedule, and the clipped policy update.
 
     rows of the global batch -> this rank's rows, packed on runtime.device (`pack`)
-      -> micro-batches trimmed to their own padding (`micro_batches`)
+      -> micro-batches trimmed to their own padding (`micro_batches`); with train.use_remove_padding
+         (default) each forward packs them without padding, a group's prompt once (`models.response_logprobs`)
       -> old / ref log-probs (`compute_logprobs`, no grad)
       -> per mini-batch: normalisers over all ranks, then forward + loss + backward per micro-batch,
          clip, AdamW step (`update`); the LR scheduler steps once per training step.
@@ -71,6 +72,7 @@ class Actor:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(t.warmup_steps, t.total_steps, t.lr_schedule, t.min_lr_ratio))
         self.on_policy = t.mini_batch_size == t.global_batch_size and t.epochs_per_batch == 1
         self.policy_loss = algo.get_policy_loss_fn(cfg.algorithm.policy_loss)
+        self._logprob_options = dict(remove_padding=t.use_remove_padding, chunk_tokens=t.logprob_chunk_tokens)
 
     # --------------------------------------------------------------------------------- tensors
     def pack(self, batch: Batch, adv_B: torch.Tensor) -> Packed:
@@ -136,7 +138,7 @@ class Actor:
             with self.runtime.autocast():  # bf16 compute, fp32 log-probs (runtime.py: precision)
                 logp, _ = response_logprobs(
                     model, mb["input_ids"], mb["attention_mask"], mb["position_ids"], T, self.cfg.rollout.temperature,
-                    multi_modal=mb.get("multi_modal"), modality=self.modality,
+                    multi_modal=mb.get("multi_modal"), modality=self.modality, **self._logprob_options,
                 )  # fmt: skip
             out[torch.tensor(idx, device=out.device), :T] = logp
         return out
@@ -187,6 +189,7 @@ class Actor:
             logp, entropy = response_logprobs(
                 self.train_model, mb["input_ids"], mb["attention_mask"], mb["position_ids"], mask.shape[1],
                 self.cfg.rollout.temperature, with_entropy=True, multi_modal=mb.get("multi_modal"), modality=self.modality,
+                **self._logprob_options,
             )  # fmt: skip
         old_logp = logp.detach() if self.on_policy else mb["old_logp"]
         adv_BT = mb["adv"].unsqueeze(1).expand_as(logp)

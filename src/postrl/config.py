@@ -295,6 +295,14 @@ class TrainConfig(Section):
     )
     micro_batch_size: int = Field(16, ge=1, description="Sequences per forward/backward pass (grad accumulation).")
     use_dynamic_bsz: bool = Field(False, description="Form micro-batches by token budget instead of count.")
+    use_remove_padding: bool = Field(
+        True,
+        description="Pack each micro-batch's sequences into rows without padding (position ids restart per sequence; "
+        "flash attention: one row, varlen kernels; sdpa / eager: block-diagonal causal mask). Same log-probs, fewer tokens.",
+    )
+    logprob_chunk_tokens: int = Field(
+        1024, ge=1, description="Tokens per fp32 log-softmax chunk: [tokens, vocab] is never held in fp32 at once."
+    )
     max_token_len_per_device: int = Field(4096, ge=1, description="Token budget of a micro-batch (dynamic bsz).")
     epochs_per_batch: int = Field(1, ge=1, description="PPO epochs over each batch.")
     lr: float = Field(1e-6, gt=0, description="Peak learning rate (AdamW).")
@@ -320,7 +328,8 @@ class TrainConfig(Section):
         "parameter per device, divided by the world size under FSDP2) for a host-to-device copy per step.",
     )
     num_threads: int | None = Field(
-        None, ge=1, description="CPU intra-op threads of each process (default: one for small models on CPU, else torch's)."
+        None, ge=1, description="CPU intra-op threads of each process (default: its usable cores / processes on the machine, "
+        "no more than the idle ones; OMP_NUM_THREADS also counts). See docs/performance.md.",
     )
 
     # Field validators (not a model validator) so these run even when another train field is invalid.

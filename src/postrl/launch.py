@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from postrl import distributed
 from postrl.errors import UserError
+from postrl.runtime import cpu_threads
 from postrl.trainer import train
 
 if TYPE_CHECKING:
@@ -110,7 +111,10 @@ def launch_local(config: str, overrides: list[str], nproc: int) -> int:
     import time
 
     env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    if "OMP_NUM_THREADS" not in env:  # the ranks share the cores: runtime.cpu_threads divides them
+        threads, why = cpu_threads(nproc)
+        env["OMP_NUM_THREADS"] = str(threads)
+        print(f"CPU intra-op threads per rank: {threads} ({why})")
     if Path("/sys/class/net/lo").exists():
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # all ranks are on this machine: talk over loopback
         env.setdefault("NCCL_SOCKET_IFNAME", "lo")

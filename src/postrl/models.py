@@ -156,6 +156,9 @@ def build_sequences(prompts: list[list[int]], responses: list[list[int]], pad_id
     }
 
 
+LOGPROB_CHUNK_TOKENS = 1024  # default of train.logprob_chunk_tokens: fp32 log-softmax rows at a time
+
+
 def response_logprobs(
     model,
     input_ids: torch.Tensor,
@@ -166,28 +169,149 @@ def response_logprobs(
     with_entropy: bool = False,
     multi_modal: list[dict | None] | None = None,
     modality: Modality | None = None,
+    remove_padding: bool = False,
+    chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs [B, T] of the last `response_len` tokens under softmax(logits / temperature).
+    """Log-probs [B, T] of the last `response_len` tokens under softmax(logits / temperature), and entropy.
 
-    Only the logits of response positions are computed (`logits_to_keep`), so one call materialises
-    at most [B, T+1, V]; callers pass one micro-batch at a time. `multi_modal` holds each sequence's
-    image inputs (VLMs), turned into forward arguments by `modality` (None: text); with images
-    the model computes its own (mRoPE) positions.
+    Inputs are padded rows (prompts left-padded, responses right-padded; `build_sequences`). One
+    forward yields both; only the logits of positions that predict a response token are computed
+    (`logits_to_keep`), and the log-softmax runs over them in fp32 chunks of `chunk_tokens`
+    (`algorithms.token_logprobs`), so [B, T, V] never exists in fp32. Values at padded response
+    positions mean nothing (0 with `remove_padding`): callers mask them.
+
+    `remove_padding` (train.use_remove_padding) runs the forward on the sequences packed without
+    padding (`_packed_forward`); the result is the same up to float rounding. `multi_modal` holds
+    each sequence's image inputs (VLMs), turned into forward arguments by `modality` (None: text);
+    with images the model computes its own (mRoPE) positions, and rows stay padded.
     """
-    from postrl.algorithms import entropy_from_logits
+    from postrl.algorithms import token_logprobs
 
     T = response_len
+    B, L = input_ids.shape
+    if remove_padding and multi_modal is None:
+        return _packed_forward(model, input_ids, attention_mask, T, temperature, with_entropy, chunk_tokens)
     mm = (modality or TEXT).forward_kwargs(model, input_ids, multi_modal) if multi_modal is not None else {}
+    keep = torch.arange(L - T - 1, L - 1, device=input_ids.device)  # position t predicts token t + 1
     out = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=None if mm else position_ids,
-        logits_to_keep=T + 1,
+        logits_to_keep=keep,
         use_cache=False,
         **mm,
     )
-    logits_BTV = out.logits[:, :-1, :].float() / temperature  # position t predicts token t + 1
-    targets_BT = input_ids[:, -T:]
-    logp_BT = torch.log_softmax(logits_BTV, dim=-1).gather(-1, targets_BT.unsqueeze(-1)).squeeze(-1)
-    entropy_BT = entropy_from_logits(logits_BTV) if with_entropy else None
+    logits_NV = out.logits.view(B * T, -1)  # [B, T, V], contiguous: no copy
+    logp_N, entropy_N = token_logprobs(logits_NV, input_ids[:, -T:].reshape(-1), temperature, chunk_tokens, with_entropy)
+    return logp_N.view(B, T), entropy_N.view(B, T) if with_entropy else None
+
+
+PACK_ROW_FACTOR = 4  # sdpa / eager: a shared-prompt unit holds up to this many times the longest sequence ...
+PACK_ROW_TOKENS = 4096  # ... but no more than this (or the longest sequence, when that is longer)
+
+
+def _packed_forward(model, input_ids, attention_mask, T, temperature, with_entropy, chunk_tokens):
+    """`response_logprobs` with the micro-batch packed into rows without padding.
+
+    Flash attention (transformers' supported path for packed sequences): every sequence goes whole into
+    one row, position ids restart at 0 per sequence and there is no attention mask; transformers turns
+    the position ids into variable-length kernel boundaries, so no token attends across sequences.
+
+    sdpa / eager: consecutive samples of the same prompt (a GRPO group) share one copy of it: a row holds
+    units `prompt, response_1, ..., response_k`, each response positioned right after the prompt (position
+    ids P, P+1, ...) and allowed to attend the prompt and its own earlier tokens only (a 4D mask built
+    here; transformers' own packed-sequence mask cannot express a shared prefix). The log-probs are those
+    of k separate sequences, while the prompt is computed once instead of k times: with G samples of
+    prompt length P and response length R, G (P + R) tokens become P + G R. These kernels compute every
+    query-key pair of a row, so rows are kept short: a unit holds up to PACK_ROW_FACTOR times the longest
+    sequence and PACK_ROW_TOKENS (`partition.share_prompts`; a longer group is split into units with their
+    own prompt copy), and units are packed first-fit decreasing into rows as wide as the widest unit
+    (`partition.pack_sequences`).
+    """
+    from postrl.algorithms import token_logprobs
+    from postrl.partition import pack_sequences, share_prompts
+
+    B, L = input_ids.shape
+    device = input_ids.device
+    attn = getattr(_config(model), "_attn_implementation", None) or "sdpa"
+    varlen = attn.startswith("flash")
+    prompt_cols = L - T
+    start_B = (attention_mask.cumsum(1) == 0).sum(1)  # first token: where the left padding ends
+    plen_B = prompt_cols - start_B
+    rlen_B = attention_mask[:, prompt_cols:].sum(1)
+    assert bool((plen_B > 0).all()), "every sequence needs at least one prompt token"
+
+    # units: a prompt followed by the responses that share it (one response each with flash attention)
+    same_B = torch.zeros(B, dtype=torch.bool, device=device)
+    if not varlen and B > 1:
+        same_B[1:] = ((input_ids[1:, :prompt_cols] == input_ids[:-1, :prompt_cols]) & (start_B[1:] == start_B[:-1])[:, None]).all(1)
+    plens, rlens = plen_B.tolist(), rlen_B.tolist()
+    longest = max(p + r for p, r in zip(plens, rlens))
+    capacity = None if varlen else max(longest, min(PACK_ROW_FACTOR * longest, PACK_ROW_TOKENS))
+    leaders, unit_lengths = share_prompts(same_B.tolist(), plens, rlens, capacity)
+    leader_B = torch.tensor(leaders, device=device)
+    unit_B = leader_B.cumsum(0) - 1
+    row_of, offset_of, (R, C) = pack_sequences(unit_lengths, None if varlen else max(unit_lengths))
+    row_U = torch.tensor(row_of, device=device)
+    off_U = torch.tensor(offset_of, device=device)
+    # each response starts after its unit's prompt and the responses of the unit before it
+    before_B = rlen_B.cumsum(0) - rlen_B
+    resp_off_B = off_U[unit_B] + plen_B + before_B - before_B[leader_B][unit_B]
+
+    ids_RC = torch.zeros((R, C), dtype=input_ids.dtype, device=device)
+    pos_RC = torch.zeros((R, C), dtype=torch.long, device=device)  # padding: position 0, a sequence of its own
+    seg_RC = torch.zeros((R, C), dtype=torch.long, device=device)  # 0: prompt, b + 1: response of sequence b
+    unit_RC = -1 - torch.arange(R * C, device=device).view(R, C)  # padding: a unit of its own
+    # prompt tokens of each unit (from its leader)
+    lead = leader_B.nonzero().squeeze(1)
+    b_P = torch.repeat_interleave(lead, plen_B[lead])
+    j_P = torch.arange(b_P.numel(), device=device) - torch.repeat_interleave(plen_B[lead].cumsum(0) - plen_B[lead], plen_B[lead])
+    r_P, c_P = row_U[unit_B[b_P]], off_U[unit_B[b_P]] + j_P
+    ids_RC[r_P, c_P] = input_ids[b_P, start_B[b_P] + j_P]
+    pos_RC[r_P, c_P] = j_P
+    unit_RC[r_P, c_P] = unit_B[b_P]
+    # response tokens of every sequence
+    b_M, k_M = attention_mask[:, prompt_cols:].nonzero(as_tuple=True)
+    r_M, c_M = row_U[unit_B[b_M]], resp_off_B[b_M] + k_M
+    ids_RC[r_M, c_M] = input_ids[b_M, prompt_cols + k_M]
+    pos_RC[r_M, c_M] = plen_B[b_M] + k_M
+    seg_RC[r_M, c_M] = b_M + 1
+    unit_RC[r_M, c_M] = unit_B[b_M]
+
+    if varlen:
+        mask = None
+    else:
+        q, k = (seg_RC[:, :, None], unit_RC[:, :, None]), (seg_RC[:, None, :], unit_RC[:, None, :])
+        causal_CC = torch.ones((C, C), dtype=torch.bool, device=device).tril()
+        allowed_RCC = causal_CC & (q[1] == k[1]) & ((k[0] == 0) | (k[0] == q[0]))
+        mask = allowed_RCC[:, None]  # [R, 1, C, C]: True attends
+        if attn == "eager":  # eager adds the mask to the scores
+            dtype = next(model.parameters()).dtype
+            mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, torch.finfo(dtype).min)
+
+    # response token k of sequence b is predicted by the slot before it: the prompt's last for k = 0
+    pred_M = torch.where(k_M == 0, off_U[unit_B[b_M]] + plen_B[b_M] - 1, c_M - 1)
+    keep_K = torch.unique(pred_M)  # sorted columns that hold a predicting slot in some row
+    K = keep_K.numel()
+    k_of_col = torch.full((C,), -1, dtype=torch.long, device=device)
+    k_of_col[keep_K] = torch.arange(K, device=device)
+    out = model(input_ids=ids_RC, attention_mask=mask, position_ids=pos_RC, logits_to_keep=keep_K, use_cache=False)
+    logits_NV = out.logits.view(R * K, -1)
+    flat_M = r_M * K + k_of_col[pred_M]
+    targets_M = ids_RC[r_M, c_M]
+    if leader_B.all():  # one target per kept slot: score the kept logits in place
+        targets_N = torch.zeros(R * K, dtype=input_ids.dtype, device=device)
+        targets_N[flat_M] = targets_M
+        logp_N, entropy_N = token_logprobs(logits_NV, targets_N, temperature, chunk_tokens, with_entropy)
+        logp_M, entropy_M = logp_N[flat_M], entropy_N[flat_M] if with_entropy else None
+    else:  # a shared prompt's last slot predicts the first token of each of its responses
+        logp_M, entropy_M = token_logprobs(logits_NV.index_select(0, flat_M), targets_M, temperature, chunk_tokens, with_entropy)
+    zeros_BT = torch.zeros((B, T), dtype=torch.float32, device=device)
+    logp_BT = zeros_BT.index_put((b_M, k_M), logp_M)
+    entropy_BT = zeros_BT.index_put((b_M, k_M), entropy_M) if with_entropy else None
     return logp_BT, entropy_BT
+
+
+def _config(model):
+    """The HF config of a model, or of the model inside a DDP wrapper."""
+    return getattr(model, "config", None) or getattr(getattr(model, "module", None), "config", None)

@@ -98,3 +98,43 @@ def rank_rows(lengths: list[int], mini_batch: int, balance: bool = False) -> lis
             per = len(idx) // W
             rows += idx[r * per : (r + 1) * per]
     return rows
+
+
+def pack_sequences(lengths: list[int], capacity: int | None = None) -> tuple[list[int], list[int], tuple[int, int]]:
+    """Rows and offsets that pack sequences of `lengths` without padding: (row_of, offset_of, (rows, width)).
+
+    First-fit decreasing into rows of `capacity` tokens (None: one row holding everything); a
+    sequence is never split. The width is the longest row. Deterministic.
+    """
+    assert lengths, "no sequences to pack"
+    cap = capacity or sum(lengths)
+    assert max(lengths) <= cap, f"a sequence of {max(lengths)} tokens does not fit a row of {cap}"
+    row_of, offset_of = [0] * len(lengths), [0] * len(lengths)
+    fill: list[int] = []  # tokens used in each row
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = next((r for r, used in enumerate(fill) if used + lengths[i] <= cap), len(fill))
+        if r == len(fill):
+            fill.append(0)
+        row_of[i], offset_of[i] = r, fill[r]
+        fill[r] += lengths[i]
+    return row_of, offset_of, (len(fill), max(fill))
+
+
+def share_prompts(
+    same_prompt: list[bool], prompt_lens: list[int], response_lens: list[int], capacity: int | None = None
+) -> tuple[list[bool], list[int]]:
+    """Which sequences start a packing unit `prompt, response, response, ...`, and each unit's length.
+
+    Sequence i joins the unit before it when its prompt is the same as sequence i-1's (`same_prompt[i]`)
+    and the unit stays within `capacity` tokens (None: no limit); otherwise it leads a new unit with its
+    own copy of the prompt. Returns (leader flag per sequence, tokens per unit).
+    """
+    leaders, lengths = [], []
+    for i, (same, p, r) in enumerate(zip(same_prompt, prompt_lens, response_lens)):
+        if i > 0 and same and (capacity is None or lengths[-1] + r <= capacity):
+            leaders.append(False)
+            lengths[-1] += r
+        else:
+            leaders.append(True)
+            lengths.append(p + r)
+    return leaders, lengths

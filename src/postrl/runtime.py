@@ -25,11 +25,13 @@ loaded and hands the result to whoever builds models or tensors, as nanochat's `
   small gradients underflow).
 - Rank and world size come from torch.distributed once the process group exists (launch.py creates
   it); before that a process is rank 0 of 1.
-- CPU threads (`threads_for`): one intra-op thread for a model under 100M parameters on CPU unless
-  OMP_NUM_THREADS or `train.num_threads` says otherwise. The matrices of a tiny model are too small
-  to split, and on a 2-core machine with anything else running (verifier workers, another job)
-  OpenMP's spinning threads slow a step down by 5-10x (measured: 0.35 s vs 4.6 s per SFT step).
-  Rollout engines run with the same count: the process decides once, the engines do not.
+- CPU threads (`threads_for`, docs/performance.md): `train.num_threads`, else OMP_NUM_THREADS, else
+  the cores this process may use (`os.sched_getaffinity`) divided among the processes of this job on
+  the machine (LOCAL_WORLD_SIZE, `--nproc`), and no more than the cores other processes leave idle
+  (1-minute load average): OpenMP threads spin-wait between kernels, so a thread that has to share
+  its core with a busy process slows a step down 5-10x (measured: update 2.1 s with one thread,
+  18.9 s with two on a 2-core machine at load 6). Rollout engines run with the same count: the
+  process decides once, the engines do not.
 - RNG: `seed_everything`, and `rng_state` / `set_rng_state` for exact resume.
 - Signals: `StopOnSignal` turns SIGTERM / SIGINT into a flag the loop reads after each step.
 """
@@ -37,6 +39,7 @@ loaded and hands the result to whoever builds models or tensors, as nanochat's `
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import random
 import signal
@@ -50,7 +53,6 @@ import torch
 from postrl.errors import UserError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-SMALL_MODEL_PARAMS = 100_000_000  # below this, CPU work of one process gains nothing from more threads
 
 
 @dataclass(frozen=True)
@@ -143,26 +145,59 @@ def _npu_available() -> bool:
 # -------------------------------------------------------------------------------------- threads
 
 
+def cpu_threads(processes: int = 1) -> tuple[int, str]:
+    """(intra-op threads for each of `processes` processes of this job on this machine, why).
+
+    The cores this process may use, split among the job's processes, capped by the cores that the
+    rest of the machine leaves idle (cores minus the rounded 1-minute load average of the other
+    processes: this one's own part is taken out; at least one).
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    processes = max(1, processes)
+    load = max(0.0, os.getloadavg()[0] - _own_load()) if hasattr(os, "getloadavg") else 0.0  # other processes
+    share = max(1, cores // processes)
+    idle = max(1, cores - round(load))
+    n = min(share, idle)
+    why = f"{cores} usable cores" + (f" / {processes} processes" if processes > 1 else "")
+    if idle < share:
+        why += f", {idle} idle (load {load:.1f}: busy threads would spin against other processes)"
+    return n, why
+
+
+def _own_load() -> float:
+    """This process's part of the 1-minute load average: its CPU use so far, damped as the kernel damps it."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: start time since boot
+        with open("/proc/uptime") as f:
+            elapsed = float(f.read().split()[0]) - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    if elapsed <= 0:
+        return 0.0
+    cpu = sum(os.times()[:2])  # user + system seconds of every thread of this process
+    return cpu / elapsed * (1 - math.exp(-elapsed / 60))
+
+
 def threads_for(model: torch.nn.Module, requested: int | None = None) -> tuple[int | None, str]:
     """(intra-op threads for this process, why); None keeps torch's own choice."""
     if requested:
         return requested, "train.num_threads"
     if "OMP_NUM_THREADS" in os.environ:
-        return None, "OMP_NUM_THREADS is set"
+        return None, f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"
     if any(p.device.type != "cpu" for p in model.parameters()):
         return None, "the model is on an accelerator"
-    if sum(p.numel() for p in model.parameters()) >= SMALL_MODEL_PARAMS:
-        return None, "a large model uses every thread"
-    return 1, "small model on CPU: one intra-op thread (set OMP_NUM_THREADS or train.num_threads to override)"
+    return cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
 
 
 def configure_threads(model: torch.nn.Module, requested: int | None = None, log=None) -> None:
-    """Apply `threads_for` to this process and say so when it changes anything."""
+    """Apply `threads_for` to this process and say what was chosen and why."""
     n, why = threads_for(model, requested)
     if n is not None and n != torch.get_num_threads():
         torch.set_num_threads(n)
-        if log is not None:
-            log(f"{why}" if n == 1 and requested is None else f"intra-op threads: {n} ({why})")
+    if log is not None:
+        hint = "" if requested else "; train.num_threads overrides"
+        log(f"CPU intra-op threads: {torch.get_num_threads()} ({why}{hint})")
 
 
 # ------------------------------------------------------------------------------------------ RNG
