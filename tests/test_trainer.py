@@ -184,3 +184,31 @@ def test_thread_policy_uses_the_cores_this_process_may_use(monkeypatch):
     assert threads_for(model, requested=3) == (3, "train.num_threads")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # conftest's setting: torch's own count stays
     assert threads_for(model) == (None, "OMP_NUM_THREADS=1")
+
+
+def test_data_that_stops_the_run_mid_way_keeps_the_steps_trained_so_far(tmp_path):
+    """Dynamic sampling runs dry at step 2 (every group uniform from then on): the run stops with the
+    data error, and a checkpoint of step 1, taken as it was before step 2 began, is there to resume."""
+    from postrl import checkpoint
+    from postrl.rewards.registry import register
+
+    calls = []
+
+    @register("dries_up_after_one_batch", in_process=True)
+    def dries_up(completion: str, ground_truth: str, row: dict) -> dict:
+        calls.append(1)
+        ok = float(len(completion) % 2 == 0) if len(calls) <= 16 else 0.0  # the first step's 16 completions
+        return {"score": ok, "acc": ok}
+
+    cfg = load_config(None, tiny_overrides(
+        tmp_path, "algorithm.name=dapo", "reward.verifiers=[dries_up_after_one_batch]", "algorithm.overlong_buffer.len=4",
+        "algorithm.filter_groups.max_num_gen_batches=2", "train.global_batch_size=1", "train.gen_batch_size=4",
+    ))  # fmt: skip
+    with pytest.raises(UserError) as info:
+        train(cfg)
+    assert "drew 2 generation batches" in info.value.problems[0]
+    assert "The 1 step(s) trained so far are saved in" in info.value.problems[-1]
+    saved = checkpoint.find_resume_dir(cfg)
+    assert saved is not None and checkpoint.describe(saved)["step"] == 1
+    sampler = torch.load(saved / "dataloader.pt", weights_only=False)["sampler"]
+    assert sampler["position"] == 4  # one generation batch of 4 prompts: step 2's draws are not in it

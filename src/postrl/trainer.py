@@ -23,7 +23,7 @@ from postrl import checkpoint, distributed, guards
 from postrl.actor import Actor
 from postrl.config import Config
 from postrl.data.dataset import PromptSampler, load_prompts
-from postrl.errors import Stopped
+from postrl.errors import Stopped, UserError
 from postrl.evaluate import ValidationHistory, evaluate, load_val_sets
 from postrl.experience import Batch, Experience, batch_metrics
 from postrl.metrics import MetricsLogger, Timer, plot_run, step_line, throughput, val_line
@@ -158,7 +158,7 @@ class Trainer:
         self.timer = Timer()
         self.actor.free_grads()  # the last update's fp32 gradients: rollout needs the memory more
         with self.timer("all"):
-            batch, gen_stats = self.experience.collect(self.step, self.timer)  # the global batch, same on every rank
+            batch, gen_stats = self._collect()  # the global batch, the same on every rank
             with self.timer("resharding_to_train"):
                 self.engine.sleep()  # GPU vLLM: free the KV cache and offload weights for the update
             with self.timer("adv"):
@@ -176,6 +176,21 @@ class Trainer:
                 if not self.train_examples[0].multi_modal:  # the probe is a text prompt
                     self.guards.check_sync(self.engine, self.model, self.train_examples[0].prompt_ids, self.runtime.autocast())
         return self._step_metrics(batch, gen_stats, update_stats)
+
+    def _collect(self):
+        """The step's batch; when the data stops the run (dynamic sampling exhausted, every reward failing),
+        the steps trained so far are checkpointed first, as they were before this step began."""
+        before = {"rng": rng_state(), "sampler": self.sampler.state_dict()}
+        try:
+            return self.experience.collect(self.step, self.timer)
+        except UserError as exc:
+            if self.step == 0 or self.cfg.checkpoint.save_freq and self.step % self.cfg.checkpoint.save_freq == 0:
+                raise  # nothing trained yet, or this step's checkpoint exists
+            path = checkpoint.save(self.cfg, {**self.state_dict(), **before})
+            raise UserError(
+                *exc.problems, f"The {self.step} step(s) trained so far are saved in {path}; after the fix, the same "
+                "command continues from there (checkpoint.resume: auto).", title=exc.title,
+            ) from None
 
     def _stop_for_signal(self, signum: int) -> None:
         """Preemption (SIGTERM) or Ctrl-C: checkpoint the finished step, release everything, exit cleanly."""
