@@ -83,6 +83,7 @@ class Trainer:
         self.logger = MetricsLogger(cfg.logging.dir, cfg.logging.sinks, cfg.model_dump(mode="json"), enabled=rt.is_main)
         self.step = 0
         self.timer = Timer()
+        self._closed = False
         self.guards = guards.Guards(cfg, self.log)
         self.history = ValidationHistory(cfg.checkpoint.keep_best)  # the headline validation metric
 
@@ -109,6 +110,15 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------- the loop
     def fit(self) -> dict[str, float]:
+        """Train to train.total_steps; whatever stops the run, its resources (verifier workers, engine, the
+        run-directory lock) are released."""
+        try:
+            return self._fit()
+        except BaseException:
+            self.close()
+            raise
+
+    def _fit(self) -> dict[str, float]:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
         cfg = self.cfg
@@ -206,6 +216,10 @@ class Trainer:
         raise Stopped(signum)
 
     def close(self) -> None:
+        """Release the run's resources (idempotent: the error and signal paths call it too)."""
+        if self._closed:
+            return
+        self._closed = True
         self.logger.close()
         self.reward_fn.close()
         self.engine.close()

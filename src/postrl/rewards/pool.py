@@ -78,8 +78,8 @@ def _worker_main(conn: Connection, soft_timeout_s: float, memory_limit_mb: int |
 
     signal.signal(signal.SIGALRM, on_alarm)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
-    # A scheduler's SIGTERM to the process group too: the parent finishes its step, then kills the pool.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # SIGTERM keeps its default (a quiet exit): multiprocessing stops workers with it at interpreter exit,
+    # and a scheduler's SIGTERM to the group only costs the pool a respawn while the parent saves its step.
 
     import postrl.rewards.equivalence as equivalence
 
