@@ -430,3 +430,47 @@ def test_ray_cluster_on_loopback_trains_two_steps_and_checkpoints(tmp_path):
     assert not left, f"Ray processes still running after ray.shutdown(): {left}"
     assert "RayTrainWorker" in out and "world_rank=1" in out, out[-3000:]
     _check_run(tmp_path / "run", out, steps=2)
+
+
+@pytest.mark.slow
+def test_a_local_ray_cluster_listens_on_loopback_only(tmp_path):
+    """cluster.launcher: ray without an address: postrl starts a one-node Ray cluster for the job. While
+    it trains, Ray's servers (GCS, raylet, runtime-env agent, core workers) listen on loopback only. One
+    listener is left beyond it, and the test pins that it is only that one: the TCP store of the torch
+    process group that Ray Train's TorchConfig opens in the rank-0 worker (docs/reliability.md)."""
+    import psutil
+
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text("model:\n  path: builtin:tiny-qwen2\n")
+    overrides = _launcher_overrides(tmp_path, "cluster.launcher=ray", "cluster.devices_per_node=2", "train.total_steps=3")
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", RAY_USAGE_STATS_ENABLED="0", OMP_NUM_THREADS="1")
+    env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)  # the launcher itself must keep Ray on loopback
+    proc = subprocess.Popen(
+        [PY, "-m", "postrl.cli", "train", str(cfg), *overrides], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    listening: set[tuple[str, int, str]] = set()
+    deadline = time.monotonic() + 300
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            for p in psutil.process_iter(["pid"]):  # Ray's servers are not all children of the driver
+                try:
+                    if os.getsid(p.pid) != proc.pid:
+                        continue
+                    name = p.name()
+                    listening |= {(c.laddr[0], c.laddr[1], name) for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+                except (psutil.Error, ProcessLookupError):
+                    pass
+            time.sleep(0.5)
+        out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for pid in _session_pids(proc.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert proc.returncode == 0, out[-4000:]
+    assert any(name == "gcs_server" for *_, name in listening), listening  # the scan saw Ray's servers
+    outside = {x for x in listening if x[0] not in ("127.0.0.1", "::1", "::ffff:127.0.0.1")}
+    assert all(name.startswith("ray::RayTrainWorker") for *_, name in outside), outside
+    assert len({port for _, port, _ in outside}) <= 1, outside

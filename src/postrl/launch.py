@@ -160,6 +160,10 @@ def launch_ray(cfg: "Config", address: str | None) -> int:
     address (`ray start --head` printed it; `auto` finds the local one) the driver joins that cluster;
     without one, Ray starts a single-node cluster in this process and stops it at the end.
     """
+    if address is None:
+        # Ray's single-node switch (its name is historical; read when ray is imported): the node takes
+        # 127.0.0.1 as its address and its GCS, raylet and worker servers bind that, not every interface.
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     try:
         import ray
         from ray.train import RunConfig, ScalingConfig
@@ -174,7 +178,9 @@ def launch_ray(cfg: "Config", address: str | None) -> int:
     started_here = not ray.is_initialized()
     if started_here:
         if address is None:  # a one-node cluster for this job: every Ray server on loopback only
-            ray.init(runtime_env={"env_vars": env}, include_dashboard=False, _node_ip_address="127.0.0.1")
+            ray.init(
+                runtime_env={"env_vars": env}, include_dashboard=False, _node_ip_address="127.0.0.1", address="local"
+            )  # fmt: skip
         else:
             ray.init(address=address, runtime_env={"env_vars": env})
     try:
