@@ -17,6 +17,7 @@ with MemoryError inside the worker instead of exhausting the machine. Workers ar
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing as mp
 import os
@@ -77,9 +78,11 @@ def _worker_main(conn: Connection, soft_timeout_s: float, memory_limit_mb: int |
             raise _SoftTimeout()
 
     signal.signal(signal.SIGALRM, on_alarm)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
-    # SIGTERM keeps its default (a quiet exit): multiprocessing stops workers with it at interpreter exit,
-    # and a scheduler's SIGTERM to the group only costs the pool a respawn while the parent saves its step.
+    # Ctrl-C and a scheduler's SIGTERM to the process group are the parent's business: it finishes the
+    # step in flight (whose rewards must not lose a worker mid-call), saves, and then kills the pool
+    # with SIGKILL (`close`, also registered at exit, before multiprocessing's own SIGTERM would hang).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     import postrl.rewards.equivalence as equivalence
 
@@ -158,6 +161,8 @@ class VerifierPool:
         return _Worker(self._ctx, 0.8 * self.timeout_s, self.memory_limit_mb)
 
     def start(self) -> None:
+        if not self._workers:
+            atexit.register(self.close)  # runs before multiprocessing's exit handler (registered earlier)
         while len(self._workers) < self.n_workers:
             self._workers.append(self._spawn())
 
