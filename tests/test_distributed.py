@@ -472,5 +472,6 @@ def test_a_local_ray_cluster_listens_on_loopback_only(tmp_path):
     assert proc.returncode == 0, out[-4000:]
     assert any(name == "gcs_server" for *_, name in listening), listening  # the scan saw Ray's servers
     outside = {x for x in listening if x[0] not in ("127.0.0.1", "::1", "::ffff:127.0.0.1")}
-    assert all(name.startswith("ray::RayTrainWorker") for *_, name in outside), outside
+    # a Ray worker process (its title changes as it runs: ray::RayTrainWorker, ray::execute._setup_torch_...)
+    assert all(name.startswith("ray::") for *_, name in outside), outside
     assert len({port for _, port, _ in outside}) <= 1, outside
