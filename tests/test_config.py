@@ -15,6 +15,13 @@ ROOT = Path(__file__).resolve().parents[1]
 TRAIN_CONFIGS = sorted(p for p in (ROOT / "configs").glob("*.yaml"))
 
 
+
+def config_problems(tree: dict) -> list[str]:
+    """Every problem `build_config` reports for `tree` (it must report some)."""
+    with pytest.raises(UserError) as info:
+        build_config(tree)
+    return info.value.problems
+
 def test_there_are_configs():
     names = {p.name for p in TRAIN_CONFIGS}
     assert {"tiny_sft.yaml", "tiny_grpo.yaml", "tiny_dapo.yaml"} <= names
@@ -63,9 +70,7 @@ def test_all_problems_are_reported_at_once():
         "algorithm": {"clip_ratio_c": 1.0, "clip_ratio_hgih": 0.3},
         "train": {"global_batch_size": 16, "gen_batch_size": 8, "lr": "fast"},
     }
-    with pytest.raises(UserError) as info:
-        build_config(tree)
-    problems = info.value.problems
+    problems = config_problems(tree)
     text = "\n".join(problems)
     assert len(problems) == 6, text
     assert "model.path: required" in text
@@ -142,9 +147,7 @@ def test_unknown_algorithm_names_are_all_reported_with_the_valid_ones():
             "rollout_correction": {"level": "batch", "cap": 1.0},
         },
     }
-    with pytest.raises(UserError) as info:
-        build_config(tree)
-    problems = info.value.problems
+    problems = config_problems(tree)
     text = "\n".join(problems)
     assert len(problems) == 6, text
     assert "algorithm.adv_estimator: unknown advantage estimator 'rlooo'. Did you mean 'rloo'?" in text
