@@ -6,6 +6,7 @@ The multi-process tests run on CPU over gloo, on loopback (127.0.0.1), with hard
 from __future__ import annotations
 
 import copy
+import faulthandler
 import os
 import random
 import signal
@@ -240,8 +241,12 @@ def _equiv_worker(local_rank: int, port: int, out_dir: str) -> None:
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank), LOCAL_RANK=str(local_rank),
         WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
     )  # fmt: skip
+    log = open(Path(out_dir) / f"rank{local_rank}.log", "w")  # noqa: SIM115 (open until the process ends)
+    os.dup2(log.fileno(), 2)  # a native abort's message and faulthandler's stack land here for the test to show
+    faulthandler.enable()
     torch.set_num_threads(1)
     distributed.init_process_group(timeout_s=120)
+    finished = False
     try:
         for strategy in STRATEGIES:
             for mode in EQUIV_MODES:
@@ -251,8 +256,9 @@ def _equiv_worker(local_rank: int, port: int, out_dir: str) -> None:
                 result["same_batch_on_every_rank"] = all(s == seen[0] for s in seen)
                 if distributed.is_main():
                     torch.save(result, Path(out_dir) / f"{strategy}_{mode}.pt")
+        finished = True
     finally:
-        distributed.teardown()
+        distributed.teardown(wait_for_peers=finished)
 
 
 @pytest.mark.slow
@@ -279,6 +285,9 @@ def test_two_ranks_of_four_prompts_update_like_one_rank_of_eight(tmp_path):
         while not ranks.join(timeout=5):  # raises if a rank failed
             if time.monotonic() > deadline:
                 pytest.fail("the 2 ranks did not finish within 300 s")
+    except (mp.ProcessExitedException, mp.ProcessRaisedException) as exc:
+        tails = {r: (tmp_path / f"rank{r}.log").read_text(errors="replace")[-3000:] for r in range(2)}
+        pytest.fail(f"{exc}\n" + "\n".join(f"--- rank {r} stderr (end) ---\n{t}" for r, t in tails.items()))
     finally:
         for p in ranks.processes:
             if p.is_alive():

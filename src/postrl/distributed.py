@@ -23,6 +23,7 @@ identity) when the run is a single process, so the loop calls them unconditional
 
 from __future__ import annotations
 
+import gc
 import os
 from contextlib import contextmanager
 from datetime import timedelta
@@ -70,9 +71,21 @@ def backend() -> str:
     return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
 
 
-def teardown() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def teardown(wait_for_peers: bool = False) -> None:
+    """Leave the process group.
+
+    wait_for_peers (the success path only: a rank that failed must not wait for the others) first
+    frees what still holds the group (a finished run's DDP / FSDP2 model) and meets every rank at a
+    barrier, so no rank closes its connections, or exits and takes the rendezvous store with it,
+    while a peer is still reading from them: gloo aborts the reading process (SIGABRT) when that
+    happens.
+    """
+    if not dist.is_initialized():
+        return
+    if wait_for_peers:
+        gc.collect()
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 def is_distributed() -> bool:

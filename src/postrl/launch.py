@@ -68,13 +68,16 @@ def adopt_world(cfg: "Config") -> None:
 def run_worker(cfg: "Config", console: Any = None) -> dict[str, float]:
     """One rank: join the process group, train, leave it (a group made by Ray Train is left to Ray)."""
     created = distributed.init_process_group()
+    finished = False
     try:
         adopt_world(cfg)
         check_world(cfg, distributed.world_size())
-        return train(cfg, console)
+        metrics = train(cfg, console)
+        finished = True
+        return metrics
     finally:
         if created:
-            distributed.teardown()
+            distributed.teardown(wait_for_peers=finished)
 
 
 def launch(args: Any, cfg: "Config") -> int:
