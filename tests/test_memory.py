@@ -45,17 +45,20 @@ def test_every_part_of_the_estimate_by_hand():
     parameters 4 P / 2 = 2608; gradients 2608; optimizer 8 P / 2 = 5216; compute weights: two gathered
     bf16 blocks 2 x 2 x 608 = 2432; bf16 reference 2 P / 2 = 1304.
     A = b (5h + 3k + 4i) + 8h = 2 (40 + 12 + 64) + 64 = 296 bytes per token per layer;
-    activations 100 tokens x 2 layers x 296 = 59,200; logits 40 x 10 x (2 + 12) = 5,600.
-    update = 2608 + 2608 + 5216 + 2432 + 1304 + 59200 + 5600 = 78,968.
+    activations 100 tokens x 2 layers x 296 = 59,200; logits in bf16 and their gradient 2 x 40 x 10 x 2
+    = 1,600, plus three fp32 chunks of 16 tokens: 12 x 16 x 10 = 1,920; 3,520 in all.
+    update = 2608 + 2608 + 5216 + 2432 + 1304 + 59200 + 3520 = 76,888.
     HF rollout: KV cache 2 L k b = 2 x 2 x 4 x 2 = 32 bytes per token x 3 sequences x 50 tokens = 4,800,
     plus the compute weights 2432; rollout = 2608 + 5216 + 1304 + 2432 + 4800 = 16,360.
     """
-    common = dict(world=2, strategy="fsdp2", compute_bytes=2, micro_tokens=100, response_tokens=40, use_ref=True)
+    common = dict(world=2, strategy="fsdp2", compute_bytes=2, micro_tokens=100, response_tokens=40, use_ref=True, logprob_chunk_tokens=16)
     est = estimate(SMALL, gradient_checkpointing=False, engine="hf", rollout_sequences=3, sequence_len=50, **common)
     assert activation_bytes_per_token_layer(SMALL, 2) == 296
     assert (est.params, est.grads, est.optimizer, est.compute_weights, est.reference) == (2608, 2608, 5216, 2432, 1304)
-    assert (est.activations, est.logits) == (59_200, 5_600)
-    assert est.update == 78_968 and est.rollout == 16_360 and est.peak == 78_968
+    assert (est.activations, est.logits) == (59_200, 3_520)
+    assert est.update == 76_888 and est.rollout == 16_360 and est.peak == 76_888
+    # A chunk larger than the micro-batch's responses is the responses: 1,600 + 12 x 40 x 10 = 6,400.
+    assert estimate(SMALL, gradient_checkpointing=False, **{**common, "logprob_chunk_tokens": 1024}).logits == 6_400
     # Checkpointing keeps each layer's bf16 input (100 x 2 x 2 x 8 = 3,200) plus one layer (100 x 296).
     ckpt = estimate(SMALL, gradient_checkpointing=True, **common)
     assert ckpt.activations == 3_200 + 29_600

@@ -23,9 +23,11 @@ Activations of one micro-batch of N tokens (the update pass; the log-prob passes
       A = b (5h + 3k + 4i) + 8h   bytes per token per layer
   without checkpointing: N L A; with model.gradient_checkpointing (each layer's input kept, one
   layer recomputed at a time): N L r h + N A, r = 4 (fp32 residual stream under autocast) or b.
-Log-prob logits of one micro-batch's N_r response tokens (models.response_logprobs, unchunked):
-  the logits in the compute dtype plus three fp32 [N_r x V] tensors (scaled logits, log-softmax,
-  softmax for the entropy):  N_r V (b + 12)  bytes.
+Log-prob logits of one micro-batch's N_r response tokens (models.response_logprobs): the logits
+  in the compute dtype, kept for backward, and their gradient beside them in backward (2 N_r V b);
+  the fp32 log-softmax runs over chunks of C = min(train.logprob_chunk_tokens, N_r) tokens, three
+  fp32 [C x V] tensors at a time (scaled logits, softmax, gradient; algorithms.token_logprobs):
+      2 N_r V b + 12 C V  bytes.
   N = micro_batch_size x (max_prompt_length + max_tokens), or max_token_len_per_device with dynamic
   batch size; N_r = the response share of N, N x max_tokens / (max_prompt_length + max_tokens).
 Rollout, on top of the resident state less the gradients (freed before each rollout):
@@ -177,6 +179,7 @@ def estimate(
     device_bytes: float = 80 * GiB,
     rollout_sequences: int = 0,
     sequence_len: int = 0,
+    logprob_chunk_tokens: int = 1024,
 ) -> Estimate:
     """Per-device bytes of a GRPO step (module docstring: the formulas)."""
     P, b = shape.params(), compute_bytes
@@ -207,7 +210,7 @@ def estimate(
         compute_weights=weights,
         reference=0.0 if (not use_ref or ref_offload) else b * P * s,
         activations=float(acts),
-        logits=float(response_tokens * shape.vocab * (b + 12)),
+        logits=float(2 * response_tokens * shape.vocab * b + 12 * min(logprob_chunk_tokens, response_tokens) * shape.vocab),
         rollout_extra=rollout_extra,
         micro_tokens=micro_tokens,
         response_tokens=response_tokens,
@@ -235,7 +238,7 @@ def estimate_for_config(cfg, device_gib: float) -> tuple[Estimate | None, str]:
         response_tokens=micro * r.max_tokens // seq, use_ref=cfg.algorithm.kl.coef > 0, ref_offload=t.ref_offload,
         engine="hf" if r.engine == "hf" else "vllm", gpu_memory_utilization=r.gpu_memory_utilization,
         device_bytes=device_gib * GiB, rollout_sequences=-(-t.gen_batch_size * r.n_samples_per_prompt // world),
-        sequence_len=seq,
+        sequence_len=seq, logprob_chunk_tokens=t.logprob_chunk_tokens,
     )  # fmt: skip
     layout = f"{t.strategy} over {world} device(s)" if world > 1 else "one device"
     what = (
