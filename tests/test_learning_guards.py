@@ -25,6 +25,7 @@ def test_keep_best_keeps_the_best_validation_and_exports(tmp_path):
     cfg = load_config(None, tiny_overrides(
         tmp_path, PARITY, "eval.before_train=true", "eval.after_train=true", "eval.freq=1", "eval.max_prompts=8",
         "train.total_steps=3", "train.lr=5e-3", "checkpoint.keep_best=val/arithmetic/acc_mean@1",
+        "checkpoint.save_final=true",
     ))  # fmt: skip
     tr = Trainer(cfg, Console(file=io.StringIO(), width=300))
     tr.fit()
@@ -37,6 +38,23 @@ def test_keep_best_keeps_the_best_validation_and_exports(tmp_path):
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
     text = tr.console.file.getvalue()
     assert f"held-out accuracy: start {vals[0][1]:.1%} (step 0), best {first_best[1]:.1%} (step {first_best[0]})" in text
+    # Resumed for one more step, the line still starts at step 0: earlier validations come from metrics.jsonl.
+    more = Trainer(cfg.model_copy(update={"train": cfg.train.model_copy(update={"total_steps": 4})}), Console(file=io.StringIO(), width=300))
+    more.fit()
+    vals = [(r["step"], r["val/arithmetic/acc_mean@1"]) for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "val/arithmetic/acc_mean@1" in r]
+    assert [s for s, _ in vals] == [0, 1, 2, 3, 4]
+    first_best = max(vals, key=lambda sv: (sv[1], -sv[0]))
+    line = f"held-out accuracy: start {vals[0][1]:.1%} (step 0), best {first_best[1]:.1%} (step {first_best[0]}), last {vals[-1][1]:.1%} (step 4)"
+    assert line in more.console.file.getvalue()
+
+
+def test_validations_before_a_resume_are_replayed_once_per_step():
+    rows = [{"step": 0, "val/a/acc_mean@1": 0.2}, {"step": 1, "actor/pg_loss": 0.1}, {"step": 2, "val/a/acc_mean@1": 0.3},
+            {"step": 2, "val/a/acc_mean@1": 0.4}, {"step": 3, "val/a/acc_mean@1": 0.9}]  # fmt: skip
+    history = ValidationHistory("val/*/acc_mean@1")
+    history.record(2, {"val/a/acc_mean@1": 0.5})  # the resumed run's own validation comes after the replayed ones
+    history.replay(rows, upto_step=2)  # step 3 was logged after the checkpoint the run resumed from
+    assert history.points == [(0, 0.2), (2, 0.4), (2, 0.5)]
 
 
 def test_a_run_that_ends_below_its_start_says_so():

@@ -40,9 +40,7 @@ class ValidationHistory:
 
     def record(self, step: int, val: dict[str, float]) -> tuple[str, float] | None:
         """(metric name, value) of this validation, recorded; None when it reports no accuracy."""
-        import fnmatch
-
-        name = next((k for k in val if fnmatch.fnmatchcase(k, self.keep_best or "val/*/acc_mean@*")), None)
+        name = self._headline(val)
         if name is None and self.keep_best:
             raise UserError(
                 f"checkpoint.keep_best is '{self.keep_best}', but validation reports only "
@@ -53,6 +51,18 @@ class ValidationHistory:
             return None
         self.points.append((step, val[name]))
         return name, val[name]
+
+    def replay(self, rows: list[dict], upto_step: int) -> None:
+        """Record the validations an earlier part of the run logged (metrics.jsonl rows) up to a resumed
+        step, so the start / best / last line covers the whole run; a step logged twice (a run resumed
+        before) counts once, its last row."""
+        by_step = {r["step"]: r for r in rows if isinstance(r.get("step"), int) and r["step"] <= upto_step and self._headline(r)}
+        self.points = sorted((step, r[self._headline(r)]) for step, r in by_step.items()) + self.points
+
+    def _headline(self, val: dict) -> str | None:
+        import fnmatch
+
+        return next((k for k in val if fnmatch.fnmatchcase(k, self.keep_best or "val/*/acc_mean@*")), None)
 
     def summary(self, best_dir: Path | None = None) -> str | None:
         """Start, best and last; a warning, with where the best weights are, when the run ended below its start."""

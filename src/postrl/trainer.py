@@ -26,7 +26,7 @@ from postrl.data.dataset import PromptSampler, load_prompts
 from postrl.errors import Stopped, UserError
 from postrl.evaluate import ValidationHistory, evaluate, load_val_sets
 from postrl.experience import Batch, Experience, batch_metrics
-from postrl.metrics import MetricsLogger, Timer, plot_run, step_line, throughput, val_line
+from postrl.metrics import MetricsLogger, Timer, plot_run, read_jsonl, step_line, throughput, val_line
 from postrl.models import load_model, load_policy
 from postrl.rewards import RewardFunction
 from postrl.rollout import make_engine
@@ -252,6 +252,9 @@ class Trainer:
         if restored.rng is not None:
             set_rng_state(restored.rng)
         self.sampler.load_state_dict(restored.sampler)
+        metrics_path = Path(self.cfg.logging.dir) / "metrics.jsonl"
+        if metrics_path.exists():
+            self.history.replay(read_jsonl(metrics_path), self.step)
         self.log(f"resumed from {restored.path} at step {self.step}")
         if self.step >= self.cfg.train.total_steps:
             self.log(
