@@ -161,7 +161,9 @@ def launch_ray(cfg: "Config", address: str | None) -> int:
 
     Workers = cluster.nnodes x cluster.devices_per_node, one device (GPU) or one CPU each. With an
     address (`ray start --head` printed it; `auto` finds the local one) the driver joins that cluster;
-    without one, Ray starts a single-node cluster in this process and stops it at the end.
+    without one, Ray starts a single-node cluster in this process and stops it at the end. That cluster is
+    this machine alone: its servers bind 127.0.0.1 and its workers meet through a file rather than Ray
+    Train's TCP store (ray_rendezvous.py), so nothing of the job listens beyond loopback.
     """
     if address is None:
         # Ray's single-node switch (its name is historical; read when ray is imported): the node takes
@@ -188,13 +190,20 @@ def launch_ray(cfg: "Config", address: str | None) -> int:
             ray.init(address=address, runtime_env={"env_vars": env})
     try:
         gpus = ray.cluster_resources().get("GPU", 0) > 0
+        backend = "cpu:gloo,cuda:nccl" if gpus else "gloo"
+        if started_here and address is None:  # ranks meet through a file and talk over lo: no TCP store
+            from postrl.ray_rendezvous import FileRendezvousTorchConfig
+
+            torch_config = FileRendezvousTorchConfig(backend=backend)
+        else:
+            torch_config = TorchConfig(backend=backend)
         workers = cfg.world_size
         log_dir = Path(cfg.logging.dir).resolve()
         trainer = TorchTrainer(
             _ray_train_loop,
             train_loop_config={"config": cfg.model_dump(mode="json"), "cwd": os.getcwd(), "env": env},
             scaling_config=ScalingConfig(num_workers=workers, use_gpu=gpus, resources_per_worker={"GPU": 1} if gpus else {"CPU": 1}),
-            torch_config=TorchConfig(backend="cpu:gloo,cuda:nccl" if gpus else "gloo"),
+            torch_config=torch_config,
             run_config=RunConfig(name="postrl", storage_path=str(log_dir / "ray")),
         )
         try:
@@ -238,5 +247,8 @@ def _ray_train_loop(loop_config: dict) -> None:
     if os.path.isdir(loop_config["cwd"]):
         os.chdir(loop_config["cwd"])  # relative data / output paths mean what they meant to the driver
     ctx = ray.train.get_context()
-    os.environ.setdefault("LOCAL_WORLD_SIZE", str(ctx.get_local_world_size()))
+    os.environ.update({  # torchrun's variables; on a one-node cluster the group is built from them (ray_rendezvous.py)
+        "RANK": str(ctx.get_world_rank()), "WORLD_SIZE": str(ctx.get_world_size()),
+        "LOCAL_RANK": str(ctx.get_local_rank()), "LOCAL_WORLD_SIZE": str(ctx.get_local_world_size()),
+    })  # fmt: skip
     run_worker(Config.model_validate(loop_config["config"]))
