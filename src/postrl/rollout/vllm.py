@@ -42,6 +42,7 @@ from postrl.rollout.base import Completion, SamplingParams, eos_token_ids
 
 GiB = 1 << 30
 MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams refuses higher temperatures
+CPU_BLOCK_SIZE = 32  # KV cache block on CPU: the smallest vLLM's CPU attention kernel accepts (a multiple of 32)
 # Wrapper prefixes that DDP / FSDP1 / torch.compile put in front of parameter names.
 _VLLM_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -141,6 +142,12 @@ class VLLMEngine:
             # one full-length sequence.
             longest = max_model_len or getattr(model.config, "max_position_embeddings", None) or 32768
             kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(4096, int(longest)))
+            # KV blocks of 32 tokens, the smallest the CPU attention kernel takes (vLLM's CPU default is 128).
+            # Only full blocks are shared by prefix caching, so the n samples of a prompt share all of it but
+            # the last partial block; and short RL sequences waste less of each block's attention. Measured at
+            # 8 prompts x 8 samples of the arithmetic task (docs/performance.md): rollout 0.26 s -> 0.20 s,
+            # same completions.
+            kwargs.update(block_size=CPU_BLOCK_SIZE)
         kwargs.update(_distributed_kwargs(cfg.tensor_parallel_size))
 
         n_threads = torch.get_num_threads()
