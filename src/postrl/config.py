@@ -111,7 +111,7 @@ class RolloutConfig(Section):
     enforce_eager: bool = Field(
         False,
         description="vLLM: run the model eagerly. False (vLLM's default) compiles it once at start (torch.compile, "
-        "and CUDA graphs on GPU): on CPU about 30 s the first time and ~3 s from vLLM's cache after, for decode "
+        "and CUDA graphs on GPU): on CPU about 30 s more at the first start and a few seconds once its caches are warm, for decode "
         "steps ~1.4x faster on small models (docs/performance.md). True: no compile (short runs, debugging, no C++ "
         "compiler on a CPU machine).",
     )
