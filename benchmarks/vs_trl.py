@@ -2,7 +2,7 @@
 
 The peers train the same model (the `make run` SFT model), on the same data (the built-in arithmetic
 prompts through the model's chat template), with the same reward (math_17k_acc: boxed accuracy; TRL
-gets a plain reward function that calls postrl's verifier), group size, batch, max tokens and loss
+gets a plain reward function that calls postrl's verifier), group size, batch, max tokens, sampling temperature and loss
 (DAPO token-mean, clip 0.2 / 0.28, no KL, no dynamic sampling, no overlong penalty, one optimizer
 step per batch):
 
@@ -118,7 +118,7 @@ def postrl_step(trainer) -> Step:
 # ---------------------------------------------------------------------------------------- TRL
 
 
-def trl_trainer(model_path: str, prompts: int, max_steps: int, workdir: Path, on_step, knobs: dict):
+def trl_trainer(model_path: str, prompts: int, max_steps: int, workdir: Path, on_step, knobs: dict, temperature: float):
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -141,7 +141,7 @@ def trl_trainer(model_path: str, prompts: int, max_steps: int, workdir: Path, on
     args = GRPOConfig(
         output_dir=str(workdir / "trl"), use_cpu=True, bf16=False, fp16=False, report_to="none",
         per_device_train_batch_size=prompts * N, num_generations=N, gradient_accumulation_steps=1,
-        max_completion_length=MAX_TOKENS, temperature=1.0, top_p=1.0,
+        max_completion_length=MAX_TOKENS, temperature=temperature, top_p=1.0,
         loss_type="dapo", epsilon=0.2, epsilon_high=0.28, beta=0.0, mask_truncated_completions=False,
         learning_rate=LR, lr_scheduler_type="constant_with_warmup", warmup_steps=5, max_grad_norm=1.0,
         max_steps=max_steps, logging_steps=1, save_strategy="no", seed=42, disable_tqdm=True, log_completions=False,
@@ -267,7 +267,8 @@ def run_setting(
         raw = RawBound(model)
         torch.set_num_threads(default_threads)
         knobs = next(iter(trainers.values())).cfg.data.builtin.model_dump()
-        trl = trl_trainer(model, prompts, steps + warmup, workdir, on_trl_step, knobs)
+        temperature = next(iter(trainers.values())).cfg.rollout.temperature  # the recipe's; TRL samples alike
+        trl = trl_trainer(model, prompts, steps + warmup, workdir, on_trl_step, knobs, temperature)
         acc = instrument_trl(trl)
         trl.train()
         for trainer in trainers.values():

@@ -111,11 +111,12 @@ def test_resume_warns_on_a_changed_world_size_and_a_run_with_nothing_left(tmp_pa
 @pytest.mark.slow
 def test_the_sync_guard_stops_a_run_whose_engine_missed_a_weight_sync(tmp_path):
     """vLLM on CPU: a healthy step passes the probe; a skipped sync after an update at a high LR is caught.
-    Rollout correction (TIS) runs on the same steps and logs its weights."""
+    Rollout correction (TIS) runs on the same steps and logs its weights. The engine runs eager here
+    (rollout.enforce_eager), so that path keeps a test; tests/test_vllm_engine.py runs the compiled default."""
     from postrl.errors import UserError
 
     tr = _trainer(tmp_path, PARITY, "rollout.engine=vllm", "rollout.kv_cache_space_gb=0.25", "train.lr=1e-2",
-                  "train.total_steps=1", "algorithm.rollout_correction.enable=true")  # fmt: skip
+                  "train.total_steps=1", "algorithm.rollout_correction.enable=true", "rollout.enforce_eager=true")  # fmt: skip
     try:
         assert tr.engine.name == "vllm"
         step = tr.train_step()  # a healthy step: synced, the probe agrees

@@ -108,6 +108,13 @@ class RolloutConfig(Section):
     kv_cache_space_gb: float = Field(1.0, gt=0, description="vLLM on CPU: KV cache size (VLLM_CPU_KVCACHE_SPACE).")
     max_num_seqs: int = Field(256, ge=1, description="vLLM: sequences in flight.")
     enable_sleep_mode: bool = Field(True, description="vLLM on GPU: sleep the engine during the policy update.")
+    enforce_eager: bool = Field(
+        False,
+        description="vLLM: run the model eagerly. False (vLLM's default) compiles it once at start (torch.compile, "
+        "and CUDA graphs on GPU): on CPU about 30 s more at the first start and a few seconds once its caches are warm, for decode "
+        "steps ~1.4x faster on small models (docs/performance.md). True: no compile (short runs, debugging, no C++ "
+        "compiler on a CPU machine).",
+    )
 
 
 # ----------------------------------------------------------------------------------------- algorithm

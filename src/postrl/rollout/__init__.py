@@ -74,5 +74,5 @@ def make_engine(
             raise UserError(str(exc)) from exc
         say(f"[yellow]rollout engine: hf (falling back: {exc})[/yellow]")
         return HFEngine(model, tokenizer, modality=modality, runtime=runtime)
-    say("rollout engine: vllm")
+    say(f"rollout engine: vllm ({'eager' if cfg.enforce_eager else 'compiled'})")
     return engine
