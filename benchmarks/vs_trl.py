@@ -266,9 +266,8 @@ def run_setting(
 
         raw = RawBound(model)
         torch.set_num_threads(default_threads)
-        knobs = next(iter(trainers.values())).cfg.data.builtin.model_dump()
-        temperature = next(iter(trainers.values())).cfg.rollout.temperature  # the recipe's; TRL samples alike
-        trl = trl_trainer(model, prompts, steps + warmup, workdir, on_trl_step, knobs, temperature)
+        recipe = next(iter(trainers.values())).cfg  # TRL gets the postrl peers' prompts and sampling temperature
+        trl = trl_trainer(model, prompts, steps + warmup, workdir, on_trl_step, recipe.data.builtin.model_dump(), recipe.rollout.temperature)
         acc = instrument_trl(trl)
         trl.train()
         for trainer in trainers.values():

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from postrl.runtime import Runtime
 
 STRATEGIES = ("fsdp2", "ddp")  # train.strategy
-RENDEZVOUS_FILE_ENV = "POSTRL_RENDEZVOUS_FILE"  # set by launch.launch_local for its ranks
+RENDEZVOUS_FILE_ENV = "POSTRL_RENDEZVOUS_FILE"  # set for ranks that all run on this machine (one_machine_env)
 # Wrapper prefixes that DDP / FSDP1 / torch.compile put in front of parameter names.
 _WRAPPER_PARTS = ("module.", "_fsdp_wrapped_module.", "_orig_mod.", "_checkpoint_wrapped_module.")
 
@@ -64,6 +64,17 @@ def init_process_group(timeout_s: float = 1800.0) -> bool:
     else:
         dist.init_process_group(backend(), timeout=timeout)
     return True
+
+
+def one_machine_env(env: dict[str, str], rendezvous_file: str) -> dict[str, str]:
+    """`env` for a rank of a job whose ranks all run on this machine (`--nproc`, a one-node Ray cluster):
+    the ranks meet through `rendezvous_file` (a FileStore, no TCP store) and their collectives talk over
+    the loopback interface, unless the user chose an interface."""
+    out = {**env, RENDEZVOUS_FILE_ENV: rendezvous_file}
+    if Path("/sys/class/net/lo").exists():
+        out.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        out.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    return out
 
 
 def backend() -> str:

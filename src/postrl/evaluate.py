@@ -56,8 +56,12 @@ class ValidationHistory:
         """Record the validations an earlier part of the run logged (metrics.jsonl rows) up to a resumed
         step, so the start / best / last line covers the whole run; a step logged twice (a run resumed
         before) counts once, its last row."""
-        by_step = {r["step"]: r for r in rows if isinstance(r.get("step"), int) and r["step"] <= upto_step and self._headline(r)}
-        self.points = sorted((step, r[self._headline(r)]) for step, r in by_step.items()) + self.points
+        by_step: dict[int, float] = {}
+        for row in rows:
+            name = self._headline(row)
+            if name is not None and isinstance(row.get("step"), int) and row["step"] <= upto_step:
+                by_step[row["step"]] = row[name]
+        self.points = sorted(by_step.items()) + self.points
 
     def _headline(self, val: dict) -> str | None:
         import fnmatch

@@ -118,15 +118,12 @@ def launch_local(config: str, overrides: list[str], nproc: int) -> int:
         threads, why = cpu_threads(nproc)
         env["OMP_NUM_THREADS"] = str(threads)
         print(f"CPU intra-op threads per rank: {threads} ({why})")
-    if Path("/sys/class/net/lo").exists():
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # all ranks are on this machine: talk over loopback
-        env.setdefault("NCCL_SOCKET_IFNAME", "lo")
     cmd = [sys.executable, "-m", "postrl.cli", "train", config, *overrides]
     with tempfile.TemporaryDirectory(prefix="postrl-rendezvous-") as rendezvous:
+        env = distributed.one_machine_env(env, str(Path(rendezvous) / "store"))
         ranks = [
             subprocess.Popen(cmd, env={
                 **env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
-                distributed.RENDEZVOUS_FILE_ENV: str(Path(rendezvous) / "store"),
             })  # fmt: skip
             for r in range(nproc)
         ]

@@ -26,9 +26,6 @@ from ray.train.torch import TorchConfig
 
 from postrl import distributed
 
-# All ranks are on this machine: gloo / nccl connect over loopback (as launch.launch_local sets them).
-_LOOPBACK_SOCKETS = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
-
 
 class FileRendezvousTorchConfig(TorchConfig):
     """TorchConfig (backend, device context) whose workers meet through a file instead of a TCP store."""
@@ -58,7 +55,4 @@ class _FileRendezvousBackend(Backend):
 
 def _prepare_worker(rendezvous_file: str) -> None:
     """Runs in each Ray Train worker before the training loop starts (a socket setting of the user stays)."""
-    os.environ[distributed.RENDEZVOUS_FILE_ENV] = rendezvous_file
-    if Path("/sys/class/net/lo").exists():
-        for key, value in _LOOPBACK_SOCKETS.items():
-            os.environ.setdefault(key, value)
+    os.environ.update(distributed.one_machine_env(dict(os.environ), rendezvous_file))
