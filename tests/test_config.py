@@ -178,3 +178,10 @@ def test_gspo_derives_the_paper_clip_range_and_sequence_mean():
 
 def test_low_var_kl_is_normalised_to_k3():
     assert build_config({"model": {"path": "m"}, "algorithm": {"kl": {"estimator": "low_var_kl"}}}).algorithm.kl.estimator == "k3"
+
+
+def test_attention_implementations_transformers_knows_are_accepted_and_others_listed():
+    ok = build_config({"model": {"path": "builtin:tiny-qwen2", "attn_implementation": "kernels-community/flash-attn3"}})
+    assert ok.model.attn_implementation == "kernels-community/flash-attn3"
+    with pytest.raises(UserError, match=r"model.attn_implementation.*unknown attention implementation 'flash2'.*sdpa, eager"):
+        build_config({"model": {"path": "builtin:tiny-qwen2", "attn_implementation": "flash2"}})

@@ -149,6 +149,67 @@ def test_packed_logprobs_equal_padded(tiny_model_path, attn, shared, row_tokens,
         torch.testing.assert_close(ga, gb, atol=1e-5, rtol=1e-4)
 
 
+def test_flash_attention_layout_gives_the_padded_logprobs(tiny_model_path, monkeypatch):
+    """The flash-attention packing (one row, no padding, no mask, position ids restarting per sequence),
+    checked on CPU: with no mask, transformers' sdpa path finds the sequences from the same position ids
+    (`masking_utils.find_packed_sequence_indices`) that the flash kernels turn into varlen boundaries, so
+    the row layout and the log-prob gather are those a GPU run with flash_attention_2 uses."""
+    import postrl.models
+
+    monkeypatch.setattr(postrl.models, "_varlen_attention", lambda attn: True)
+    model = load_model(tiny_model_path)
+    model.config._attn_implementation = "sdpa"
+    prompts, responses = _groups(model.config.vocab_size, seed=1)
+    t = build_sequences(prompts, responses, 0)
+    T, mask = t["response_mask"].shape[1], t["response_mask"].bool()
+    shapes = []
+    model.register_forward_pre_hook(lambda m, a, kw: shapes.append((tuple(kw["input_ids"].shape), kw["attention_mask"])), with_kwargs=True)
+    logp, ent = {}, {}
+    for remove_padding in (False, True):
+        logp[remove_padding], ent[remove_padding] = response_logprobs(
+            model, t["input_ids"], t["attention_mask"], t["position_ids"], T, 0.7,
+            with_entropy=True, remove_padding=remove_padding,
+        )  # fmt: skip
+    tokens = sum(len(p) + len(r) for p, r in zip(prompts, responses))
+    assert shapes[1] == ((1, tokens), None)  # every sequence whole, in one row: no shared prompt, no mask
+    assert (logp[False] - logp[True])[mask].abs().max() < 1e-5
+    assert (ent[False] - ent[True])[mask].abs().max() < 1e-5
+
+
+def test_varlen_attention_names():
+    """Every flash flavour transformers accepts packs by position ids; sdpa, eager and flex do not."""
+    from postrl.models import _varlen_attention
+
+    assert [_varlen_attention(a) for a in ("flash_attention_2", "flash_attention_3", "kernels-community/flash-attn3")] == [True] * 3
+    assert [_varlen_attention(a) for a in ("sdpa", "eager", "flex_attention")] == [False] * 3
+
+
+def test_attention_implementation_auto_picks_flash_only_on_cuda_with_flash_attn(monkeypatch):
+    """model.attn_implementation: auto is flash_attention_2 on CUDA where flash-attn imports, else sdpa;
+    a named implementation is taken as written."""
+    import importlib.util
+
+    from postrl.models import attention_implementation
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    assert [attention_implementation("auto", d) for d in (cpu, cuda)] == ["sdpa", "sdpa"]
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else None)
+    assert [attention_implementation("auto", d) for d in (cpu, cuda)] == ["sdpa", "flash_attention_2"]
+    assert attention_implementation("eager", cuda) == "eager"
+
+
+def test_the_configured_attention_loads_and_a_missing_kernel_is_a_user_error():
+    from postrl.config import ModelConfig
+    from postrl.errors import UserError
+    from postrl.models import load_policy
+
+    assert load_policy(ModelConfig(path="builtin:tiny-qwen2")).model.config._attn_implementation == "sdpa"
+    assert load_policy(ModelConfig(path="builtin:tiny-qwen2", attn_implementation="eager")).model.config._attn_implementation == "eager"
+    with pytest.raises(UserError, match=r"model.attn_implementation 'flash_attention_2' cannot be used.*pip install flash-attn.*auto"):
+        load_policy(ModelConfig(path="builtin:tiny-qwen2", attn_implementation="flash_attention_2"))
+
+
 def test_pack_sequences_first_fit_decreasing():
     """Packing plan: whole units, longest first, each into the first row with room."""
     from postrl.partition import pack_sequences

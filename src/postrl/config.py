@@ -44,6 +44,13 @@ class ModelConfig(Section):
     )
     trust_remote_code: bool = Field(False, description="Passed to from_pretrained; keep false unless you trust the repo.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    attn_implementation: str = Field(
+        "auto",
+        description="Attention kernels (transformers' attn_implementation): auto (flash_attention_2 on CUDA where the "
+        "flash-attn package is installed, else sdpa), sdpa, eager, flex_attention, flash_attention_2, "
+        "flash_attention_3, or a kernels hub repo such as kernels-community/flash-attn3. With flash attention, "
+        "train.use_remove_padding packs a micro-batch into one row for the varlen kernels (docs/performance.md).",
+    )
     freeze_vision_tower: bool = Field(True, description="VLMs: keep the vision encoder frozen during RL.")
     tiny: dict[str, Any] = Field(
         default_factory=dict,
@@ -51,6 +58,13 @@ class ModelConfig(Section):
         "when path is 'builtin:tiny-qwen2' or 'builtin:tiny-qwen2.5-vl' (also vision_depth, min_pixels, ...).",
     )
 
+    @field_validator("attn_implementation")
+    @classmethod
+    def _known_attention(cls, v: str) -> str:
+        known = ("auto", "sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4")
+        if v in known or "/" in v:  # org/repo: a kernel from the hub, which transformers resolves
+            return v
+        raise ValueError(f"unknown attention implementation '{v}'; valid: {', '.join(known)}, or a kernels hub repo (org/name)")
 
 # ---------------------------------------------------------------------------------------------- data
 class DataConfig(Section):

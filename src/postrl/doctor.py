@@ -29,13 +29,14 @@ def diagnose(cfg: Any, n_prompts: int = 48, log=print) -> dict[str, Any]:
     from postrl.rollout import make_engine
     from postrl.runtime import configure_threads, init_runtime
 
-    policy = load_policy(cfg.model)
-    policy.model.to(init_runtime(cfg.train.device, cfg.model.dtype).device).eval()
+    rt = init_runtime(cfg.train.device, cfg.model.dtype)
+    policy = load_policy(cfg.model, device=rt.device)
+    policy.model.to(rt.device).eval()
     configure_threads(policy.model, cfg.train.num_threads, log)
     engine = make_engine(
         cfg.rollout, policy.model, policy.tokenizer, log=log, modality=policy.modality,
         max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_tokens, seed=cfg.train.seed,
-        trust_remote_code=cfg.model.trust_remote_code,
+        trust_remote_code=cfg.model.trust_remote_code, runtime=rt,
     )  # fmt: skip
     files = (cfg.eval.files or cfg.data.train_files)[:1]
     name, examples = next(iter(load_val_sets(files, policy.tokenizer, cfg.data, n_prompts, policy.modality).items()))

@@ -158,9 +158,9 @@ def evaluate_model(cfg, log: Any = None) -> tuple[dict[str, float], str]:
 
     if not cfg.model.path.startswith("builtin:"):
         cfg.model.path = str(_resolve(cfg.model.path))
-    policy = load_policy(cfg.model)  # weights in model.dtype: nothing trains here (runtime.py: precision)
-    model, tokenizer = policy.model, policy.tokenizer
     rt = init_runtime(cfg.train.device, cfg.model.dtype)
+    policy = load_policy(cfg.model, device=rt.device)  # weights in model.dtype: nothing trains here (runtime.py: precision)
+    model, tokenizer = policy.model, policy.tokenizer
     model.to(rt.device).eval()
     configure_threads(model, cfg.train.num_threads, log)
     engine = make_engine(

@@ -7,6 +7,7 @@ config.json. 'builtin:<name>' paths are the demos' tiny models (`postrl.builtin.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,13 +70,23 @@ def load_model(
     trust_remote_code: bool = False,
     gradient_checkpointing: bool = False,
     modality: Modality | None = None,
+    attn_implementation: str | None = None,
 ):
-    """The model of `path`, with the auto class of its modality (chosen from its config.json when not given)."""
+    """The model of `path`, with the auto class of its modality (chosen from its config.json when not given),
+    and the attention kernels of `attn_implementation` (a name transformers accepts; None: its default)."""
     from safetensors import SafetensorError
 
     loader = modality or modality_type(model_config(path))
     try:
-        model = loader.load_model(path, DTYPES[dtype], trust_remote_code)
+        model = loader.load_model(path, DTYPES[dtype], trust_remote_code, attn_implementation)
+    except ImportError as exc:  # transformers' answer to flash attention or a hub kernel it cannot import
+        if attn_implementation in (None, "sdpa", "eager"):
+            raise
+        raise UserError(
+            f"model.attn_implementation '{attn_implementation}' cannot be used on this machine ({exc}). Fix: install "
+            "what it needs (flash_attention_2: `pip install flash-attn --no-build-isolation` on a CUDA machine), "
+            "or set model.attn_implementation: auto (flash attention where installed, else sdpa)."
+        ) from None
     except SafetensorError as exc:  # a truncated or garbage weight file
         raise UserError(
             f"a weight file of '{path}' is damaged and cannot be read ({exc}). Fix: restore the model directory "
@@ -102,8 +113,19 @@ class Policy:
     modality: Modality
 
 
-def load_policy(model_cfg, dtype: str | None = None) -> Policy:
-    """The policy of a `ModelConfig`; its modality adapter is chosen once, here, from config.json.
+def attention_implementation(requested: str, device: torch.device) -> str:
+    """model.attn_implementation with `auto` decided for `device`: flash_attention_2 on CUDA where the
+    flash-attn package is installed (verl's choice: varlen kernels, and packed rows need no mask), else sdpa."""
+    if requested != "auto":
+        return requested
+    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def load_policy(model_cfg, dtype: str | None = None, device: torch.device | None = None) -> Policy:
+    """The policy of a `ModelConfig` for `device` (None: the CPU); its modality adapter is chosen once,
+    here, from config.json.
 
     `dtype` overrides `model.dtype` as the parameter dtype: a model that trains loads in float32 (its
     master weights, runtime.py) and computes in model.dtype under autocast / FSDP2 mixed precision.
@@ -112,7 +134,10 @@ def load_policy(model_cfg, dtype: str | None = None) -> Policy:
     processor_path = model_cfg.tokenizer_path or path
     modality = load_modality(model_config(path), processor_path, model_cfg.trust_remote_code)
     tokenizer = modality.prepare_tokenizer(load_tokenizer(processor_path, model_cfg.trust_remote_code), processor_path)
-    model = load_model(path, dtype or model_cfg.dtype, model_cfg.trust_remote_code, model_cfg.gradient_checkpointing, modality)
+    attn = attention_implementation(model_cfg.attn_implementation, device or torch.device("cpu"))
+    model = load_model(
+        path, dtype or model_cfg.dtype, model_cfg.trust_remote_code, model_cfg.gradient_checkpointing, modality, attn
+    )
     if model_cfg.freeze_vision_tower:
         modality.freeze_vision_tower(model)  # no-op for text-only models
     return Policy(model=model, tokenizer=tokenizer, path=path, modality=modality)
@@ -234,7 +259,7 @@ def _packed_forward(model, input_ids, attention_mask, T, temperature, with_entro
     B, L = input_ids.shape
     device = input_ids.device
     attn = getattr(_config(model), "_attn_implementation", None) or "sdpa"
-    varlen = attn.startswith("flash")
+    varlen = _varlen_attention(attn)
     prompt_cols = L - T
     start_B = (attention_mask.cumsum(1) == 0).sum(1)  # first token: where the left padding ends
     plen_B = prompt_cols - start_B
@@ -310,6 +335,12 @@ def _packed_forward(model, input_ids, attention_mask, T, temperature, with_entro
     logp_BT = zeros_BT.index_put((b_M, k_M), logp_M)
     entropy_BT = zeros_BT.index_put((b_M, k_M), entropy_M) if with_entropy else None
     return logp_BT, entropy_BT
+
+
+def _varlen_attention(attn: str) -> bool:
+    """Whether the attention tells packed sequences apart by their position ids alone (no mask): flash
+    attention in any flavour transformers names ("flash_attention_2", "kernels-community/flash-attn3"...)."""
+    return "flash" in attn
 
 
 def _config(model):

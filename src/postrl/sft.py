@@ -71,7 +71,7 @@ def run_sft(cfg: Config, console: Any = None) -> dict[str, float]:
     s = cfg.sft
     seed_everything(s.seed)
     rt = init_runtime(cfg.train.device, cfg.model.dtype)
-    policy = load_policy(cfg.model, dtype="float32")  # fp32 master weights; forwards in model.dtype (runtime.py)
+    policy = load_policy(cfg.model, dtype="float32", device=rt.device)  # fp32 master weights; forwards in model.dtype (runtime.py)
     model, tokenizer = policy.model, policy.tokenizer
     model.to(rt.device)
     configure_threads(model, cfg.train.num_threads, console.print)

@@ -53,7 +53,7 @@ class Trainer:
             torch.use_deterministic_algorithms(True)
 
         # fp32 master weights whatever model.dtype says; forwards compute in model.dtype (runtime.py).
-        self.policy = load_policy(cfg.model, dtype="float32")
+        self.policy = load_policy(cfg.model, dtype="float32", device=rt.device)
         self.model, self.tokenizer, self.model_path = self.policy.model, self.policy.tokenizer, self.policy.path
         self.model.to(rt.device).train()
         configure_threads(self.model, cfg.train.num_threads, self.log)
@@ -103,7 +103,11 @@ class Trainer:
         (`distributed.on_device`).
         """
         rt, ref_path = self.runtime, self.cfg.checkpoint.ref_model_path
-        ref = load_model(ref_path, self.cfg.model.dtype, modality=self.policy.modality) if ref_path else copy.deepcopy(self.model)
+        if ref_path:  # the policy's loading options, for another model
+            m, attn = self.cfg.model, self.model.config._attn_implementation
+            ref = load_model(ref_path, m.dtype, m.trust_remote_code, modality=self.policy.modality, attn_implementation=attn)
+        else:
+            ref = copy.deepcopy(self.model)
         home = torch.device("cpu") if self.cfg.train.ref_offload else rt.device
         ref.to(home, dtype=rt.dtype).eval().requires_grad_(False)
         return distributed.wrap_model(ref, self.cfg.train.strategy, compute_dtype=rt.dtype, offload=self.cfg.train.ref_offload, device=rt.device)

@@ -25,8 +25,11 @@ class Modality(Protocol):
     takes_images: bool  # whether rows with images (or `<image>` placeholders) go to `encode_prompt`
 
     @staticmethod
-    def load_model(path: str, dtype: "torch.dtype", trust_remote_code: bool = False) -> "torch.nn.Module":
-        """The model of `path` with the transformers auto class of this family (raises on failure)."""
+    def load_model(
+        path: str, dtype: "torch.dtype", trust_remote_code: bool = False, attn_implementation: str | None = None
+    ) -> "torch.nn.Module":
+        """The model of `path` with the transformers auto class of this family (raises on failure);
+        `attn_implementation` None is transformers' default."""
         ...
 
     def prepare_tokenizer(self, tokenizer: Any, path: str) -> Any:

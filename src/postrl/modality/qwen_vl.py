@@ -80,12 +80,16 @@ class QwenVL:
 
     # ------------------------------------------------------------------------------------- loading
     @staticmethod
-    def load_model(path: str, dtype: torch.dtype, trust_remote_code: bool = False) -> torch.nn.Module:
+    def load_model(
+        path: str, dtype: torch.dtype, trust_remote_code: bool = False, attn_implementation: str | None = None
+    ) -> torch.nn.Module:
         """The image-text-to-text model of `path`."""
         from transformers import AutoModelForImageTextToText
 
         try:
-            return AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+            return AutoModelForImageTextToText.from_pretrained(
+                path, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation
+            )
         except (OSError, ValueError) as exc:
             raise UserError(
                 f"cannot load a vision-language model from '{path}' ({exc}). Fix: point model.path at a Hugging Face "

@@ -16,10 +16,14 @@ class TextModality:
     takes_images = False
 
     @staticmethod
-    def load_model(path: str, dtype: "torch.dtype", trust_remote_code: bool = False) -> "torch.nn.Module":
+    def load_model(
+        path: str, dtype: "torch.dtype", trust_remote_code: bool = False, attn_implementation: str | None = None
+    ) -> "torch.nn.Module":
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+        return AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation
+        )
 
     def prepare_tokenizer(self, tokenizer: Any, path: str) -> Any:
         return tokenizer
