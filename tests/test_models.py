@@ -185,18 +185,19 @@ def test_varlen_attention_names():
 
 
 def test_attention_implementation_auto_picks_flash_only_on_cuda_with_flash_attn(monkeypatch):
-    """model.attn_implementation: auto is flash_attention_2 on CUDA where flash-attn imports, else sdpa;
-    a named implementation is taken as written."""
+    """model.attn_implementation: auto is flash_attention_2 for bf16 compute on CUDA where flash-attn
+    imports, else sdpa; a named implementation is taken as written."""
     import importlib.util
 
     from postrl.models import attention_implementation
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
-    assert [attention_implementation("auto", d) for d in (cpu, cuda)] == ["sdpa", "sdpa"]
+    assert [attention_implementation("auto", d, "bfloat16") for d in (cpu, cuda)] == ["sdpa", "sdpa"]
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else None)
-    assert [attention_implementation("auto", d) for d in (cpu, cuda)] == ["sdpa", "flash_attention_2"]
-    assert attention_implementation("eager", cuda) == "eager"
+    assert [attention_implementation("auto", d, "bfloat16") for d in (cpu, cuda)] == ["sdpa", "flash_attention_2"]
+    assert attention_implementation("auto", cuda, "float32") == "sdpa"
+    assert attention_implementation("eager", cuda, "bfloat16") == "eager"
 
 
 def test_the_configured_attention_loads_and_a_missing_kernel_is_a_user_error():

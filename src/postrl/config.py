@@ -46,8 +46,8 @@ class ModelConfig(Section):
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
     attn_implementation: str = Field(
         "auto",
-        description="Attention kernels (transformers' attn_implementation): auto (flash_attention_2 on CUDA where the "
-        "flash-attn package is installed, else sdpa), sdpa, eager, flex_attention, flash_attention_2, "
+        description="Attention kernels (transformers' attn_implementation): auto (flash_attention_2 for bf16 / fp16 "
+        "compute on CUDA where the flash-attn package is installed, else sdpa), sdpa, eager, flex_attention, flash_attention_2, "
         "flash_attention_3, or a kernels hub repo such as kernels-community/flash-attn3. With flash attention, "
         "train.use_remove_padding packs a micro-batch into one row for the varlen kernels (docs/performance.md).",
     )

@@ -113,12 +113,14 @@ class Policy:
     modality: Modality
 
 
-def attention_implementation(requested: str, device: torch.device) -> str:
-    """model.attn_implementation with `auto` decided for `device`: flash_attention_2 on CUDA where the
-    flash-attn package is installed (verl's choice: varlen kernels, and packed rows need no mask), else sdpa."""
+def attention_implementation(requested: str, device: torch.device, compute_dtype: str) -> str:
+    """model.attn_implementation with `auto` decided: flash_attention_2 for bf16 / fp16 compute on CUDA
+    where the flash-attn package is installed (verl's choice: varlen kernels, and packed rows need no
+    mask), else sdpa (flash kernels take no fp32)."""
     if requested != "auto":
         return requested
-    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+    half = compute_dtype != "float32"
+    if half and device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
     return "sdpa"
 
@@ -134,7 +136,7 @@ def load_policy(model_cfg, dtype: str | None = None, device: torch.device | None
     processor_path = model_cfg.tokenizer_path or path
     modality = load_modality(model_config(path), processor_path, model_cfg.trust_remote_code)
     tokenizer = modality.prepare_tokenizer(load_tokenizer(processor_path, model_cfg.trust_remote_code), processor_path)
-    attn = attention_implementation(model_cfg.attn_implementation, device or torch.device("cpu"))
+    attn = attention_implementation(model_cfg.attn_implementation, device or torch.device("cpu"), model_cfg.dtype)
     model = load_model(
         path, dtype or model_cfg.dtype, model_cfg.trust_remote_code, model_cfg.gradient_checkpointing, modality, attn
     )
