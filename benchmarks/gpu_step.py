@@ -58,6 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--micro", type=int, default=8, help="sequences per forward/backward")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--no-checkpointing", action="store_true", help="turn gradient checkpointing off")
+    ap.add_argument("--attn", default="auto", help="model.attn_implementation for both frameworks (auto: flash_attention_2 where installed, else sdpa)")
     ap.add_argument("--engine", default="auto", choices=["auto", "hf", "vllm"], help="postrl rollout.engine")
     ap.add_argument("--peer", choices=["trl"], default=None, help="also run TRL's GRPOTrainer on the same settings")
     ap.add_argument("--peak-tflops", type=float, default=None, help="peak FLOP/s of the device for MFU (default: table)")
@@ -151,6 +152,7 @@ def run_postrl(args, model_dir: Path, data: Path, work: Path) -> dict:
     B, G = args.prompts, args.samples
     overrides = [
         f"model.path={model_dir}", f"model.dtype={args.dtype}", f"model.gradient_checkpointing={not args.no_checkpointing}",
+        f"model.attn_implementation={args.attn}",
         f"data.train_files=[{data}]", "data.val_files=[]", f"data.max_prompt_length={args.prompt}", "data.shuffle=false",
         f"rollout.engine={args.engine}", f"rollout.n_samples_per_prompt={G}", f"rollout.max_tokens={args.response}",
         "rollout.gpu_memory_utilization=0.35", "reward.verifiers=[format]", "algorithm.name=grpo", "algorithm.kl.coef=0",
@@ -172,7 +174,7 @@ def run_postrl(args, model_dir: Path, data: Path, work: Path) -> dict:
         return sum(r[key] for r in timed) / len(timed)
 
     return {
-        "framework": "postrl", "engine": engine, "params": params, "steps_timed": len(timed),
+        "framework": "postrl", "engine": engine, "attn": tr.model.config._attn_implementation, "params": params, "steps_timed": len(timed),
         "e2e_tps": mean("e2e_tps"), "update_tps": mean("update_tps"), "rollout_tps": mean("rollout_tps"),
         "step_s": mean("timing/all"), "update_s": mean("timing/update"), "rollout_s": mean("timing/rollout"),
         "response_len": mean("response_length/mean"), "prompt_len": mean("prompt_length/mean"), "peak_mem_gib": peak / 2**30,
@@ -209,9 +211,11 @@ def run_trl(args, model_dir: Path, data: Path, work: Path) -> dict:
     config = GRPOConfig(**{k: v for k, v in wanted.items() if k in fields})
     tok = AutoTokenizer.from_pretrained(model_dir)
     tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)  # fp32 masters, as postrl
+    from postrl.models import attention_implementation
     from postrl.runtime import configure_threads
 
+    attn = attention_implementation(args.attn, torch.device("cuda" if torch.cuda.is_available() else "cpu"), args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn)  # fp32 masters, as postrl
     configure_threads(model)  # the same CPU thread policy as the postrl run (matters on CPU only)
 
     def constant_reward(completions, **kwargs):
@@ -239,7 +243,7 @@ def run_trl(args, model_dir: Path, data: Path, work: Path) -> dict:
     resp = sum(lens[1:] or lens) / max(len(lens[1:] or lens), 1)
     step_s = sum(timed) / len(timed)
     return {
-        "framework": "trl", "version": trl.__version__, "engine": "vllm" if use_vllm else "hf", "steps_timed": len(timed),
+        "framework": "trl", "version": trl.__version__, "engine": "vllm" if use_vllm else "hf", "attn": attn, "steps_timed": len(timed),
         "e2e_tps": (args.prompt + resp) * B * G / step_s, "step_s": step_s, "response_len": resp, "prompt_len": args.prompt,
         "peak_mem_gib": peak / 2**30, "settings_unknown_to_this_trl": dropped,
     }  # fmt: skip
@@ -326,7 +330,7 @@ def print_table(args, results: list[dict], flops_note: str) -> None:
         f"\n{args.prompts} prompts x {args.samples} samples, {args.prompt} prompt + {args.response} response tokens, "
         f"micro-batch {args.micro}, {args.dtype}, gradient checkpointing {gc}; MFU peak: {flops_note}"
     )
-    head = f"{'shape':<7}{'framework':<10}{'engine':<7}{'e2e_tps':>9}{'update_tps':>11}{'rollout_tps':>12}{'step s':>8}{'peak GiB':>9}{'MFU upd':>8}{'vs postrl':>10}"
+    head = f"{'shape':<7}{'framework':<10}{'engine':<7}{'attention':<18}{'e2e_tps':>9}{'update_tps':>11}{'rollout_tps':>12}{'step s':>8}{'peak GiB':>9}{'MFU upd':>8}{'vs postrl':>10}"
     print(head)
     print("-" * len(head))
     by_shape: dict[str, float] = {}
@@ -343,7 +347,7 @@ def print_table(args, results: list[dict], flops_note: str) -> None:
 
         mfu = f"{r['mfu_update'] * 100:.1f}%" if "mfu_update" in r else "-"
         print(
-            f"{r['shape']:<7}{r['framework']:<10}{r['engine']:<7}{f('e2e_tps', '9.0f')}{f('update_tps', '11.0f'):>11}"
+            f"{r['shape']:<7}{r['framework']:<10}{r['engine']:<7}{r.get('attn', '-'):<18}{f('e2e_tps', '9.0f')}{f('update_tps', '11.0f'):>11}"
             f"{f('rollout_tps', '12.0f'):>12}{f('step_s', '8.1f')}{f('peak_mem_gib', '9.1f')}{mfu:>8}{ratio:>10.2f}"
         )
 
