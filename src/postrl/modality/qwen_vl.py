@@ -63,7 +63,9 @@ class QwenVL:
     @classmethod
     def from_pretrained(cls, path: str, config: dict, trust_remote_code: bool = False) -> "QwenVL":
         """The adapter of a model with config.json `config`, with the image processor of `path`."""
-        from transformers import AutoImageProcessor
+        # From its module: transformers 5.17 without torchvision exports a placeholder as
+        # `transformers.AutoImageProcessor` that refuses to load even the PIL processor.
+        from transformers.models.auto.image_processing_auto import AutoImageProcessor
 
         try:
             image_processor = AutoImageProcessor.from_pretrained(path, backend="pil", trust_remote_code=trust_remote_code)
