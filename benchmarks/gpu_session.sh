@@ -2,7 +2,7 @@
 # One GPU session of issue 12: the `gpu` tests and benchmarks/gpu_step.py on a lent machine (the
 # `device` tool, /work/.library/device/README.md), tables written under $OUT.
 #
-# Here, in the repository root, once (the wheels the machine lacks; it has torch, transformers,
+# Here, in the repository root, once (the wheels the machine lacks, 52 MiB; it has torch, transformers,
 # accelerate, pandas, pyarrow, pytest, but no pydantic, math-verify, trl, datasets; nothing can be
 # fetched there):
 #     bash benchmarks/gpu_session.sh fetch
@@ -21,15 +21,31 @@ WHEELS=(
   math-verify==0.9.0 latex2sympy2-extended==1.11.0 antlr4-python3-runtime==4.13.2
   trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
 )
+# datasets 5.2 needs pyarrow >= 24; the machine's pyarrow version is not on record, so a 47 MiB wheel
+# rides along in .whl/fallback/ and is installed only where the machine's is older (carry limit: 64 MiB).
+PYARROW_MIN=24
+PYARROW_FALLBACK=pyarrow==24.0.0
+
+download() {  # DIR SPEC...: the wheels for the device machine's Python (CPython 3.12, Linux x86-64)
+  local dir="$1"
+  shift
+  python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$dir" "$@"
+}
 
 setup() {
   if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   fi
+  if ! python3 -c "import pyarrow, sys; sys.exit(int(pyarrow.__version__.split('.')[0]) < $PYARROW_MIN)" 2>/dev/null \
+    && ls .whl/fallback/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/fallback/*.whl || exit 1
+  fi
   export PYTHONPATH="$PWD/src:/tmp/site" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
-  python3 -c "import trl; print('trl', trl.__version__)" 2>&1 | tail -1 | tee -a "$OUT/device.txt"
+  python3 -c "import pyarrow, trl; print('trl', trl.__version__, 'pyarrow', pyarrow.__version__)" 2>&1 | tail -1 | tee -a "$OUT/device.txt"
   python3 -c "import vllm; print('vllm', vllm.__version__)" 2>&1 | tail -1 | tee -a "$OUT/device.txt"
 }
 
@@ -38,9 +54,7 @@ case "${1:-}" in
     exclude="$(git rev-parse --git-path info/exclude)"  # .git/info may be absent, and .git is a file in a worktree
     mkdir -p "$(dirname "$exclude")"
     grep -qx '/.whl/' "$exclude" 2>/dev/null || echo /.whl/ >> "$exclude"
-    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-      --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
-      --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl "${WHEELS[@]}"
+    download .whl "${WHEELS[@]}" && download .whl/fallback "$PYARROW_FALLBACK" || exit 1
     du -sh .whl
     ;;
   tests)
