@@ -66,6 +66,7 @@ class ModelConfig(Section):
             return v
         raise ValueError(f"unknown attention implementation '{v}'; valid: {', '.join(known)}, or a kernels hub repo (org/name)")
 
+
 # ---------------------------------------------------------------------------------------------- data
 class DataConfig(Section):
     train_files: list[str] = Field(
