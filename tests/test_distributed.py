@@ -232,11 +232,12 @@ def one_step(cfg) -> dict:
         "grads": grads,
         "responses": batch.response_ids,
         "prompts": batch.prompt_ids[:: cfg.rollout.n_samples_per_prompt],
-        "metrics": {k: metrics[k] for k in ("dapo/kept_groups_ratio", "dapo/num_gen_batches", "actor/pg_loss", "actor/grad_norm")},
+        "metrics": {k: metrics.get(k) for k in ("dapo/kept_groups_ratio", "dapo/num_gen_batches", "actor/pg_loss", "actor/grad_norm", "actor/kl_loss")},
     }
 
 
 STRATEGIES = ("fsdp2", "ddp")
+BF16_KL = ["model.dtype=bfloat16", "algorithm.kl.coef=0.01"]  # FSDP2 mixed precision, and a bf16 reference
 
 
 def _equiv_worker(local_rank: int, port: int, out_dir: str) -> None:
@@ -259,6 +260,11 @@ def _equiv_worker(local_rank: int, port: int, out_dir: str) -> None:
                 result["same_batch_on_every_rank"] = all(s == seen[0] for s in seen)
                 if distributed.is_main():
                     torch.save(result, Path(out_dir) / f"{strategy}_{mode}.pt")
+        bf16 = _equiv_overrides(Path(out_dir) / f"r{local_rank}-bf16", "token-mean") + BF16_KL
+        result = one_step(load_config(None, bf16))
+        result["master_dtypes"] = {p.dtype for p in result["params"].values()}
+        if distributed.is_main():
+            torch.save(result, Path(out_dir) / "fsdp2_bf16.pt")
         finished = True
     finally:
         distributed.teardown(wait_for_peers=finished)
@@ -278,7 +284,9 @@ def test_two_ranks_of_four_prompts_update_like_one_rank_of_eight(tmp_path):
     gradients and the updated parameters. Micro-batches of 3 sequences make each rank accumulate
     gradients over several passes. Updated parameters must agree within 1e-5 and gradients within
     1e-5 of their scale (AdamW's first step is close to lr x sign(gradient), so the gradient is the
-    sharper check). HF generation under FSDP2 is covered by the torchrun and Ray tests.
+    sharper check). HF generation under FSDP2 is covered by the torchrun and Ray tests. Last, the
+    same token-mean step with bf16 compute (FSDP2's MixedPrecisionPolicy, fp32 masters) and a bf16
+    KL reference: KL exactly 0 at the first step, the gradient within bf16 rounding of fp32.
     """
     import torch.multiprocessing as mp
 
@@ -312,6 +320,18 @@ def test_two_ranks_of_four_prompts_update_like_one_rank_of_eight(tmp_path):
         print(f"{strategy} {mode}: max |grad diff| / max |grad| {grad_err:.1e}, max |param diff| {param_err:.1e}")
         assert grad_err <= 1e-5 and param_err <= 1e-5, (strategy, mode, grad_err, param_err)
         assert one["moved"] > 5e-5  # the step did update the weights (lr 1e-4)
+        if mode == "token-mean":
+            one_fp32 = one
+    # FSDP2 with bf16 compute (MixedPrecisionPolicy): the multi-GPU recipe's numerics, on gloo.
+    bf16 = torch.load(tmp_path / "fsdp2_bf16.pt", weights_only=False)
+    assert bf16["sharded"] and bf16["responses"] == one_fp32["responses"]
+    assert bf16["master_dtypes"] == {torch.float32}  # fp32 masters behind the bf16 compute
+    # Policy and reference both compute from the same bf16 weights, RoPE in fp32 for both: KL exactly 0.
+    assert bf16["metrics"]["actor/kl_loss"] == 0.0
+    assert bf16["metrics"]["actor/grad_norm"] == pytest.approx(one_fp32["metrics"]["actor/grad_norm"], rel=1e-2)
+    grad_err = max(float((bf16["grads"][n] - g).abs().max()) / max(float(g.abs().max()), 1e-6) for n, g in one_fp32["grads"].items())
+    print(f"fsdp2 bf16 vs one rank fp32: max |grad diff| / max |grad| {grad_err:.1e}")
+    assert 0 < grad_err <= 0.1  # bf16 ran; its per-element gap is a few u = 2^-8 of the largest gradient (measured 3e-2)
 
 
 # ------------------------------------------------------------------------------- launchers (real runs)

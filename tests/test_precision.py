@@ -6,6 +6,8 @@ bfloat16` are checked here; tests/test_gpu.py repeats the end-to-end checks on C
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from conftest import tiny_overrides
@@ -82,6 +84,33 @@ def test_bfloat16_keeps_fp32_masters_and_its_first_step_matches_fp32(tmp_path):
     assert {p.dtype for p in tr16.ref_model.parameters()} == {torch.bfloat16}
     assert s16["actor/kl_loss"] < 1e-4  # the bf16 reference vs the autocast policy: a rounding-sized KL
     assert s32["actor/kl_loss"] == 0.0  # float32: the reference is an exact copy
+
+
+def test_the_bfloat16_reference_rotates_positions_like_the_policy(tmp_path):
+    """The frozen reference holds bf16 weights, but RoPE's inverse frequencies stay fp32, as
+    from_pretrained(dtype=bf16) keeps them: rounded to bf16 (relative error up to 2^-9), position p
+    would turn by up to p / 512 radians too far or too little, and past a few hundred tokens the KL
+    would be taken against a reference that reads every token at the wrong place."""
+    from postrl.trainer import Trainer
+
+    tr = Trainer(load_config(None, tiny_overrides(tmp_path, "model.dtype=bfloat16", "algorithm.kl.coef=0.01")))
+    tr.close()
+    assert {p.dtype for p in tr.ref_model.parameters()} == {torch.bfloat16}
+    x = torch.zeros(1, 1, dtype=torch.bfloat16)  # rotary_emb reads only its dtype and device
+    positions = torch.arange(4096)[None]
+
+    def angles(model):
+        cos, sin = model.model.rotary_emb(x, positions)
+        return cos.float(), sin.float()
+
+    (cos_ref, sin_ref), (cos_pol, sin_pol) = angles(tr.ref_model), angles(tr.model)
+    assert torch.equal(cos_ref, cos_pol) and torch.equal(sin_ref, sin_pol)
+    # What the whole-model cast would have done (the frequencies as bf16): the late positions point elsewhere.
+    rounded = copy.deepcopy(tr.ref_model).to(torch.bfloat16)
+    assert rounded.model.rotary_emb.inv_freq.dtype == torch.bfloat16
+    cos_bad, _ = angles(rounded)
+    assert float((cos_bad - cos_pol)[0, :64].abs().max()) < 0.05  # near the start, close
+    assert float((cos_bad - cos_pol)[0, -512:].abs().max()) > 0.5  # at 4k tokens, other angles
 
 
 def test_gradient_checkpointing_gives_the_same_gradient(tmp_path):

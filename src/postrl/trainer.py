@@ -27,7 +27,7 @@ from postrl.errors import Stopped, UserError
 from postrl.evaluate import ValidationHistory, evaluate, load_val_sets
 from postrl.experience import Batch, Experience, batch_metrics
 from postrl.metrics import MetricsLogger, Timer, plot_run, read_jsonl, step_line, throughput, val_line
-from postrl.models import load_model, load_policy
+from postrl.models import cast_weights, load_model, load_policy
 from postrl.rewards import RewardFunction
 from postrl.rollout import make_engine
 from postrl.runtime import StopOnSignal, configure_threads, init_runtime, rng_state, seed_everything, set_rng_state
@@ -109,7 +109,7 @@ class Trainer:
         else:
             ref = copy.deepcopy(self.model)
         home = torch.device("cpu") if self.cfg.train.ref_offload else rt.device
-        ref.to(home, dtype=rt.dtype).eval().requires_grad_(False)
+        cast_weights(ref.to(home), rt.dtype).eval().requires_grad_(False)  # buffers (RoPE) stay fp32
         return distributed.wrap_model(ref, self.cfg.train.strategy, compute_dtype=rt.dtype, offload=self.cfg.train.ref_offload, device=rt.device)
 
     # ----------------------------------------------------------------------------------- the loop
