@@ -85,6 +85,21 @@ def test_check_config_reports_the_memory_of_the_7b_recipe(capsys, devices, verdi
     assert "7.62B parameters" in out and "optimizer (AdamW: 2 fp32 moments)" in out and verdict in out
 
 
+def test_without_a_gpu_the_verdict_says_which_size_it_assumed(capsys):
+    """On a machine without CUDA the fit verdict is for 80 GiB GPUs, and says so; --device-memory is
+    the user's own figure and needs no such note."""
+    import torch
+
+    root = Path(__file__).resolve().parents[1]
+    recipe = ["check-config", str(root / "configs/qwen25_7b_grpo.yaml"), "--no-path-check"]
+    assert main(recipe) == 0
+    default = capsys.readouterr().out
+    assert main([*recipe, "--device-memory", "80"]) == 0
+    given = capsys.readouterr().out
+    assert "no GPU on this machine: 80 GiB GPUs assumed" in default or torch.cuda.is_available()
+    assert "assumed" not in given and "fits in 80 GiB" in given
+
+
 def test_a_local_config_json_wins_over_the_table(tmp_path):
     cfg = {"model_type": "qwen2", "hidden_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2,
            "num_key_value_heads": 1, "intermediate_size": 16, "vocab_size": 10, "tie_word_embeddings": True}  # fmt: skip

@@ -61,13 +61,15 @@ def _print_memory(cfg, device_gib: float | None) -> None:
     """The per-device memory estimate (postrl.memory) for the config's strategy and world size."""
     from postrl.memory import estimate_for_config, report
 
+    assumed = False
     if device_gib is None:
         import torch
 
         cuda = torch.cuda.is_available()
         device_gib = torch.cuda.get_device_properties(0).total_memory / (1 << 30) if cuda else 80.0
+        assumed = not cuda
     est, what = estimate_for_config(cfg, device_gib)
-    lines = [what] if est is None else report(est, what, device_gib, cfg.rollout.engine, cfg.rollout.gpu_memory_utilization)
+    lines = [what] if est is None else report(est, what, device_gib, cfg.rollout.engine, cfg.rollout.gpu_memory_utilization, assumed)
     for line in lines:
         console.print(line, markup=False, highlight=False, soft_wrap=True)
 

@@ -248,8 +248,11 @@ def estimate_for_config(cfg, device_gib: float) -> tuple[Estimate | None, str]:
     return est, what
 
 
-def report(est: Estimate, what: str, device_gib: float, engine: str, gpu_memory_utilization: float) -> list[str]:
-    """The lines check-config prints: one row per part, the two phases' peaks, and whether they fit."""
+def report(
+    est: Estimate, what: str, device_gib: float, engine: str, gpu_memory_utilization: float, assumed: bool = False
+) -> list[str]:
+    """The lines check-config prints: one row per part, the two phases' peaks, and whether they fit
+    (`assumed`: no GPU here, `device_gib` is the default GPU size, and the verdict says so)."""
     rollout = f"vLLM's share {gpu_memory_utilization:g} x {device_gib:g} GiB" if engine != "hf" else "compute weights + KV cache"
     rows = [
         ("parameters (fp32 masters)", est.params),
@@ -266,6 +269,11 @@ def report(est: Estimate, what: str, device_gib: float, engine: str, gpu_memory_
     lines += [f"  {label:<58} {value / GiB:9.2f} GiB" for label, value in rows]
     fits = est.peak <= device_gib * GiB
     lines.append(f"  {'fits' if fits else 'does NOT fit'} in {device_gib:g} GiB per device (peak {est.peak / GiB:.1f} GiB)")
+    if assumed:
+        lines.append(
+            f"  (no GPU on this machine: {device_gib:g} GiB GPUs assumed, --device-memory GIB for others; a CPU run "
+            "holds the same state in host memory, and vLLM on CPU takes rollout.kv_cache_space_gb, not a GPU share)"
+        )
     if not fits:
         lines.append(
             "  Fix: more devices with train.strategy: fsdp2 (cluster.devices_per_node / nnodes), "
