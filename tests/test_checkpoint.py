@@ -387,6 +387,41 @@ def test_export_is_a_plain_hf_model_with_the_trainers_logprobs(trained, tmp_path
         checkpoint.export(tmp_path / "nothing", tmp_path / "x")
 
 
+def test_export_writes_the_runs_dtype(trained, tmp_path):
+    """Checkpoints hold the fp32 masters; a bf16 run exports bf16 (`--dtype auto`, from the
+    iteration's config.yaml), as the published Qwen weights are: every floating tensor is the bf16
+    rounding of its master, the file half the size, config.json says bfloat16, and from_pretrained
+    loads bf16 weights (RoPE's frequencies, not saved, stay fp32). A float32 run is copied byte for
+    byte (the test above: the trainer's log-probs exactly)."""
+    import shutil
+
+    import yaml
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from postrl.cli import main
+
+    iteration = tmp_path / "iter_0000002"  # the iteration as a bf16 run would have written it
+    shutil.copytree(trained["ckpts"] / "iter_0000002", iteration)
+    run = yaml.safe_load((iteration / "config.yaml").read_text())
+    run["model"]["dtype"] = "bfloat16"
+    (iteration / "config.yaml").write_text(yaml.safe_dump(run))
+    out = tmp_path / "bf16"
+    assert main(["export", str(iteration), str(out)]) == 0
+    masters, weights = load_file(iteration / "model/model.safetensors"), load_file(out / "model.safetensors")
+    assert masters.keys() == weights.keys() and {t.dtype for t in masters.values()} == {torch.float32}
+    for name, master in masters.items():
+        assert weights[name].dtype == torch.bfloat16 and torch.equal(weights[name], master.to(torch.bfloat16)), name
+    size = (out / "model.safetensors").stat().st_size / (iteration / "model/model.safetensors").stat().st_size
+    assert 0.49 < size < 0.51
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    model = AutoModelForCausalLM.from_pretrained(out, dtype="auto")
+    assert model.dtype == torch.bfloat16 and model.model.rotary_emb.inv_freq.dtype == torch.float32
+    # --dtype names one: back to float32 here (the bf16 values, widened), whatever the run used.
+    assert main(["export", str(out), str(tmp_path / "fp32"), "--dtype", "float32"]) == 0
+    assert {t.dtype for t in load_file(tmp_path / "fp32/model.safetensors").values()} == {torch.float32}
+
+
 VLLM_SCRIPT = """
 import json, sys
 try:

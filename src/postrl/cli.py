@@ -89,10 +89,10 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from postrl.checkpoint import export
+    from postrl.checkpoint import export, model_dtype
 
-    out = export(args.checkpoint, args.out)
-    console.print(f"exported to {out} (load with AutoModelForCausalLM.from_pretrained or vllm.LLM)")
+    out = export(args.checkpoint, args.out, args.dtype)
+    console.print(f"exported to {out}: {model_dtype(out)} weights (load with AutoModelForCausalLM.from_pretrained or vllm.LLM)")
     return 0
 
 
@@ -158,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="checkpoint -> plain Hugging Face model directory")
     p.add_argument("checkpoint")
     p.add_argument("out")
+    p.add_argument(
+        "--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+        help="weights of the export (default auto: the run's model.dtype; checkpoints hold fp32 masters)",
+    )  # fmt: skip
     p.set_defaults(fn=cmd_export)
     p = sub.add_parser("preprocess", help="raw data -> verl-schema parquet")
     p.add_argument("config")
