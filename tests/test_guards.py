@@ -96,6 +96,18 @@ def test_the_guards_functions_are_silent_within_their_limits():
     assert guards.no_signal(2, 3) is None and guards.entropy(0.0, 0.01, 2, 3) is None
 
 
+def test_log_prob_tolerances_follow_the_compute_dtype():
+    """first_ratio and sync compare two computations of the same log-probs: 1e-3 apart in float32, 5e-2
+    in bf16 / fp16 (another kernel rounds differently); a configured tolerance wins in both."""
+
+    def tol(dtype, configured=None):
+        return guards.Guards(load_config(None, ["model.path=builtin:tiny-qwen2", f"model.dtype={dtype}"])).tolerance(configured)
+
+    assert tol("float32") == 1e-3 and tol("bfloat16") == 5e-2 and tol("float16") == 5e-2
+    assert tol("bfloat16", 1e-4) == 1e-4
+    assert guards.first_ratio(2e-2, tol("bfloat16")) is None and guards.first_ratio(2e-2, tol("float32"))
+
+
 def test_resume_warns_on_a_changed_world_size_and_a_run_with_nothing_left(tmp_path):
     tr = _trainer(tmp_path, PARITY, "train.total_steps=1", "checkpoint.save_final=true")
     tr.fit()

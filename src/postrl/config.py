@@ -443,7 +443,9 @@ class GuardsConfig(Section):
     """Correctness checks, on by default (src/postrl/guards.py, docs/algorithms.md#guards)."""
 
     enable: bool = Field(True, description="Run the guards; each says what it found as a warning or an error.")
-    first_ratio_tol: float = Field(1e-3, gt=0, description="Max |logp - logp_old| before the first optimizer step.")
+    first_ratio_tol: float | None = Field(
+        None, gt=0, description="Max |logp - logp_old| before the first optimizer step (default 1e-3 in float32, 5e-2 otherwise)."
+    )
     sync_tol: float | None = Field(
         None, gt=0, description="Max engine-vs-trainer log-prob gap on the probe after a sync (default 1e-3 in float32, 5e-2 otherwise)."
     )
