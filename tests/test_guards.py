@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import tiny_overrides
 from rich.console import Console
 
@@ -121,10 +122,13 @@ def test_resume_warns_on_a_changed_world_size_and_a_run_with_nothing_left(tmp_pa
 
 
 @pytest.mark.slow
-def test_the_sync_guard_stops_a_run_whose_engine_missed_a_weight_sync(tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_sync_guard_stops_a_run_whose_engine_missed_a_weight_sync(tmp_path, dtype):
     """vLLM on CPU: a healthy step passes the probe; a skipped sync after an update at a high LR is caught.
-    Rollout correction (TIS) runs on the same steps and logs its weights. The engine runs eager here
-    (rollout.enforce_eager), so that path keeps a test; tests/test_vllm_engine.py runs the compiled default."""
+    In float32 on the largest gap over the probe's tokens; in bf16 (vLLM holds bf16 weights, the trainer
+    computes under autocast) on the mean gap. Rollout correction (TIS) runs on the same steps and logs its
+    weights. The engine runs eager here (rollout.enforce_eager), so that path keeps a test;
+    tests/test_vllm_engine.py runs the compiled default."""
     import postrl.rollout.vllm as vllm_mod
     from postrl.errors import UserError
 
@@ -133,14 +137,16 @@ def test_the_sync_guard_stops_a_run_whose_engine_missed_a_weight_sync(tmp_path):
     except vllm_mod.VLLMUnavailable as exc:  # pragma: no cover - machines without a working vLLM
         pytest.skip(f"vLLM is unavailable here: {exc}")
     tr = _trainer(tmp_path, PARITY, "rollout.engine=vllm", "rollout.kv_cache_space_gb=0.25", "train.lr=1e-2",
-                  "train.total_steps=1", "algorithm.rollout_correction.enable=true", "rollout.enforce_eager=true")  # fmt: skip
+                  "train.total_steps=1", "algorithm.rollout_correction.enable=true", f"model.dtype={dtype}",
+                  "rollout.enforce_eager=true")  # fmt: skip
     try:
-        assert tr.engine.name == "vllm"
+        assert tr.engine.name == "vllm" and tr.engine.dtype == getattr(torch, dtype)
         step = tr.train_step()  # a healthy step: synced, the probe agrees
         assert _fired(tr) == []
         assert 0.5 < step["rollout_corr/weight_mean"] <= 2.0 and 0 <= step["rollout_corr/capped_frac"] <= 1
         tr.engine.sync_weights = lambda model: None  # the engine silently keeps its old weights
-        with pytest.raises(UserError, match="guard sync: after the weight sync the vllm engine's log-probs"):
+        statistic = "largest" if dtype == "float32" else "mean"
+        with pytest.raises(UserError, match=f"guard sync: after the weight sync the vllm engine's log-probs .*\\({statistic} gap"):
             tr.train_step()
     finally:
         tr.close()

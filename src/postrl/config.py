@@ -447,7 +447,7 @@ class GuardsConfig(Section):
         None, gt=0, description="Max |logp - logp_old| before the first optimizer step (default 1e-3 in float32, 5e-2 otherwise)."
     )
     sync_tol: float | None = Field(
-        None, gt=0, description="Max engine-vs-trainer log-prob gap on the probe after a sync (default 1e-3 in float32, 5e-2 otherwise)."
+        None, gt=0, description="Engine-vs-trainer log-prob gap on the probe after a sync: largest (float32, default 1e-3) or mean (bf16/fp16, default 5e-2)."
     )
     drift_limit: float = Field(0.1, gt=0, description="Warn when rollout/logprob_diff_mean exceeds this.")
     entropy_floor: float = Field(0.01, ge=0, description="Warn when actor/entropy stays below this ...")
