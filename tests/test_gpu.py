@@ -73,7 +73,7 @@ def test_a_bfloat16_run_on_cuda_learns_the_dense_reward(tmp_path):
 def test_bfloat16_off_policy_with_a_kl_reference_on_cuda_keeps_the_guards_quiet(tmp_path):
     """bf16 on the GPU with two mini-batches (the first-ratio check is live), gradient checkpointing and
     a bf16 KL reference: the old-log-prob pass (no grad) and the update pass (grad, recomputed) agree
-    within the guards' bf16 tolerance (5e-2), the reference scores like the policy before any update
+    within the guards' bf16 tolerance (mean gap 5e-2), the reference scores like the policy before any update
     (a rounding-sized KL), and no guard speaks."""
     tr = _trainer(
         tmp_path, "train.device=cuda", "model.dtype=bfloat16", "train.mini_batch_size=2", "algorithm.kl.coef=0.01",
@@ -84,7 +84,8 @@ def test_bfloat16_off_policy_with_a_kl_reference_on_cuda_keeps_the_guards_quiet(
     tr.guards.log = tr.log
     tr.fit()
     first = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "timing/all" in r][0]
-    assert first["actor/first_ratio_gap"] <= 5e-2, first["actor/first_ratio_gap"]
+    gaps = first["actor/first_ratio_gap_mean"], first["actor/first_ratio_gap"]  # mean (what the guard judges), largest
+    assert gaps[0] <= 5e-2, gaps
     assert first["actor/kl_loss"] < 1e-3, first["actor/kl_loss"]
     assert not [m for m in said if "guard " in m], said
 

@@ -90,7 +90,7 @@ def test_entropy_collapse_fires_after_its_streak_only(tmp_path):
 
 
 def test_the_guards_functions_are_silent_within_their_limits():
-    assert guards.first_ratio(0.0, 1e-3) is None and guards.first_ratio(2e-3, 1e-3)
+    assert guards.first_ratio(0.0, "largest", 1e-3) is None and guards.first_ratio(2e-3, "largest", 1e-3)
     assert guards.sync(1e-5, 1e-3, "vllm") is None and "did not receive the updated weights" in guards.sync(0.2, 1e-3, "vllm")
     assert guards.drift(None, 0.1) is None and guards.drift(0.05, 0.1) is None
     assert guards.slow_reward(0, 0, 0.1, 5.0) is None and guards.slow_reward(1, 16, 0.1, 5.0) is None
@@ -98,15 +98,21 @@ def test_the_guards_functions_are_silent_within_their_limits():
 
 
 def test_log_prob_tolerances_follow_the_compute_dtype():
-    """first_ratio and sync compare two computations of the same log-probs: 1e-3 apart in float32, 5e-2
-    in bf16 / fp16 (another kernel rounds differently); a configured tolerance wins in both."""
+    """first_ratio and sync compare two computations of the same log-probs: every token within 1e-3 in
+    float32, the mean within 5e-2 in bf16 / fp16 (another kernel rounds differently, a few unlikely
+    tokens by much more); a configured tolerance wins in both."""
 
     def tol(dtype, configured=None):
         return guards.Guards(load_config(None, ["model.path=builtin:tiny-qwen2", f"model.dtype={dtype}"])).tolerance(configured)
 
     assert tol("float32") == 1e-3 and tol("bfloat16") == 5e-2 and tol("float16") == 5e-2
     assert tol("bfloat16", 1e-4) == 1e-4
-    assert guards.first_ratio(2e-2, tol("bfloat16")) is None and guards.first_ratio(2e-2, tol("float32"))
+    assert guards.first_ratio(2e-2, "mean", tol("bfloat16")) is None and guards.first_ratio(2e-2, "largest", tol("float32"))
+    # Which gap each dtype judges: the largest token in float32, the mean in bf16.
+    step = {"actor/first_ratio_gap": 0.3, "actor/first_ratio_gap_mean": 0.01}
+    bf16 = guards.Guards(load_config(None, ["model.path=builtin:tiny-qwen2", "model.dtype=bfloat16"]))
+    fp32 = guards.Guards(load_config(None, ["model.path=builtin:tiny-qwen2"]))
+    assert bf16._first_ratio_gap(step) == (0.01, "mean") and fp32._first_ratio_gap(step) == (0.3, "largest")
 
 
 def test_resume_warns_on_a_changed_world_size_and_a_run_with_nothing_left(tmp_path):

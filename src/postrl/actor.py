@@ -223,8 +223,9 @@ class Actor:
             diff = algo.masked_mean((old_logp.detach() - mb["engine_logp"]).abs(), mask)
             sums.add("rollout/logprob_diff_mean", float(diff), n_tok)
         if first and not self.on_policy:
-            gap = float(((logp.detach() - old_logp).abs() * mask).max())
-            self.first_ratio_gap = max(self.first_ratio_gap, gap)
+            gap_BT = (logp.detach() - old_logp).abs()
+            self.first_ratio_gap = max(self.first_ratio_gap, float((gap_BT * mask).max()))
+            sums.add("actor/first_ratio_gap_mean", float(algo.masked_mean(gap_BT, mask)), n_tok)
         return float(pg.detach()), kl_value
 
     def free_grads(self) -> None:

@@ -444,7 +444,7 @@ class GuardsConfig(Section):
 
     enable: bool = Field(True, description="Run the guards; each says what it found as a warning or an error.")
     first_ratio_tol: float | None = Field(
-        None, gt=0, description="Max |logp - logp_old| before the first optimizer step (default 1e-3 in float32, 5e-2 otherwise)."
+        None, gt=0, description="|logp - logp_old| before the first optimizer step: largest (float32, default 1e-3) or mean (bf16/fp16, default 5e-2)."
     )
     sync_tol: float | None = Field(
         None, gt=0, description="Engine-vs-trainer log-prob gap on the probe after a sync: largest (float32, default 1e-3) or mean (bf16/fp16, default 5e-2)."

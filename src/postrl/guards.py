@@ -5,8 +5,9 @@ what to do), or None. The trainer prints a warning, or stops with a UserError wh
 waste the run (weights that never reach the rollout engine). docs/algorithms.md lists them.
 
 - first_ratio:   before the first optimizer step the policy IS the old policy, so the importance
-                 ratio must be 1: a gap means the old-log-prob pass and the update pass compute
-                 different things (dropout, a different attention path, padding).
+                 ratio must be 1 (every token in float32, on average in bf16 / fp16): a gap means
+                 the old-log-prob pass and the update pass compute different things (dropout, a
+                 different attention path, padding).
 - sync:          after each weight sync, the engine's log-probs of a fixed probe sequence must equal
                  the trainer's (every token in float32, on average in bf16 / fp16): a gap means the
                  sync did not happen (trl#5312, verl#7495).
@@ -39,12 +40,12 @@ class Streaks:
         return self.counts[name]
 
 
-def first_ratio(max_abs_log_ratio: float, tol: float) -> str | None:
-    if max_abs_log_ratio <= tol:
+def first_ratio(gap: float, statistic: str, tol: float) -> str | None:
+    if gap <= tol:
         return None
     return (
         f"guard first_ratio: before the first optimizer step the policy ratio should be exactly 1, but "
-        f"|logp - logp_old| reaches {max_abs_log_ratio:.2e} (tolerance {tol:.0e}). The old-log-prob pass and the "
+        f"|logp - logp_old| is {gap:.2e} ({statistic} over the tokens; tolerance {tol:.0e}). The old-log-prob pass and the "
         "update pass compute different log-probs (dropout left on, a different attention path or padding), so "
         "every ratio and clip decision is off. Fix: set the model's dropout to 0 (config.json attention_dropout / "
         "hidden_dropout) or report the model family."
@@ -119,6 +120,12 @@ class Guards:
         without grad) rounds logits of size ~10 differently in their 8th significant bit."""
         return configured or (1e-3 if self.cfg.model.dtype == "float32" else 5e-2)
 
+    def _first_ratio_gap(self, m: dict[str, float]) -> tuple[float, str]:
+        """The largest |logp - logp_old| in float32; the mean in bf16 / fp16 (as the sync check)."""
+        if self.cfg.model.dtype == "float32":
+            return m.get("actor/first_ratio_gap", 0.0), "largest"
+        return m.get("actor/first_ratio_gap_mean", 0.0), "mean"
+
     def after_step(self, m: dict[str, float], step: int) -> None:
         """Warn once per guard on what the step's metrics show."""
         g, name = self.g, self.cfg.algorithm.name
@@ -127,7 +134,7 @@ class Guards:
         entropy_streak = self.streaks.update("entropy", m["actor/entropy"] < g.entropy_floor)
         signal_streak = self.streaks.update("no_signal", m[f"{name}/zero_spread_groups_ratio"] >= 1.0)
         found = {
-            "first_ratio": first_ratio(m.get("actor/first_ratio_gap", 0.0), self.tolerance(g.first_ratio_tol)),
+            "first_ratio": first_ratio(*self._first_ratio_gap(m), self.tolerance(g.first_ratio_tol)),
             "drift": drift(m.get("rollout/logprob_diff_mean"), g.drift_limit),
             "entropy": entropy(m["actor/entropy"], g.entropy_floor, entropy_streak, g.entropy_steps),
             "no_signal": no_signal(signal_streak, g.no_signal_steps),
