@@ -36,6 +36,7 @@ def test_keep_best_keeps_the_best_validation_and_exports(tmp_path):
     assert (best["step"], best["value"]) == first_best and best["metric"] == "val/arithmetic/acc_mean@1"
     out = checkpoint.export(Path(cfg.checkpoint.dir) / checkpoint.BEST, tmp_path / "exported")
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+    assert load_config(Path(cfg.checkpoint.dir) / checkpoint.BEST / "config.yaml").model_dump() == cfg.model_dump()  # export's `auto` dtype reads it
     text = tr.console.file.getvalue()
     assert f"held-out accuracy: start {vals[0][1]:.1%} (step 0), best {first_best[1]:.1%} (step {first_best[0]})" in text
     # Resumed for one more step, the line still starts at step 0: earlier validations come from metrics.jsonl.

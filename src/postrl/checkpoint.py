@@ -575,7 +575,10 @@ def best_so_far(cfg: Any) -> dict | None:
 
 
 def save_best(cfg: Any, model: Any, tokenizer: Any, step: int, value: float, metric: str) -> Path:
-    """Replace <checkpoint.dir>/best with these weights (a Hugging Face model dir in best/model)."""
+    """Replace <checkpoint.dir>/best with these weights (a Hugging Face model dir in best/model) and the
+    run's config.yaml beside them (export reads its model.dtype)."""
+    from postrl.config import dump_config
+
     root = Path(cfg.checkpoint.dir)
     final, tmp = root / BEST, root / f".tmp_{BEST}"
     write = distributed.rank() == 0
@@ -587,6 +590,7 @@ def save_best(cfg: Any, model: Any, tokenizer: Any, step: int, value: float, met
     if write:
         tokenizer.save_pretrained(tmp / "model")
         (tmp / "best.json").write_text(json.dumps({"step": step, "metric": metric, "value": value}))
+        (tmp / "config.yaml").write_text(dump_config(cfg))
         _fsync_tree(tmp)
         _remove(final)
         os.replace(tmp, final)
