@@ -232,7 +232,7 @@ def one_step(cfg) -> dict:
         "grads": grads,
         "responses": batch.response_ids,
         "prompts": batch.prompt_ids[:: cfg.rollout.n_samples_per_prompt],
-        "metrics": {k: metrics.get(k) for k in ("dapo/kept_groups_ratio", "dapo/num_gen_batches", "actor/pg_loss", "actor/grad_norm", "actor/kl_loss")},
+        "metrics": {k: metrics.get(k) for k in ("dapo/kept_groups_ratio", "dapo/num_gen_batches", "actor/pg_loss", "actor/grad_norm", "actor/kl_loss", "actor/loss_scale")},
     }
 
 
@@ -265,6 +265,11 @@ def _equiv_worker(local_rank: int, port: int, out_dir: str) -> None:
         result["master_dtypes"] = {p.dtype for p in result["params"].values()}
         if distributed.is_main():
             torch.save(result, Path(out_dir) / "fsdp2_bf16.pt")
+        fp16 = _equiv_overrides(Path(out_dir) / f"r{local_rank}-fp16", "token-mean") + ["model.dtype=float16"]
+        result = one_step(load_config(None, fp16))
+        result["loss_scales"] = distributed.all_gather_object(result["metrics"]["actor/loss_scale"])
+        if distributed.is_main():
+            torch.save(result, Path(out_dir) / "fsdp2_fp16.pt")
         finished = True
     finally:
         distributed.teardown(wait_for_peers=finished)
@@ -286,7 +291,8 @@ def test_two_ranks_of_four_prompts_update_like_one_rank_of_eight(tmp_path):
     1e-5 of their scale (AdamW's first step is close to lr x sign(gradient), so the gradient is the
     sharper check). HF generation under FSDP2 is covered by the torchrun and Ray tests. Last, the
     same token-mean step with bf16 compute (FSDP2's MixedPrecisionPolicy, fp32 masters) and a bf16
-    KL reference: KL exactly 0 at the first step, the gradient within bf16 rounding of fp32.
+    KL reference: KL exactly 0 at the first step, the gradient within bf16 rounding of fp32; and with
+    fp16 compute, whose loss scaler must agree across the ranks that each hold a shard of the gradients.
     """
     import torch.multiprocessing as mp
 
@@ -332,6 +338,13 @@ def test_two_ranks_of_four_prompts_update_like_one_rank_of_eight(tmp_path):
     grad_err = max(float((bf16["grads"][n] - g).abs().max()) / max(float(g.abs().max()), 1e-6) for n, g in one_fp32["grads"].items())
     print(f"fsdp2 bf16 vs one rank fp32: max |grad diff| / max |grad| {grad_err:.1e}")
     assert 0 < grad_err <= 0.1  # bf16 ran; its per-element gap is a few u = 2^-8 of the largest gradient (measured 3e-2)
+    # fp16 compute under FSDP2: ShardedGradScaler, one loss scale on every rank, the gradient close to fp32.
+    fp16 = torch.load(tmp_path / "fsdp2_fp16.pt", weights_only=False)
+    assert fp16["sharded"] and fp16["loss_scales"] == [2.0**16, 2.0**16]
+    assert fp16["metrics"]["actor/grad_norm"] == pytest.approx(one_fp32["metrics"]["actor/grad_norm"], rel=1e-3)
+    grad_err = max(float((fp16["grads"][n] - g).abs().max()) / max(float(g.abs().max()), 1e-6) for n, g in one_fp32["grads"].items())
+    print(f"fsdp2 fp16 vs one rank fp32: max |grad diff| / max |grad| {grad_err:.1e}")
+    assert 0 < grad_err <= 1e-2  # fp16 keeps 11 significant bits: 8x closer than bf16
 
 
 # ------------------------------------------------------------------------------- launchers (real runs)

@@ -70,6 +70,7 @@ class Actor:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(t.warmup_steps, t.total_steps, t.lr_schedule, t.min_lr_ratio))
+        self.scaler = distributed.grad_scaler(model, runtime.dtype, runtime.device)  # fp16 loss scaling; else a no-op
         self.on_policy = t.mini_batch_size == t.global_batch_size and t.epochs_per_batch == 1
         self.policy_loss = algo.get_policy_loss_fn(cfg.algorithm.policy_loss)
         self._logprob_options = dict(remove_padding=t.use_remove_padding, chunk_tokens=t.logprob_chunk_tokens)
@@ -163,11 +164,13 @@ class Actor:
                     pg, kl = self._micro_step(mb, norms, use_ref, sums, first=first)
                     pg_total += pg
                     kl_total += kl
+                self.scaler.unscale_(self.optimizer)  # fp16: the gradients at their true size before clipping
                 grad_norm = distributed.clip_grad_norm_(self.params, t.grad_clip)
                 if torch.isfinite(grad_norm):
-                    self.optimizer.step()
-                else:
+                    self.scaler.step(self.optimizer)
+                elif not self.scaler.is_enabled():  # fp16: an overflow is the scaler's cue to halve the scale
                     self.log("[yellow]non-finite grad norm: this optimizer step is skipped[/yellow]")
+                self.scaler.update()
                 grad_norms.append(float(grad_norm))
                 pg_total, kl_total = distributed.all_reduce_sum([pg_total, kl_total])
                 sums.add("actor/pg_loss", pg_total)
@@ -177,6 +180,8 @@ class Actor:
         out = sums.means()
         out["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
         out["actor/lr"] = lr
+        if self.scaler.is_enabled():
+            out["actor/loss_scale"] = self.scaler.get_scale()
         if not self.on_policy:
             out["actor/first_ratio_gap"] = distributed.all_reduce_max(self.first_ratio_gap)
         return out
@@ -214,7 +219,7 @@ class Actor:
             kl_value = float(kl.detach())
         # DDP / FSDP average gradients over ranks; the loss is this rank's share of the global loss,
         # so the global gradient is the sum: scale by the world size.
-        (loss * distributed.world_size()).backward()
+        self.scaler.scale(loss * distributed.world_size()).backward()
         n_tok = float(mask.sum())
         for k, v in stats.items():
             sums.add(k if "/" in k else f"actor/{k}", float(v), n_tok)
@@ -234,8 +239,12 @@ class Actor:
 
     # ----------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        """Optimizer and scheduler state of this rank (the weights are saved in HF format apart)."""
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        """Optimizer and scheduler state of this rank (the weights are saved in HF format apart); with
+        fp16, the loss scaler's state rides with the optimizer's (as in Megatron)."""
+        optimizer = self.optimizer.state_dict()
+        if self.scaler.is_enabled():
+            optimizer["grad_scaler"] = self.scaler.state_dict()
+        return {"optimizer": optimizer, "scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore optimizer and scheduler; the config, not the checkpoint, sets lr / weight decay / betas.
@@ -243,7 +252,11 @@ class Actor:
         `optimizer.load_state_dict` restores the saved param-group hyperparameters; when the config
         names the same values the override below is a no-op, so an unchanged resume stays bit-exact.
         """
-        self.optimizer.load_state_dict(state["optimizer"])
+        optimizer = dict(state["optimizer"])
+        scaler = optimizer.pop("grad_scaler", None)
+        self.optimizer.load_state_dict(optimizer)
+        if scaler is not None and self.scaler.is_enabled():
+            self.scaler.load_state_dict(scaler)
         self.scheduler.load_state_dict(state["scheduler"])
         t, sched = self.cfg.train, self.scheduler
         for i, group in enumerate(self.optimizer.param_groups):

@@ -39,8 +39,8 @@ class ModelConfig(Section):
         description="Compute dtype. bfloat16 (the guides' choice on GPUs) keeps fp32 master weights, gradients and "
         "AdamW moments and runs the forward passes in bf16 (autocast on one device or DDP, FSDP2 mixed precision "
         "with fp32 gradient reduction); log-probs and losses stay fp32. The reference model and the vLLM engine hold "
-        "bf16 weights. float32: everything fp32 (the CPU default). float16: as bfloat16 but without loss scaling; "
-        "prefer bfloat16 (docs/gpu.md).",
+        "bf16 weights. float32: everything fp32 (the CPU default). float16: as bfloat16, with dynamic loss scaling "
+        "(fp16's narrow exponent would flush small gradients; docs/gpu.md).",
     )
     trust_remote_code: bool = Field(False, description="Passed to from_pretrained; keep false unless you trust the repo.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")

@@ -326,6 +326,24 @@ def save_pretrained(model: torch.nn.Module, out_dir: Path, write: bool) -> None:
     del state
 
 
+def grad_scaler(model: torch.nn.Module, compute_dtype: torch.dtype, device: torch.device) -> torch.amp.GradScaler:
+    """Dynamic loss scaling for float16 compute; a pass-through (disabled) for any other dtype.
+
+    fp16 has a 5-bit exponent: gradient values below 2^-24 (6e-8) flush to zero in the backward of
+    fp16 activations, and RL losses averaged over thousands of tokens make many that small. The loss
+    is multiplied by the scale (2^16 to start) before backward and the gradients divided by it before
+    clipping; an overflow skips the step and halves the scale, 2,000 clean steps double it. Under
+    FSDP2 each rank sees only its shard of the gradients, so `ShardedGradScaler` all-reduces the
+    overflow flag and every rank skips together; DDP's gradients are already the same everywhere.
+    """
+    enabled = compute_dtype == torch.float16
+    if enabled and is_sharded(model):
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device=device.type)
+    return torch.amp.GradScaler(device.type, enabled=enabled)
+
+
 def clip_grad_norm_(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ returning a plain tensor (the global norm under FSDP2 too)."""
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm)

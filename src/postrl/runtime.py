@@ -21,8 +21,8 @@ loaded and hands the result to whoever builds models or tensors, as nanochat's `
   off. Log-probs, ratios, advantages and losses are fp32 either way (models.response_logprobs casts
   the logits). Frozen copies (the reference, the vLLM engine, `postrl eval`) hold weights in the
   compute dtype: they never take an update, so a master copy would only cost memory.
-  float16 takes the same path without loss scaling; prefer bfloat16 (fp16's 5-bit exponent lets
-  small gradients underflow).
+  float16 takes the same path, and the loss is scaled dynamically (distributed.grad_scaler): fp16's
+  5-bit exponent would flush small gradients to zero.
 - Rank and world size come from torch.distributed once the process group exists (launch.py creates
   it); before that a process is rank 0 of 1.
 - CPU threads (`threads_for`, docs/performance.md): `train.num_threads`, else OMP_NUM_THREADS, else

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from postrl import distributed
 from postrl.config import Config
 from postrl.data.dataset import encode_prompt, file_dir, read_rows
 from postrl.errors import UserError
@@ -83,6 +84,7 @@ def run_sft(cfg: Config, console: Any = None) -> dict[str, float]:
     console.print(f"SFT on {len(pairs)} examples from {', '.join(cfg.data.train_files)} (model {policy.path})")
     opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=s.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(s.warmup_steps, s.steps, s.lr_schedule, 0.0))
+    scaler = distributed.grad_scaler(model, rt.dtype, rt.device)  # fp16 loss scaling; else a no-op
     rng = random.Random(s.seed)
     progress = Progress(
         TextColumn("[bold]SFT"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]:.4f}"),
@@ -98,9 +100,11 @@ def run_sft(cfg: Config, console: Any = None) -> dict[str, float]:
             with rt.autocast():
                 loss = model(**batch, **images).loss
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
+            scaler.step(opt)  # skipped (fp16) when the gradients overflowed
+            scaler.update()
             sched.step()
             loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
             progress.update(task, advance=1, loss=loss_ema)
