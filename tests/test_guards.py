@@ -90,7 +90,7 @@ def test_entropy_collapse_fires_after_its_streak_only(tmp_path):
 
 
 def test_the_guards_functions_are_silent_within_their_limits():
-    assert guards.first_ratio(0.0, "largest", 1e-3) is None and guards.first_ratio(2e-3, "largest", 1e-3)
+    assert guards.first_ratio(0.0, 1e-3) is None and guards.first_ratio(2e-3, 1e-3)
     assert guards.sync(1e-5, 1e-3, "vllm") is None and "did not receive the updated weights" in guards.sync(0.2, 1e-3, "vllm")
     assert guards.drift(None, 0.1) is None and guards.drift(0.05, 0.1) is None
     assert guards.slow_reward(0, 0, 0.1, 5.0) is None and guards.slow_reward(1, 16, 0.1, 5.0) is None
@@ -107,7 +107,7 @@ def test_log_prob_tolerances_follow_the_compute_dtype():
 
     assert tol("float32") == 1e-3 and tol("bfloat16") == 5e-2 and tol("float16") == 5e-2
     assert tol("bfloat16", 1e-4) == 1e-4
-    assert guards.first_ratio(2e-2, "mean", tol("bfloat16")) is None and guards.first_ratio(2e-2, "largest", tol("float32"))
+    assert guards.first_ratio(2e-2, tol("bfloat16"), "mean") is None and guards.first_ratio(2e-2, tol("float32"))
     # Which gap each dtype judges: the largest token in float32, the mean in bf16.
     step = {"actor/first_ratio_gap": 0.3, "actor/first_ratio_gap_mean": 0.01}
     bf16 = guards.Guards(load_config(None, ["model.path=builtin:tiny-qwen2", "model.dtype=bfloat16"]))

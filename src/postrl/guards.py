@@ -40,7 +40,7 @@ class Streaks:
         return self.counts[name]
 
 
-def first_ratio(gap: float, statistic: str, tol: float) -> str | None:
+def first_ratio(gap: float, tol: float, statistic: str = "largest") -> str | None:
     if gap <= tol:
         return None
     return (
@@ -113,16 +113,19 @@ class Guards:
         self.g = cfg.guards
         self.streaks = Streaks()
         self.warned: set[str] = set()  # each guard speaks once per run
+        # Two computations of the same log-probs agree on every token in float32; in bf16 / fp16 another
+        # kernel (another engine, or another attention backend with and without grad) rounds logits of
+        # size ~10 in their 8th significant bit, and a few unlikely tokens differ by 0.1 or more with the
+        # same weights (verl logs such maxima as rollout_probs_diff_max): there the mean gap is the test.
+        self.exact = cfg.model.dtype == "float32"
 
     def tolerance(self, configured: float | None) -> float:
-        """A log-prob gap that two computations of the same thing may show: 1e-3 in float32; 5e-2 in
-        bf16 / fp16, where another kernel (another engine, or another attention backend with and
-        without grad) rounds logits of size ~10 differently in their 8th significant bit."""
-        return configured or (1e-3 if self.cfg.model.dtype == "float32" else 5e-2)
+        """The log-prob gap allowed between two computations of the same thing: the largest over the
+        tokens within 1e-3 in float32, the mean within 5e-2 in bf16 / fp16 (unless configured)."""
+        return configured or (1e-3 if self.exact else 5e-2)
 
     def _first_ratio_gap(self, m: dict[str, float]) -> tuple[float, str]:
-        """The largest |logp - logp_old| in float32; the mean in bf16 / fp16 (as the sync check)."""
-        if self.cfg.model.dtype == "float32":
+        if self.exact:
             return m.get("actor/first_ratio_gap", 0.0), "largest"
         return m.get("actor/first_ratio_gap_mean", 0.0), "mean"
 
@@ -131,10 +134,11 @@ class Guards:
         g, name = self.g, self.cfg.algorithm.name
         if not g.enable:
             return
+        gap, statistic = self._first_ratio_gap(m)
         entropy_streak = self.streaks.update("entropy", m["actor/entropy"] < g.entropy_floor)
         signal_streak = self.streaks.update("no_signal", m[f"{name}/zero_spread_groups_ratio"] >= 1.0)
         found = {
-            "first_ratio": first_ratio(*self._first_ratio_gap(m), self.tolerance(g.first_ratio_tol)),
+            "first_ratio": first_ratio(gap, self.tolerance(g.first_ratio_tol), statistic),
             "drift": drift(m.get("rollout/logprob_diff_mean"), g.drift_limit),
             "entropy": entropy(m["actor/entropy"], g.entropy_floor, entropy_streak, g.entropy_steps),
             "no_signal": no_signal(signal_streak, g.no_signal_steps),
@@ -163,10 +167,6 @@ class Guards:
         with autocast or contextlib.nullcontext():  # the trained model's compute dtype (runtime.autocast)
             mine, _ = response_logprobs(model, ids, torch.ones_like(ids), positions, len(probe) - 1)
         diff = (mine[0].cpu() - torch.tensor(engine_lp)).abs()
-        # float32: the two agree to float error on every token, so the largest gap is the test. bf16 / fp16: the
-        # engine's kernels round differently from the trainer's, and a few unlikely tokens can differ by 0.1 or
-        # more with the same weights (verl logs such maxima as rollout_probs_diff_max), so the mean gap is.
-        exact = self.cfg.model.dtype == "float32"
-        gap, statistic = (float(diff.max()), "largest") if exact else (float(diff.mean()), "mean")
+        gap, statistic = (float(diff.max()), "largest") if self.exact else (float(diff.mean()), "mean")
         if (message := sync(gap, self.tolerance(self.g.sync_tol), engine.name, statistic)) is not None:
             raise UserError(message)
