@@ -228,6 +228,7 @@ def one_step(cfg) -> dict:
     return {
         "params": params,
         "sharded": distributed.is_sharded(tr.model),
+        "scaler": type(tr.actor.scaler).__name__,
         "moved": max(float((params[n] - t).abs().max()) for n, t in before.items()),
         "grads": grads,
         "responses": batch.response_ids,
@@ -340,7 +341,7 @@ def test_two_ranks_of_four_prompts_update_like_one_rank_of_eight(tmp_path):
     assert 0 < grad_err <= 0.1  # bf16 ran; its per-element gap is a few u = 2^-8 of the largest gradient (measured 3e-2)
     # fp16 compute under FSDP2: ShardedGradScaler, one loss scale on every rank, the gradient close to fp32.
     fp16 = torch.load(tmp_path / "fsdp2_fp16.pt", weights_only=False)
-    assert fp16["sharded"] and fp16["loss_scales"] == [2.0**16, 2.0**16]
+    assert fp16["sharded"] and fp16["scaler"] == "ShardedGradScaler" and fp16["loss_scales"] == [2.0**16, 2.0**16]
     assert fp16["metrics"]["actor/grad_norm"] == pytest.approx(one_fp32["metrics"]["actor/grad_norm"], rel=1e-3)
     grad_err = max(float((fp16["grads"][n] - g).abs().max()) / max(float(g.abs().max()), 1e-6) for n, g in one_fp32["grads"].items())
     print(f"fsdp2 fp16 vs one rank fp32: max |grad diff| / max |grad| {grad_err:.1e}")
