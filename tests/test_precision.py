@@ -94,8 +94,8 @@ def test_float16_scales_the_loss_so_small_gradients_survive(tmp_path, monkeypatc
     times further off (measured: 3.2e-2), which is what the scaler is for."""
     import postrl.actor
 
-    tr32, batch, mask, logp32, s32, g32 = _first_update(tmp_path, "float32")
-    tr16, _, _, logp16, s16, g16 = _first_update(tmp_path, "float16", batch)
+    _, batch, mask, logp32, s32, g32 = _first_update(tmp_path, "float32")
+    _, _, _, logp16, s16, g16 = _first_update(tmp_path, "float16", batch)
     assert s16["actor/loss_scale"] == 2.0**16 and "actor/loss_scale" not in s32
     assert float((logp32 - logp16)[mask].abs().max()) < 1e-2  # fp16 keeps 11 significant bits
     assert s16["actor/grad_norm"] == pytest.approx(s32["actor/grad_norm"], rel=1e-3)
