@@ -238,6 +238,13 @@ def one_step(cfg) -> dict:
 
 
 STRATEGIES = ("fsdp2", "ddp")
+
+
+def _grad_gap(run: dict, reference: dict) -> float:
+    """The largest |gradient difference| of a tensor relative to the largest entry of the reference's."""
+    return max(float((run["grads"][n] - g).abs().max()) / max(float(g.abs().max()), 1e-6) for n, g in reference["grads"].items())
+
+
 BF16_KL = ["model.dtype=bfloat16", "algorithm.kl.coef=0.01"]  # FSDP2 mixed precision, and a bf16 reference
 
 
@@ -321,7 +328,7 @@ def test_two_ranks_of_four_prompts_update_like_one_rank_of_eight(tmp_path):
         assert one["metrics"]["dapo/kept_groups_ratio"] < 1 and one["metrics"]["dapo/num_gen_batches"] > 1  # refilled
         assert two["metrics"]["actor/pg_loss"] == pytest.approx(one["metrics"]["actor/pg_loss"], abs=1e-6)
         assert two["metrics"]["actor/grad_norm"] == pytest.approx(one["metrics"]["actor/grad_norm"], rel=1e-5)
-        grad_err = max(float((two["grads"][n] - g).abs().max()) / max(float(g.abs().max()), 1e-6) for n, g in one["grads"].items())
+        grad_err = _grad_gap(two, one)
         assert two["params"].keys() == one["params"].keys()
         param_err = max(float((two["params"][n] - p).abs().max()) for n, p in one["params"].items())
         print(f"{strategy} {mode}: max |grad diff| / max |grad| {grad_err:.1e}, max |param diff| {param_err:.1e}")
@@ -336,14 +343,14 @@ def test_two_ranks_of_four_prompts_update_like_one_rank_of_eight(tmp_path):
     # Policy and reference both compute from the same bf16 weights, RoPE in fp32 for both: KL exactly 0.
     assert bf16["metrics"]["actor/kl_loss"] == 0.0
     assert bf16["metrics"]["actor/grad_norm"] == pytest.approx(one_fp32["metrics"]["actor/grad_norm"], rel=1e-2)
-    grad_err = max(float((bf16["grads"][n] - g).abs().max()) / max(float(g.abs().max()), 1e-6) for n, g in one_fp32["grads"].items())
+    grad_err = _grad_gap(bf16, one_fp32)
     print(f"fsdp2 bf16 vs one rank fp32: max |grad diff| / max |grad| {grad_err:.1e}")
     assert 0 < grad_err <= 0.1  # bf16 ran; its per-element gap is a few u = 2^-8 of the largest gradient (measured 3e-2)
     # fp16 compute under FSDP2: ShardedGradScaler, one loss scale on every rank, the gradient close to fp32.
     fp16 = torch.load(tmp_path / "fsdp2_fp16.pt", weights_only=False)
     assert fp16["sharded"] and fp16["scaler"] == "ShardedGradScaler" and fp16["loss_scales"] == [2.0**16, 2.0**16]
     assert fp16["metrics"]["actor/grad_norm"] == pytest.approx(one_fp32["metrics"]["actor/grad_norm"], rel=1e-3)
-    grad_err = max(float((fp16["grads"][n] - g).abs().max()) / max(float(g.abs().max()), 1e-6) for n, g in one_fp32["grads"].items())
+    grad_err = _grad_gap(fp16, one_fp32)
     print(f"fsdp2 fp16 vs one rank fp32: max |grad diff| / max |grad| {grad_err:.1e}")
     assert 0 < grad_err <= 1e-2  # fp16 keeps 11 significant bits: 8x closer than bf16
 
