@@ -223,6 +223,8 @@ def one_step(cfg) -> dict:
     grads = {}
     for name, p in tr.model.named_parameters():
         g = p.grad
+        if g is None:  # frozen (LoRA's base)
+            continue
         grads[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
     params = {n: t.clone() for n, t in distributed.full_state_dict(tr.model)}
     return {
@@ -246,6 +248,7 @@ def _grad_gap(run: dict, reference: dict) -> float:
 
 
 BF16_KL = ["model.dtype=bfloat16", "algorithm.kl.coef=0.01"]  # FSDP2 mixed precision, and a bf16 reference
+LORA_KL = ["model.lora_rank=4", "model.lora_alpha=8", "algorithm.kl.coef=0.01"]  # adapters; the base is the reference
 
 
 def _equiv_worker(local_rank: int, port: int, out_dir: str) -> None:
@@ -278,6 +281,10 @@ def _equiv_worker(local_rank: int, port: int, out_dir: str) -> None:
         result["loss_scales"] = distributed.all_gather_object(result["metrics"]["actor/loss_scale"])
         if distributed.is_main():
             torch.save(result, Path(out_dir) / "fsdp2_fp16.pt")
+        adapters = _equiv_overrides(Path(out_dir) / f"r{local_rank}-lora", "token-mean") + LORA_KL
+        result = one_step(load_config(None, adapters))
+        if distributed.is_main():
+            torch.save(result, Path(out_dir) / "fsdp2_lora.pt")
         finished = True
     finally:
         distributed.teardown(wait_for_peers=finished)
@@ -300,7 +307,8 @@ def test_two_ranks_of_four_prompts_update_like_one_rank_of_eight(tmp_path):
     sharper check). HF generation under FSDP2 is covered by the torchrun and Ray tests. Last, the
     same token-mean step with bf16 compute (FSDP2's MixedPrecisionPolicy, fp32 masters) and a bf16
     KL reference: KL exactly 0 at the first step, the gradient within bf16 rounding of fp32; and with
-    fp16 compute, whose loss scaler must agree across the ranks that each hold a shard of the gradients.
+    fp16 compute, whose loss scaler must agree across the ranks that each hold a shard of the gradients;
+    and LoRA adapters on a frozen base.
     """
     import torch.multiprocessing as mp
 
@@ -353,6 +361,17 @@ def test_two_ranks_of_four_prompts_update_like_one_rank_of_eight(tmp_path):
     grad_err = _grad_gap(fp16, one_fp32)
     print(f"fsdp2 fp16 vs one rank fp32: max |grad diff| / max |grad| {grad_err:.1e}")
     assert 0 < grad_err <= 1e-2  # fp16 keeps 11 significant bits: 8x closer than bf16
+    # LoRA adapters under FSDP2 (a frozen base sharded beside trainable adapters): the adapters' gradients
+    # and the merged weights of one rank of eight, and the reference (adapters off) equal to the policy at first.
+    one = one_step(load_config(None, _equiv_overrides(tmp_path / "single-lora", "token-mean") + LORA_KL))
+    two = torch.load(tmp_path / "fsdp2_lora.pt", weights_only=False)
+    assert two["sharded"] and two["responses"] == one["responses"]
+    assert two["grads"].keys() == one["grads"].keys() and all(".lora_" in n for n in one["grads"])
+    assert one["metrics"]["actor/kl_loss"] == two["metrics"]["actor/kl_loss"] == 0.0
+    grad_err = _grad_gap(two, one)
+    param_err = max(float((two["params"][n] - p).abs().max()) for n, p in one["params"].items())
+    print(f"fsdp2 lora: max |grad diff| / max |grad| {grad_err:.1e}, max |param diff| {param_err:.1e}")
+    assert grad_err <= 1e-5 and param_err <= 1e-5 and one["moved"] > 0
 
 
 # ------------------------------------------------------------------------------- launchers (real runs)

@@ -11,6 +11,7 @@ import torch
 from conftest import tiny_overrides
 from rich.console import Console
 
+import postrl.lora
 from postrl import checkpoint, guards
 from postrl.config import load_config
 from postrl.trainer import Trainer
@@ -128,13 +129,14 @@ def test_resume_warns_on_a_changed_world_size_and_a_run_with_nothing_left(tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_sync_guard_stops_a_run_whose_engine_missed_a_weight_sync(tmp_path, dtype):
+@pytest.mark.parametrize("dtype, lora", [("float32", False), ("bfloat16", False), ("float32", True)], ids=["float32", "bfloat16", "lora"])
+def test_the_sync_guard_stops_a_run_whose_engine_missed_a_weight_sync(tmp_path, dtype, lora):
     """vLLM on CPU: a healthy step passes the probe; a skipped sync after an update at a high LR is caught.
     In float32 on the largest gap over the probe's tokens; in bf16 (vLLM holds bf16 weights, the trainer
-    computes under autocast) on the mean gap. Rollout correction (TIS) runs on the same steps and logs its
-    weights. The engine runs eager here (rollout.enforce_eager), so that path keeps a test;
-    tests/test_vllm_engine.py runs the compiled default."""
+    computes under autocast) on the mean gap. With LoRA adapters the engine receives the merged weights
+    (W + s B A), which must give the trainer's log-probs to 1e-3 in fp32. Rollout correction (TIS) runs on
+    the same steps and logs its weights. The engine runs eager here (rollout.enforce_eager), so that path
+    keeps a test; tests/test_vllm_engine.py runs the compiled default."""
     import postrl.rollout.vllm as vllm_mod
     from postrl.errors import UserError
 
@@ -144,9 +146,10 @@ def test_the_sync_guard_stops_a_run_whose_engine_missed_a_weight_sync(tmp_path, 
         pytest.skip(f"vLLM is unavailable here: {exc}")
     tr = _trainer(tmp_path, PARITY, "rollout.engine=vllm", "rollout.kv_cache_space_gb=0.25", "train.lr=1e-2",
                   "train.total_steps=1", "algorithm.rollout_correction.enable=true", f"model.dtype={dtype}",
-                  "rollout.enforce_eager=true")  # fmt: skip
+                  "rollout.enforce_eager=true", *(["model.lora_rank=4"] if lora else []))  # fmt: skip
     try:
         assert tr.engine.name == "vllm" and tr.engine.dtype == getattr(torch, dtype)
+        assert postrl.lora.is_lora(tr.model) == lora
         step = tr.train_step()  # a healthy step: synced, the probe agrees
         assert _fired(tr) == []
         assert 0.5 < step["rollout_corr/weight_mean"] <= 2.0 and 0 <= step["rollout_corr/capped_frac"] <= 1

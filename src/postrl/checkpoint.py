@@ -3,7 +3,8 @@
     <checkpoint.dir>/
       latest_checkpointed_iteration.txt      "N"; edit it to resume from another iteration
       iter_0000010/
-        model/                 Hugging Face format (config, generation config, safetensors, tokenizer)
+        model/                 Hugging Face format (config, generation config, safetensors, tokenizer); merged with LoRA
+        adapter/               model.lora_rank > 0: the LoRA adapters (peft format), what resume loads
         optimizer/rank{r}.pt   AdamW state (moments, step counts, param-group hyperparameters)
         scheduler.pt           LR scheduler state
         rng_rank{r}.pt         python / numpy / torch (and CUDA) RNG states of rank r
@@ -50,7 +51,7 @@ from typing import Any
 import torch
 import yaml
 
-from postrl import distributed
+from postrl import distributed, lora
 from postrl.errors import UserError
 from postrl.runtime import DTYPES
 
@@ -161,6 +162,24 @@ def save(cfg: Any, state: dict[str, Any]) -> Path:
         ) from None
 
 
+def _save_weights(cfg: Any, model: Any, tokenizer: Any, out: Path, write: bool) -> None:
+    """out/model: the Hugging Face model (merged, with LoRA) and its tokenizer; with LoRA also out/adapter
+    (peft's format). FSDP2: every rank gathers; only the rank with `write` touches the disk."""
+    distributed.save_pretrained(model, out / "model", write=write)
+    if write:
+        tokenizer.save_pretrained(out / "model")
+    if lora.is_lora(distributed.unwrap(model)):
+        adapters = lora.adapter_state(distributed.full_state_dict(model, adapters_only=True))
+        if write:
+            lora.save_adapter(distributed.unwrap(model), adapters, out / lora.ADAPTER_DIR, cfg.model.path)
+
+
+def _lora_settings(cfg: Any) -> dict | None:
+    """What the trained parameters are: None for every weight, else the LoRA adapters' settings."""
+    m = cfg.model
+    return {"rank": m.lora_rank, "alpha": m.lora_alpha, "target_modules": m.target_modules} if m.lora_rank else None
+
+
 def _disk_full(exc: BaseException) -> bool:
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return True
@@ -187,9 +206,7 @@ def _save(cfg: Any, state: dict[str, Any]) -> Path:
         (tmp / "optimizer").mkdir(parents=True)
     distributed.barrier()
 
-    distributed.save_pretrained(state["model"], tmp / "model", write=rank == 0)  # FSDP2: every rank gathers
-    if rank == 0:
-        state["tokenizer"].save_pretrained(tmp / "model")
+    _save_weights(cfg, state["model"], state["tokenizer"], tmp, write=rank == 0)
     torch.save(state["optimizer"], tmp / "optimizer" / f"rank{rank}.pt")
     _test_crash_point(step)
     torch.save(state["rng"], tmp / f"rng_rank{rank}.pt")
@@ -208,6 +225,7 @@ def _save(cfg: Any, state: dict[str, Any]) -> Path:
             "train_prompts": state["train_prompts"],
             "data_seed": cfg.data.seed,
             "model_path": cfg.model.path,
+            "lora": _lora_settings(cfg),
         }
         (tmp / STATE_FILE).write_text(json.dumps(meta, indent=2))
     distributed.barrier()  # every rank's files are in place
@@ -305,7 +323,8 @@ def find_resume_dir(cfg) -> Path | None:
 
 
 def load_weights(model: torch.nn.Module, model_dir: Path) -> None:
-    """Copy the safetensors weights of `model_dir` into `model` in place (the optimizer keeps its params)."""
+    """Copy the safetensors weights of `model_dir` into `model` in place (the optimizer keeps its params);
+    a model with LoRA adapters takes them as its base."""
     from safetensors.torch import load_file
 
     state: dict[str, torch.Tensor] = {}
@@ -313,9 +332,12 @@ def load_weights(model: torch.nn.Module, model_dir: Path) -> None:
         state.update(_read(f, lambda p: load_file(str(p))))
     if not state:
         raise UserError(f"{model_dir} holds no *.safetensors weights. Fix: point at a checkpoint written by postrl.")
+    plain = distributed.unwrap(model)
+    if lora.is_lora(plain):  # the weights become the frozen base; the adapters are left as they are
+        state = lora.base_names(plain, state)
     missing, unexpected = distributed.load_full_state_dict(model, state)  # into FSDP2 shards too
-    tied = getattr(distributed.unwrap(model).config, "tie_word_embeddings", False)
-    missing = [k for k in missing if not (tied and k.endswith("lm_head.weight"))]  # tied: saved once
+    tied = getattr(plain.config, "tie_word_embeddings", False)
+    missing = [k for k in missing if not (tied and k.endswith("lm_head.weight")) and ".lora_" not in k]  # tied: saved once
     if missing or unexpected:
         raise UserError(
             f"the weights in {model_dir} do not fit model.path's architecture (missing {missing[:5]}, "
@@ -367,6 +389,7 @@ def resume(cfg: Any, train_prompts: int, log=print) -> Restored | None:
         return Restored(path=path, finetune=True)
 
     meta = json.loads((path / STATE_FILE).read_text())
+    _check_trained_parameters(cfg, meta, path)
     for problem in _changes(cfg, meta, world, train_prompts):
         log(f"[yellow]warning (resuming from {path}): {problem}[/yellow]")
     restored = Restored(path=path, finetune=False, step=int(meta["step"]))
@@ -394,6 +417,35 @@ def resume(cfg: Any, train_prompts: int, log=print) -> Restored | None:
             "overwrite them when it reaches their steps.[/yellow]"
         )
     return restored
+
+
+def _check_trained_parameters(cfg: Any, meta: dict, path: Path) -> None:
+    """A resume continues the same parameters: LoRA adapters of the same shape, or every weight."""
+    then, now = meta.get("lora"), _lora_settings(cfg)
+    if then == now:
+        return
+
+    def said(settings: dict | None) -> str:
+        return "every weight" if settings is None else "LoRA adapters ({})".format(", ".join(f"{k} {v}" for k, v in settings.items()))
+
+    back = "model.lora_rank=0" if then is None else f"model.lora_rank={then['rank']} model.lora_alpha={then['alpha']}"
+    raise UserError(
+        f"{path} trained {said(then)}, but this run trains {said(now)}: its optimizer state and weights do not fit "
+        f"these parameters. Fix: resume with the checkpoint's settings ({back}, and its model.target_modules), or set "
+        "checkpoint.finetune=true to start a new run from its (merged) weights."
+    )
+
+
+def load_adapter(model: torch.nn.Module, adapter_dir: Path) -> None:
+    """Copy a checkpoint's LoRA adapters (adapter/) into `model` in place; its base is model.path's."""
+    state = _read(Path(adapter_dir) / "adapter_model.safetensors", lambda p: lora.read_adapter(p.parent))
+    missing, unexpected = distributed.load_full_state_dict(model, state)  # into FSDP2 shards too
+    missing = [k for k in missing if ".lora_" in k]
+    if missing or unexpected:
+        raise UserError(
+            f"the adapters in {adapter_dir} do not fit this model (missing {missing[:5]}, unexpected {unexpected[:5]}). "
+            "Fix: resume with the model.path and model.target_modules the checkpoint was trained with."
+        )
 
 
 def _torch_load(path: Path) -> Any:
@@ -586,9 +638,8 @@ def save_best(cfg: Any, model: Any, tokenizer: Any, step: int, value: float, met
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     distributed.barrier()
-    distributed.save_pretrained(model, tmp / "model", write=write)  # FSDP2: every rank gathers
+    _save_weights(cfg, model, tokenizer, tmp, write)
     if write:
-        tokenizer.save_pretrained(tmp / "model")
         (tmp / "best.json").write_text(json.dumps({"step": step, "metric": metric, "value": value}))
         (tmp / "config.yaml").write_text(dump_config(cfg))
         _fsync_tree(tmp)

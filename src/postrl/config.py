@@ -52,6 +52,20 @@ class ModelConfig(Section):
         "train.use_remove_padding packs a micro-batch into one row for the varlen kernels (docs/performance.md).",
     )
     freeze_vision_tower: bool = Field(True, description="VLMs: keep the vision encoder frozen during RL.")
+    lora_rank: int = Field(
+        0,
+        ge=0,
+        description="LoRA rank (verl's lora_rank). 0: every weight trains. > 0: low-rank adapters on target_modules "
+        "train (fp32) and the base stays frozen in model.dtype, with no gradients or AdamW state; the KL reference is "
+        "the base itself (adapters off), and rollout, checkpoints and export get the merged weights (docs/gpu.md: "
+        "the 7B recipe on one GPU).",
+    )
+    lora_alpha: float = Field(16.0, gt=0, description="LoRA scale numerator: the adapters add (lora_alpha / lora_rank) x B A.")
+    target_modules: str | list[str] = Field(
+        "all-linear",
+        description="Modules that get LoRA adapters (peft names): all-linear (every linear layer but the LM head, "
+        "and not a frozen vision tower) or a list such as [q_proj, k_proj, v_proj, o_proj].",
+    )
     tiny: dict[str, Any] = Field(
         default_factory=dict,
         description="Overrides of the tiny model factory (hidden_size, num_layers, vocab_size, seed, ...) "

@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 import torch.distributed as dist
 
+from postrl import lora
+
 if TYPE_CHECKING:
     from postrl.runtime import Runtime
 
@@ -273,15 +275,25 @@ def unsharded(model: torch.nn.Module) -> Iterator[None]:
             unit.set_reshard_after_forward(unit is not model, recurse=False)
 
 
-def full_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def full_state_dict(model: torch.nn.Module, adapters_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor) in Hugging Face naming, one tensor at a time.
 
     FSDP2 shards are gathered one DTensor at a time (a collective: every rank iterates together), so
-    at most one extra full tensor exists at any moment. Wrapper prefixes are stripped.
+    at most one extra full tensor exists at any moment. Wrapper prefixes are stripped. A model with
+    LoRA adapters yields its adapted weights merged (W + s B A, `lora.merged`), a plain model's state;
+    `adapters_only`: the adapters' own tensors instead, and nothing else.
     """
-    for name, tensor in unwrap(model).state_dict().items():
+    plain = unwrap(model)
+    tensors = _full_tensors(plain, (lambda name: ".lora_" in name) if adapters_only else None)
+    yield from (tensors if adapters_only or not lora.is_lora(plain) else lora.merged(plain, tensors))
+
+
+def _full_tensors(model: torch.nn.Module, keep=None) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in model.state_dict().items():
         for part in _WRAPPER_PARTS:
             name = name.replace(part, "")
+        if keep is not None and not keep(name):
+            continue
         if hasattr(tensor, "full_tensor"):
             tensor = tensor.full_tensor()
         yield name, tensor.detach()
@@ -303,10 +315,11 @@ def save_pretrained(model: torch.nn.Module, out_dir: Path, write: bool) -> None:
     """Save the full model in Hugging Face format; only the rank with `write` touches the disk.
 
     A sharded model is gathered tensor by tensor (`full_state_dict`, a collective: every rank calls
-    this), kept in host memory by the writing rank only and written as sharded safetensors files.
+    this), kept in host memory by the writing rank only and written as sharded safetensors files; a
+    model with LoRA adapters takes the same path and is saved merged (a plain model for any reader).
     """
     model = unwrap(model)
-    if not is_sharded(model):
+    if not is_sharded(model) and not lora.is_lora(model):
         if write:
             model.save_pretrained(out_dir, safe_serialization=True)
         return

@@ -30,6 +30,11 @@ Log-prob logits of one micro-batch's N_r response tokens (models.response_logpro
       2 N_r V b + 12 C V  bytes.
   N = micro_batch_size x (max_prompt_length + max_tokens), or max_token_len_per_device with dynamic
   batch size; N_r = the response share of N, N x max_tokens / (max_prompt_length + max_tokens).
+LoRA (model.lora_rank r > 0, adapters on a of the 7 projections, A = L r sum over them of in + out):
+  parameters b P s + 4 A s (the frozen base in the compute dtype, fp32 adapters)   gradients 4 A s
+  optimizer 8 A s   compute weights: 2 A on one device or DDP (the base computes as it is), the
+  gathered blocks under FSDP2   reference 0 (the base with adapters off, unless
+  checkpoint.ref_model_path names another model); activations as above.
 Rollout, on top of the resident state less the gradients (freed before each rollout):
   vLLM: its share of the device, gpu_memory_utilization x device memory (weights, KV cache, graphs;
   asleep during the update). HF generate: the compute weights and a KV cache of 2 L k b bytes per
@@ -77,6 +82,18 @@ class Shape:
     def params(self) -> int:
         embed = self.vocab * self.hidden
         return embed * (1 if self.tied else 2) + self.layers * self.block_params() + self.hidden
+
+
+    def projections(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of a decoder layer's linear layers, by module name (LoRA's targets)."""
+        h, q, k, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
+        return {"q_proj": (h, q), "k_proj": (h, k), "v_proj": (h, k), "o_proj": (q, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    def adapter_params(self, rank: int, target_modules: str | list[str] = "all-linear") -> int:
+        """LoRA parameters of `rank` on `target_modules` ('all-linear': the 7 projections of every layer)."""
+        dims = self.projections()
+        names = dims if target_modules == "all-linear" else [n for n in target_modules if n in dims]
+        return self.layers * rank * sum(sum(dims[n]) for n in names)
 
 
 # Published Qwen2.5 configs (huggingface.co/Qwen/Qwen2.5-<size>/blob/main/config.json). The small
@@ -143,6 +160,7 @@ class Estimate:
     rollout_extra: float  # vLLM's share, or HF's compute weights + KV cache
     micro_tokens: int
     response_tokens: int
+    adapter_params: int = 0  # LoRA: what trains (0: every weight)
 
     @property
     def update(self) -> float:
@@ -180,18 +198,20 @@ def estimate(
     rollout_sequences: int = 0,
     sequence_len: int = 0,
     logprob_chunk_tokens: int = 1024,
+    adapter_params: int = 0,
 ) -> Estimate:
-    """Per-device bytes of a GRPO step (module docstring: the formulas)."""
-    P, b = shape.params(), compute_bytes
+    """Per-device bytes of a GRPO step (module docstring: the formulas); `adapter_params` > 0: LoRA."""
+    P, b, a = shape.params(), compute_bytes, adapter_params
     sharded = strategy == "fsdp2" and world > 1
     s = 1 / world if sharded else 1.0
     mixed = b < 4
+    trained = a or P  # what has fp32 masters, gradients and AdamW moments
     if not mixed:
         weights = 0.0
     elif sharded:
         weights = 2 * 2 * shape.block_params()  # current + prefetched block, bf16
     else:
-        weights = 2 * P
+        weights = 2 * trained  # LoRA: the base computes in its own dtype, only the adapters are cast
     A = activation_bytes_per_token_layer(shape, b)
     if gradient_checkpointing:
         residual = 4 if (mixed and not sharded) else b
@@ -204,9 +224,9 @@ def estimate(
         kv = 2 * shape.layers * shape.kv_dim * b * rollout_sequences * sequence_len
         rollout_extra = weights + kv
     return Estimate(
-        params=4 * P * s,
-        grads=4 * P * s,
-        optimizer=8 * P * s,
+        params=(b * P + 4 * a if a else 4 * P) * s,
+        grads=4 * trained * s,
+        optimizer=8 * trained * s,
         compute_weights=weights,
         reference=0.0 if (not use_ref or ref_offload) else b * P * s,
         activations=float(acts),
@@ -214,6 +234,7 @@ def estimate(
         rollout_extra=rollout_extra,
         micro_tokens=micro_tokens,
         response_tokens=response_tokens,
+        adapter_params=a,
     )
 
 
@@ -228,22 +249,26 @@ def estimate_for_config(cfg, device_gib: float) -> tuple[Estimate | None, str]:
             else f"no config.json at {cfg.model.path} and not one of the Qwen2.5 hub ids postrl knows (0.5B-72B)"
         )  # fmt: skip
         return None, f"no memory estimate for {cfg.model.path}: {why}"
-    t, d, r = cfg.train, cfg.data, cfg.rollout
+    t, d, r, m = cfg.train, cfg.data, cfg.rollout, cfg.model
+    adapters = shape.adapter_params(m.lora_rank, m.target_modules) if m.lora_rank else 0
+    # a KL reference of its own: with LoRA the reference is the base (adapters off), unless ref_model_path names one
+    separate_ref = cfg.algorithm.kl.coef > 0 and (not m.lora_rank or bool(cfg.checkpoint.ref_model_path))
     seq = d.max_prompt_length + r.max_tokens
     micro = t.max_token_len_per_device if t.use_dynamic_bsz else t.micro_batch_size * seq
     world = cfg.world_size
     est = estimate(
         shape, world=world, strategy=t.strategy, compute_bytes=2 if cfg.model.dtype != "float32" else 4,
         gradient_checkpointing=cfg.model.gradient_checkpointing, micro_tokens=micro,
-        response_tokens=micro * r.max_tokens // seq, use_ref=cfg.algorithm.kl.coef > 0, ref_offload=t.ref_offload,
+        response_tokens=micro * r.max_tokens // seq, use_ref=separate_ref, ref_offload=t.ref_offload,
         engine="hf" if r.engine == "hf" else "vllm", gpu_memory_utilization=r.gpu_memory_utilization,
         device_bytes=device_gib * GiB, rollout_sequences=-(-t.gen_batch_size * r.n_samples_per_prompt // world),
-        sequence_len=seq, logprob_chunk_tokens=t.logprob_chunk_tokens,
+        sequence_len=seq, logprob_chunk_tokens=t.logprob_chunk_tokens, adapter_params=adapters,
     )  # fmt: skip
     layout = f"{t.strategy} over {world} device(s)" if world > 1 else "one device"
+    trains = f", LoRA rank {m.lora_rank} ({adapters / 1e6:.1f}M adapter parameters)" if adapters else ""
     what = (
-        f"{cfg.model.path}: {shape.params() / 1e9:.2f}B parameters ({source}), {layout}, {cfg.model.dtype} compute, "
-        f"gradient checkpointing {'on' if cfg.model.gradient_checkpointing else 'off'}"
+        f"{m.path}: {shape.params() / 1e9:.2f}B parameters ({source}){trains}, {layout}, {m.dtype} compute, "
+        f"gradient checkpointing {'on' if m.gradient_checkpointing else 'off'}"
     )
     return est, what
 
@@ -254,11 +279,12 @@ def report(
     """The lines check-config prints: one row per part, the two phases' peaks, and whether they fit
     (`assumed`: no GPU here, `device_gib` is the default GPU size, and the verdict says so)."""
     rollout = f"vLLM's share {gpu_memory_utilization:g} x {device_gib:g} GiB" if engine != "hf" else "compute weights + KV cache"
+    trained = " of the adapters" if est.adapter_params else ""
     rows = [
-        ("parameters (fp32 masters)", est.params),
-        ("gradients (fp32)", est.grads),
-        ("optimizer (AdamW: 2 fp32 moments)", est.optimizer),
-        ("compute weights (bf16 copies)", est.compute_weights),
+        ("parameters (frozen base + fp32 adapters)" if est.adapter_params else "parameters (fp32 masters)", est.params),
+        (f"gradients{trained} (fp32)", est.grads),
+        (f"optimizer{trained} (AdamW: 2 fp32 moments)", est.optimizer),
+        ("compute weights (half-precision copies)", est.compute_weights),
         ("reference model", est.reference),
         (f"activations ({est.micro_tokens:,} tokens / micro-batch)", est.activations),
         (f"log-prob logits ({est.response_tokens:,} response tokens)", est.logits),
@@ -278,6 +304,6 @@ def report(
         lines.append(
             "  Fix: more devices with train.strategy: fsdp2 (cluster.devices_per_node / nnodes), "
             "model.gradient_checkpointing: true, a smaller train.max_token_len_per_device or micro_batch_size, "
-            "train.ref_offload: true, or a lower rollout.gpu_memory_utilization."
+            "train.ref_offload: true, a lower rollout.gpu_memory_utilization, or LoRA adapters (model.lora_rank: 64)."
         )
     return lines

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from postrl import lora
 from postrl.errors import UserError
 from postrl.modality import TEXT, Modality, load_modality, modality_type
 from postrl.runtime import DTYPES
@@ -145,16 +146,22 @@ def load_policy(model_cfg, dtype: str | None = None, device: torch.device | None
 
     `dtype` overrides `model.dtype` as the parameter dtype: a model that trains loads in float32 (its
     master weights, runtime.py) and computes in model.dtype under autocast / FSDP2 mixed precision.
+    With model.lora_rank the base loads in model.dtype (frozen) and only its fp32 adapters train (lora.py).
     """
     path = resolve_model_path(model_cfg.path, model_cfg.tiny)
     processor_path = model_cfg.tokenizer_path or path
     modality = load_modality(model_config(path), processor_path, model_cfg.trust_remote_code)
     tokenizer = modality.prepare_tokenizer(load_tokenizer(processor_path, model_cfg.trust_remote_code), processor_path)
     attn = attention_implementation(model_cfg.attn_implementation, device or torch.device("cpu"), model_cfg.dtype)
-    model = load_model(
-        path, dtype or model_cfg.dtype, model_cfg.trust_remote_code, model_cfg.gradient_checkpointing, modality, attn
-    )
-    if model_cfg.freeze_vision_tower:
+    m = model_cfg
+    base_dtype = m.dtype if m.lora_rank else (dtype or m.dtype)  # a LoRA base is frozen: no fp32 master copy
+    model = load_model(path, base_dtype, m.trust_remote_code, m.gradient_checkpointing, modality, attn)
+    if m.lora_rank:
+        tower = modality.vision_tower(model) if m.freeze_vision_tower else None
+        lora.apply(model, m.lora_rank, m.lora_alpha, m.target_modules, exclude=lora.exclude_pattern(model, tower))
+        if m.gradient_checkpointing:
+            model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
+    if m.freeze_vision_tower:
         modality.freeze_vision_tower(model)  # no-op for text-only models
     return Policy(model=model, tokenizer=tokenizer, path=path, modality=modality)
 

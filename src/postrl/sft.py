@@ -82,7 +82,8 @@ def run_sft(cfg: Config, console: Any = None) -> dict[str, float]:
         rows = read_rows(f, cfg.data.builtin.model_dump(), cfg.data.shapes.model_dump())
         pairs += build_examples(rows, tokenizer, cfg, f, policy.modality)
     console.print(f"SFT on {len(pairs)} examples from {', '.join(cfg.data.train_files)} (model {policy.path})")
-    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=s.weight_decay)
+    params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters; a frozen vision tower stays out
+    opt = torch.optim.AdamW(params, lr=s.lr, weight_decay=s.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(s.warmup_steps, s.steps, s.lr_schedule, 0.0))
     scaler = distributed.grad_scaler(model, rt.dtype, rt.device)  # fp16 loss scaling; else a no-op
     rng = random.Random(s.seed)
@@ -102,7 +103,7 @@ def run_sft(cfg: Config, console: Any = None) -> dict[str, float]:
             opt.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()
             scaler.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
             scaler.step(opt)  # skipped (fp16) when the gradients overflowed
             scaler.update()
             sched.step()
@@ -111,7 +112,7 @@ def run_sft(cfg: Config, console: Any = None) -> dict[str, float]:
     out = Path(s.output_dir) / "model"
     tmp = out.with_name("model.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    distributed.save_pretrained(model, tmp, write=True)  # with LoRA: merged, a plain model
     tokenizer.save_pretrained(tmp)  # VLMs: with the image processor (the policy's tokenizer writes it)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)

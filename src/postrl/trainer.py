@@ -14,12 +14,13 @@ from __future__ import annotations
 import copy
 import signal
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
-from postrl import checkpoint, distributed, guards
+from postrl import checkpoint, distributed, guards, lora
 from postrl.actor import Actor
 from postrl.config import Config
 from postrl.data.dataset import PromptSampler, load_prompts
@@ -57,6 +58,8 @@ class Trainer:
         self.model, self.tokenizer, self.model_path = self.policy.model, self.policy.tokenizer, self.policy.path
         self.model.to(rt.device).train()
         configure_threads(self.model, cfg.train.num_threads, self.log)
+        if lora.is_lora(self.model):
+            self.log(lora.summary(self.model))
         self.ref_model = self._reference_model() if cfg.algorithm.kl.coef > 0 else None
         # FSDP2 shards self.model in place (before the optimizer sees its parameters); DDP wraps it.
         train_model = distributed.wrap_model(self.model, cfg.train.strategy, compute_dtype=rt.dtype)
@@ -100,9 +103,11 @@ class Trainer:
 
         With train.ref_offload it lives in host memory: FSDP2 keeps its shards there and copies each
         block to the device for its forward; otherwise it moves to the device only for its pass
-        (`distributed.on_device`).
+        (`distributed.on_device`). With LoRA adapters it is the policy itself (`_reference`).
         """
         rt, ref_path = self.runtime, self.cfg.checkpoint.ref_model_path
+        if lora.is_lora(self.model) and not ref_path:
+            return self.model  # the base, without a copy: its adapters are switched off for the pass (`_reference`)
         if ref_path:  # the policy's loading options, for another model
             m, attn = self.cfg.model, self.model.config._attn_implementation
             ref = load_model(ref_path, m.dtype, m.trust_remote_code, modality=self.policy.modality, attn_implementation=attn)
@@ -111,6 +116,16 @@ class Trainer:
         home = torch.device("cpu") if self.cfg.train.ref_offload else rt.device
         cast_weights(ref.to(home), rt.dtype).eval().requires_grad_(False)  # buffers (RoPE) stay fp32
         return distributed.wrap_model(ref, self.cfg.train.strategy, compute_dtype=rt.dtype, offload=self.cfg.train.ref_offload, device=rt.device)
+
+    @contextmanager
+    def _reference(self) -> Iterator[torch.nn.Module]:
+        """The reference model, ready for its log-prob pass: on the device, or the policy with its LoRA adapters off."""
+        if self.ref_model is self.model:
+            with lora.disabled(self.model):
+                yield self.model
+        else:
+            with distributed.on_device(self.ref_model, self.runtime):
+                yield self.ref_model
 
     # ----------------------------------------------------------------------------------- the loop
     def fit(self) -> dict[str, float]:
@@ -181,8 +196,8 @@ class Trainer:
                 with self.timer("old_log_p"):
                     local.tensors["old_logp"] = self.actor.compute_logprobs(self.model, local)
             if self.ref_model is not None:
-                with self.timer("reference_model"), distributed.on_device(self.ref_model, self.runtime):
-                    local.tensors["ref_logp"] = self.actor.compute_logprobs(self.ref_model, local)
+                with self.timer("reference_model"), self._reference() as ref:
+                    local.tensors["ref_logp"] = self.actor.compute_logprobs(ref, local)
             with self.timer("update"):
                 update_stats = self.actor.update(local, use_ref=self.ref_model is not None)
             with self.timer("resharding_to_infer"):
@@ -244,7 +259,10 @@ class Trainer:
         }
 
     def load_state_dict(self, restored: checkpoint.Restored) -> None:
-        checkpoint.load_weights(self.model, restored.model_dir)
+        if restored.finetune or not lora.is_lora(self.model):
+            checkpoint.load_weights(self.model, restored.model_dir)  # LoRA finetune: they become the frozen base
+        else:  # LoRA resume: model.path's base, the checkpoint's adapters
+            checkpoint.load_adapter(self.model, restored.path / lora.ADAPTER_DIR)
         if restored.finetune:
             self.log(f"finetune: loaded the weights of {restored.path}; starting a fresh run at step 0")
             return

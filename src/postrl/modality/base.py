@@ -60,6 +60,10 @@ class Modality(Protocol):
         """Why vLLM cannot roll out this model on this install (None when nothing is known to block it)."""
         ...
 
+    def vision_tower(self, model: "torch.nn.Module") -> "torch.nn.Module | None":
+        """The vision encoder module (None: there is none); LoRA leaves it out when it is frozen."""
+        ...
+
     def freeze_vision_tower(self, model: "torch.nn.Module") -> int:
         """Stop gradients to the vision encoder; returns its parameter count (0: there is none)."""
         ...

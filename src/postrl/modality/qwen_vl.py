@@ -108,6 +108,9 @@ class QwenVL:
     def save_pretrained(self, directory: str | Path) -> None:
         self.image_processor.save_pretrained(directory)
 
+    def vision_tower(self, model: torch.nn.Module) -> torch.nn.Module | None:
+        return vision_tower(model)
+
     def freeze_vision_tower(self, model: torch.nn.Module) -> int:
         """Stop gradients to the vision tower (as verl's freeze_vision_tower); returns its parameter count."""
         tower = vision_tower(model)

@@ -48,6 +48,9 @@ class TextModality:
     def vllm_blocker(self) -> str | None:
         return None
 
+    def vision_tower(self, model: Any) -> None:
+        return None
+
     def freeze_vision_tower(self, model: Any) -> int:
         return 0
 
