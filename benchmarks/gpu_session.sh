@@ -11,6 +11,7 @@
 #     bash benchmarks/gpu_session.sh tests            # pytest -m gpu (~3 min)  -> $OUT/gpu_tests.txt
 #     bash benchmarks/gpu_session.sh bench 0.5b       # postrl + TRL, 3 steps   -> $OUT/gpu_step_0.5b.{txt,json}
 #     STEPS=2 bash benchmarks/gpu_session.sh bench 1.5b
+#     LORA=64 STEPS=2 bash benchmarks/gpu_session.sh bench 7b   (LoRA adapters in both frameworks)
 # The printed tables go into docs/gpu.md ("Measured").
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -65,7 +66,7 @@ case "${1:-}" in
     setup
     shift
     for shape in "${@:-0.5b}"; do
-      timeout 560 python3 benchmarks/gpu_step.py --shapes "$shape" --steps "${STEPS:-3}" --peer trl \
+      timeout 560 python3 benchmarks/gpu_step.py --shapes "$shape" --steps "${STEPS:-3}" --peer trl --lora-rank "${LORA:-0}" \
         --out "$OUT/gpu_step_$shape.json" 2>&1 | tee "$OUT/gpu_step_$shape.log" | grep -v "it/s]" | tail -8 | tee "$OUT/gpu_step_$shape.txt"
     done
     ;;

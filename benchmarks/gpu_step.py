@@ -18,12 +18,14 @@ this one invocation, so all see the same machine:
 
 Printed per shape: e2e_tps, update_tps, rollout tps (postrl's metric definitions, docs/gpu.md), step
 seconds, peak GPU memory, and MFU of the update = 6 x parameters x tokens / update seconds / peak
-FLOP/s (the 6PT convention: attention FLOPs and checkpointing's recompute not counted), with peak
+FLOP/s (the 6PT convention: attention FLOPs and checkpointing's recompute not counted; 4PT with
+--lora-rank, whose frozen base computes no weight gradients), with peak
 FLOP/s from --peak-tflops or the table below. The first step of each run is a warm-up and is left
 out of the means. With --peer trl the TRL / postrl ratio of e2e_tps is printed (TRL reports no
 update/rollout split). Missing TRL is reported and skipped, not fatal.
 
     python benchmarks/gpu_step.py --shapes 0.5b 1.5b --steps 3 --peer trl --out results.json
+    python benchmarks/gpu_step.py --shapes 7b --steps 2 --lora-rank 64 --peer trl   # 7B on one GPU: adapters
     python benchmarks/gpu_step.py --smoke          # CPU, a minute: a tiny Qwen2.5-vocabulary model
 """
 
@@ -58,6 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--micro", type=int, default=8, help="sequences per forward/backward")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--no-checkpointing", action="store_true", help="turn gradient checkpointing off")
+    ap.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (alpha 2 x rank, all-linear) in both frameworks")
     ap.add_argument("--attn", default="auto", help="model.attn_implementation for both frameworks (auto: flash_attention_2 where installed, else sdpa)")
     ap.add_argument("--engine", default="auto", choices=["auto", "hf", "vllm"], help="postrl rollout.engine")
     ap.add_argument("--peer", choices=["trl"], default=None, help="also run TRL's GRPOTrainer on the same settings")
@@ -152,7 +155,7 @@ def run_postrl(args, model_dir: Path, data: Path, work: Path) -> dict:
     B, G = args.prompts, args.samples
     overrides = [
         f"model.path={model_dir}", f"model.dtype={args.dtype}", f"model.gradient_checkpointing={not args.no_checkpointing}",
-        f"model.attn_implementation={args.attn}",
+        f"model.attn_implementation={args.attn}", f"model.lora_rank={args.lora_rank}", f"model.lora_alpha={2 * max(args.lora_rank, 1)}",
         f"data.train_files=[{data}]", "data.val_files=[]", f"data.max_prompt_length={args.prompt}", "data.shuffle=false",
         f"rollout.engine={args.engine}", f"rollout.n_samples_per_prompt={G}", f"rollout.max_tokens={args.response}",
         "rollout.gpu_memory_utilization=0.35", "reward.verifiers=[format]", "algorithm.name=grpo", "algorithm.kl.coef=0",
@@ -229,8 +232,14 @@ def run_trl(args, model_dir: Path, data: Path, work: Path) -> dict:
                 torch.cuda.synchronize()
             ends.append(time.perf_counter())
 
+    peft_config = None
+    if args.lora_rank:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, target_modules="all-linear", lora_dropout=0.0)
     trainer = GRPOTrainer(
-        model=model, reward_funcs=[constant_reward], args=config, train_dataset=ds, processing_class=tok, callbacks=[StepClock()]
+        model=model, reward_funcs=[constant_reward], args=config, train_dataset=ds, processing_class=tok, callbacks=[StepClock()],
+        peft_config=peft_config,
     )
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -315,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
                 r = run_one(framework, shape, model_dir, data, work, argv)
                 if "update_tps" in r and flops:
                     tokens_per_s = r["update_tps"]  # tokens of the step / update seconds (one device)
-                    r["mfu_update"] = 6 * r["params"] * tokens_per_s / flops
+                    per_token = 4 if args.lora_rank else 6  # a frozen base needs no weight gradients: 2 (fwd) + 2 (input grads)
+                    r["mfu_update"] = per_token * r["params"] * tokens_per_s / flops
                 results.append(r)
                 print(json.dumps(r), flush=True)
                 if args.out:  # after every run: a later one that runs out of time keeps the earlier results
@@ -328,7 +338,8 @@ def print_table(args, results: list[dict], flops_note: str) -> None:
     gc = "off" if args.no_checkpointing else "on"
     print(
         f"\n{args.prompts} prompts x {args.samples} samples, {args.prompt} prompt + {args.response} response tokens, "
-        f"micro-batch {args.micro}, {args.dtype}, gradient checkpointing {gc}; MFU peak: {flops_note}"
+        f"micro-batch {args.micro}, {args.dtype}, gradient checkpointing {gc}"
+        + (f", LoRA rank {args.lora_rank}" if args.lora_rank else "") + f"; MFU peak: {flops_note}"
     )
     head = f"{'shape':<7}{'framework':<10}{'engine':<7}{'attention':<18}{'e2e_tps':>9}{'update_tps':>11}{'rollout_tps':>12}{'step s':>8}{'peak GiB':>9}{'MFU upd':>8}{'vs postrl':>10}"
     print(head)

@@ -90,6 +90,27 @@ def test_bfloat16_off_policy_with_a_kl_reference_on_cuda_keeps_the_guards_quiet(
     assert not [m for m in said if "guard " in m], said
 
 
+def test_lora_in_bfloat16_on_cuda_trains_fp32_adapters_on_a_frozen_bf16_base(tmp_path):
+    """LoRA on the GPU (the 7B-on-one-GPU setting in small), with gradient checkpointing: the base stays bf16
+    and frozen, the adapters train in fp32, the KL against the base (adapters off) is exactly 0 at the first
+    step (one mini-batch: no update before it) and grows after, and no guard speaks. That adapters learn is
+    tests/test_learning.py's (on CPU, from the SFT model)."""
+    tr = _trainer(
+        tmp_path, "train.device=cuda", "model.dtype=bfloat16", "model.lora_rank=16", "model.lora_alpha=32",
+        "algorithm.kl.coef=0.01", "train.lr=1e-2", "model.gradient_checkpointing=true",
+    )  # fmt: skip
+    said = []
+    tr.log = lambda msg: said.append(msg)
+    tr.guards.log = tr.log
+    tr.fit()
+    steps = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "timing/all" in r]
+    assert steps[0]["actor/kl_loss"] == 0.0 < steps[-1]["actor/kl_loss"]
+    dtypes = {(p.requires_grad, p.dtype) for p in tr.model.parameters()}
+    assert dtypes == {(True, torch.float32), (False, torch.bfloat16)}
+    assert {p.device.type for p in tr.model.parameters()} == {"cuda"}
+    assert not [m for m in said if "guard " in m], said
+
+
 def test_the_offloaded_reference_stays_in_host_memory_and_scores_the_same(tmp_path):
     """train.ref_offload: the reference lives on the CPU, visits the GPU for its pass only, and its
     log-probs equal those of a reference resident on the GPU (same weights, same kernels)."""
