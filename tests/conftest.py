@@ -35,6 +35,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread for a module's tiny runs: on a shared 2-core machine, two spinning threads make
+    them ~10x slower. Use with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_path() -> str:
     from postrl.builtin.tiny import build_tiny_model
@@ -61,3 +73,22 @@ def tiny_overrides(tmp_path: Path, *extra: str) -> list[str]:
         "checkpoint.save_final=false",
         *extra,
     ]
+
+
+def fixed_batch(tokenizer, prompts: list[list[int]]) -> dict:
+    """Three fixed responses after `prompts` (three prompt id lists), as `models.build_sequences` packs them."""
+    from postrl.models import build_sequences
+
+    responses = [tokenizer.encode(" 12 apples"), tokenizer.encode("The answer is 7."), tokenizer.encode("x")]
+    return build_sequences(prompts, responses, tokenizer.pad_token_id)
+
+
+def masked_logprobs(model, t: dict):
+    """Response log-probs [B, T] of a `build_sequences` batch under `model` (temperature 1), 0 on padding."""
+    import torch
+
+    from postrl.models import response_logprobs
+
+    with torch.no_grad():
+        logp, _ = response_logprobs(model, t["input_ids"], t["attention_mask"], t["position_ids"], t["response_mask"].shape[1], 1.0)
+    return logp * t["response_mask"]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_overrides
+from conftest import fixed_batch, masked_logprobs, tiny_overrides
 from rich.console import Console
 from verifiers_for_tests import length_parity
 
@@ -26,7 +26,7 @@ from postrl.config import load_config
 from postrl.errors import UserError
 from postrl.evaluate import pass_at_k, report_ks
 from postrl.metrics import read_jsonl
-from postrl.models import build_sequences, response_logprobs
+from postrl.models import build_sequences
 from postrl.rewards.registry import register
 from postrl.trainer import Trainer
 
@@ -36,13 +36,7 @@ register("ckpt_length_parity", in_process=True)(length_parity)
 PARITY = "reward.verifiers=[ckpt_length_parity]"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """One intra-op thread: on a shared 2-core machine, two spinning threads make these tiny runs ~10x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _cfg(tmp_path: Path, *extra: str):
@@ -355,16 +349,7 @@ def test_rotation_keeps_the_last_n_and_never_a_half_deleted_checkpoint(trained, 
 
 
 def _batch(trainer: Trainer) -> dict[str, torch.Tensor]:
-    tok = trainer.tokenizer
-    prompts = [e.prompt_ids for e in trainer.val_sets["arithmetic"][:3]]
-    responses = [tok.encode(" 12 apples"), tok.encode("The answer is 7."), tok.encode("x")]
-    return build_sequences(prompts, responses, tok.pad_token_id)
-
-
-def _logprobs(model, t: dict[str, torch.Tensor]) -> torch.Tensor:
-    with torch.no_grad():
-        logp, _ = response_logprobs(model, t["input_ids"], t["attention_mask"], t["position_ids"], t["response_mask"].shape[1], 1.0)
-    return logp * t["response_mask"]
+    return fixed_batch(trainer.tokenizer, [e.prompt_ids for e in trainer.val_sets["arithmetic"][:3]])
 
 
 def test_export_is_a_plain_hf_model_with_the_trainers_logprobs(trained, tmp_path):
@@ -380,7 +365,7 @@ def test_export_is_a_plain_hf_model_with_the_trainers_logprobs(trained, tmp_path
     assert tok.eos_token == trained["trainer"].tokenizer.eos_token
     tr = trained["trainer"]  # the in-memory policy after the last step
     t = _batch(tr)
-    assert torch.equal(_logprobs(model, t), _logprobs(tr.model, t))
+    assert torch.equal(masked_logprobs(model, t), masked_logprobs(tr.model, t))
     with pytest.raises(UserError, match="not empty"):
         checkpoint.export(trained["ckpts"], out)
     with pytest.raises(UserError, match="not a model directory or a postrl checkpoint"):
@@ -460,7 +445,7 @@ def test_vllm_loads_the_export_directly(trained, tmp_path):
     vllm_logp = torch.zeros_like(t["response_mask"], dtype=torch.float32)
     for i, (_, logps) in enumerate(result):
         vllm_logp[i, : len(logps)] = torch.tensor(logps)
-    torch.testing.assert_close(vllm_logp[mask], _logprobs(tr.model, t)[mask], atol=1e-4, rtol=0)
+    torch.testing.assert_close(vllm_logp[mask], masked_logprobs(tr.model, t)[mask], atol=1e-4, rtol=0)
 
 
 # ------------------------------------------------------------------------------------- evaluation

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_overrides
+from conftest import fixed_batch, masked_logprobs, tiny_overrides
 from rich.console import Console
 from verifiers_for_tests import length_parity
 
@@ -23,7 +23,7 @@ from postrl.config import ModelConfig, load_config
 from postrl.errors import UserError
 from postrl.memory import QWEN25, estimate
 from postrl.metrics import read_jsonl
-from postrl.models import build_sequences, load_model, load_policy, response_logprobs
+from postrl.models import load_model, load_policy
 from postrl.rewards.registry import register
 from postrl.trainer import Trainer
 
@@ -31,12 +31,7 @@ register("lora_length_parity", in_process=True)(length_parity)  # no verifier wo
 LORA = ("reward.verifiers=[lora_length_parity]", "model.lora_rank=4", "model.lora_alpha=8")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _plain(path: str) -> torch.nn.Module:
@@ -175,16 +170,7 @@ def test_only_the_adapters_move_and_the_first_kl_is_exactly_zero(trained):
 
 
 def _batch(tr: Trainer) -> dict[str, torch.Tensor]:
-    tok = tr.tokenizer
-    prompts = [e.prompt_ids for e in tr.train_examples[:3]]
-    responses = [tok.encode(" 12 apples"), tok.encode("The answer is 7."), tok.encode("x")]
-    return build_sequences(prompts, responses, tok.pad_token_id)
-
-
-def _logprobs(model, t: dict[str, torch.Tensor]) -> torch.Tensor:
-    with torch.no_grad():
-        logp, _ = response_logprobs(model, t["input_ids"], t["attention_mask"], t["position_ids"], t["response_mask"].shape[1], 1.0)
-    return logp * t["response_mask"]
+    return fixed_batch(tr.tokenizer, [e.prompt_ids for e in tr.train_examples[:3]])
 
 
 def test_the_checkpoint_holds_a_plain_merged_model_and_a_peft_adapter(trained, tmp_path):
@@ -197,16 +183,16 @@ def test_the_checkpoint_holds_a_plain_merged_model_and_a_peft_adapter(trained, t
     assert {p.name for p in (ck / "adapter").iterdir()} == {"adapter_config.json", "adapter_model.safetensors"}
     assert checkpoint.describe(ck)["lora"] == {"rank": 4, "alpha": 8.0, "target_modules": "all-linear"}
     t = _batch(tr)
-    want = _logprobs(tr.model, t)
+    want = masked_logprobs(tr.model, t)
     merged = AutoModelForCausalLM.from_pretrained(ck / "model", dtype=torch.float32).eval()  # any HF reader
-    assert float((_logprobs(merged, t) - want).abs().max()) < 1e-5
+    assert float((masked_logprobs(merged, t) - want).abs().max()) < 1e-5
     out = tmp_path / "exported"  # export copies the merged model
     assert main(["export", str(trained["ckpts"]), str(out)]) == 0
     exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    assert torch.equal(_logprobs(exported, t), _logprobs(merged, t))
+    assert torch.equal(masked_logprobs(exported, t), masked_logprobs(merged, t))
     # peft's own loader reads the adapter onto the base model
     peft_model = PeftModel.from_pretrained(_plain(tr.model_path), str(ck / "adapter")).eval()
-    assert float((_logprobs(peft_model, t) - want).abs().max()) < 1e-5
+    assert float((masked_logprobs(peft_model, t) - want).abs().max()) < 1e-5
 
 
 def test_a_resumed_lora_run_equals_the_uninterrupted_one(trained, tmp_path):
@@ -240,7 +226,7 @@ def test_resuming_with_other_lora_settings_is_refused_and_finetune_takes_the_mer
     try:
         assert tr.step == 0
         t = _batch(tr)
-        gap = float((_logprobs(tr.model, t) - _logprobs(trained["trainer"].model, t)).abs().max())
+        gap = float((masked_logprobs(tr.model, t) - masked_logprobs(trained["trainer"].model, t)).abs().max())
         assert gap < 1e-5, gap
     finally:
         tr.close()
