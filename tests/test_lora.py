@@ -247,7 +247,7 @@ def test_sft_through_adapters_saves_a_plain_merged_model(tmp_path):
 
     def record(module, args, out):  # the model's own loss at each step
         if module.training and getattr(out, "loss", None) is not None:
-            losses.append(float(out.loss))
+            losses.append(float(out.loss.detach()))
 
     hook = torch.nn.modules.module.register_module_forward_hook(record)
     try:
