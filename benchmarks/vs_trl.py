@@ -27,7 +27,10 @@ raw near 1 means the update costs what the model's math costs; above 1, postrl c
 the dense batch (a group's prompt once, not once per sample).
 
     pip install -e '.[bench]'          # TRL
-    python benchmarks/vs_trl.py [--settings 8x8 32x8] [--steps 6] [--warmup 2] [--model DIR]
+    python benchmarks/vs_trl.py [--settings 8x8 32x8] [--steps 6] [--warmup 2] [--model DIR] [--lora-rank R]
+
+With --lora-rank every peer trains LoRA adapters of rank R (alpha 2R, all linear layers): postrl's
+model.lora_rank, TRL's peft_config.
 """
 
 from __future__ import annotations
@@ -118,7 +121,9 @@ def postrl_step(trainer) -> Step:
 # ---------------------------------------------------------------------------------------- TRL
 
 
-def trl_trainer(model_path: str, prompts: int, max_steps: int, workdir: Path, on_step, knobs: dict, temperature: float):
+def trl_trainer(
+    model_path: str, prompts: int, max_steps: int, workdir: Path, on_step, knobs: dict, temperature: float, lora_rank: int = 0
+):
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -146,7 +151,14 @@ def trl_trainer(model_path: str, prompts: int, max_steps: int, workdir: Path, on
         learning_rate=LR, lr_scheduler_type="constant_with_warmup", warmup_steps=5, max_grad_norm=1.0,
         max_steps=max_steps, logging_steps=1, save_strategy="no", seed=42, disable_tqdm=True, log_completions=False,
     )  # fmt: skip
-    trainer = GRPOTrainer(model=model, reward_funcs=boxed_accuracy, args=args, train_dataset=data, processing_class=tokenizer)
+    peft_config = None
+    if lora_rank:  # the same adapters as postrl's model.lora_rank / lora_alpha (all-linear)
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules="all-linear", lora_dropout=0.0)
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=boxed_accuracy, args=args, train_dataset=data, processing_class=tokenizer, peft_config=peft_config
+    )
     trainer.remove_callback(PrinterCallback)  # its per-step dict would bury the table
 
     class Interleave(TrainerCallback):
@@ -234,8 +246,10 @@ class RawBound:
 
 
 def run_setting(
-    model: str, prompts: int, steps: int, warmup: int, engines: list[str], extra: list[str], trl_threads: str
+    model: str, prompts: int, steps: int, warmup: int, engines: list[str], extra: list[str], trl_threads: str, lora_rank: int = 0
 ) -> dict[str, Peer]:
+    if lora_rank:
+        extra = [*extra, f"model.lora_rank={lora_rank}", f"model.lora_alpha={2 * lora_rank}"]
     default_threads = torch.get_num_threads()  # what a TRL user gets: torch's default
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
@@ -267,7 +281,9 @@ def run_setting(
         raw = RawBound(model)
         torch.set_num_threads(default_threads)
         recipe = next(iter(trainers.values())).cfg  # TRL gets the postrl peers' prompts and sampling temperature
-        trl = trl_trainer(model, prompts, steps + warmup, workdir, on_trl_step, recipe.data.builtin.model_dump(), recipe.rollout.temperature)
+        trl = trl_trainer(
+            model, prompts, steps + warmup, workdir, on_trl_step, recipe.data.builtin.model_dump(), recipe.rollout.temperature, lora_rank
+        )
         acc = instrument_trl(trl)
         trl.train()
         for trainer in trainers.values():
@@ -317,6 +333,7 @@ def main() -> None:
         "--trl-threads", default="postrl",
         help="TRL's intra-op threads: postrl (the count postrl's thread policy chose), default (torch's), or N",
     )  # fmt: skip
+    ap.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (alpha 2 x rank, all-linear) in every peer")
     ap.add_argument("overrides", nargs="*", help="extra postrl config overrides (train.use_remove_padding=true ...)")
     args = ap.parse_args()
     if not (Path(args.model) / "config.json").is_file():
@@ -326,7 +343,7 @@ def main() -> None:
         prompts, n = (int(x) for x in setting.split("x"))
         assert n == N, f"group size is fixed at {N}"
         print(f"\n== {setting}: {prompts} prompts x {N} samples, max {MAX_TOKENS} tokens")
-        peers = run_setting(args.model, prompts, args.steps, args.warmup, args.engines, args.overrides, args.trl_threads)
+        peers = run_setting(args.model, prompts, args.steps, args.warmup, args.engines, args.overrides, args.trl_threads, args.lora_rank)
         report(setting, peers)
     print(f"\nload after: {os.getloadavg()}")
 

@@ -16,6 +16,7 @@ wrapper): FSDP2's per-block sharding, the modality adapters and generate() see t
 
 from __future__ import annotations
 
+import copy
 import re
 from contextlib import contextmanager
 from pathlib import Path
@@ -139,7 +140,7 @@ def save_adapter(model: torch.nn.Module, state: dict[str, torch.Tensor], out_dir
     from safetensors.torch import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    config = model.peft_config[ADAPTER]
+    config = copy.copy(model.peft_config[ADAPTER])
     config.base_model_name_or_path = base_path
     config.save_pretrained(str(out_dir))
     save_file(state, str(out_dir / "adapter_model.safetensors"))

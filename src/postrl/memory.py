@@ -83,7 +83,6 @@ class Shape:
         embed = self.vocab * self.hidden
         return embed * (1 if self.tied else 2) + self.layers * self.block_params() + self.hidden
 
-
     def projections(self) -> dict[str, tuple[int, int]]:
         """(in, out) features of a decoder layer's linear layers, by module name (LoRA's targets)."""
         h, q, k, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
