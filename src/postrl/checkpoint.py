@@ -438,7 +438,7 @@ def _check_trained_parameters(cfg: Any, meta: dict, path: Path) -> None:
 
 def load_adapter(model: torch.nn.Module, adapter_dir: Path) -> None:
     """Copy a checkpoint's LoRA adapters (adapter/) into `model` in place; its base is model.path's."""
-    state = _read(Path(adapter_dir) / "adapter_model.safetensors", lambda p: lora.read_adapter(p.parent))
+    state = _read(Path(adapter_dir) / "adapter_model.safetensors", lora.read_adapter)
     missing, unexpected = distributed.load_full_state_dict(model, state)  # into FSDP2 shards too
     missing = [k for k in missing if ".lora_" in k]
     if missing or unexpected:

@@ -126,13 +126,10 @@ def base_names(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[s
 
 
 def adapter_state(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """The adapters of a (name, full tensor) stream, in peft's on-disk naming, copied to host memory."""
+    """The adapters' (name, full tensor) stream (`full_state_dict(adapters_only=True)`) in peft's on-disk
+    naming, copied to host memory."""
     suffix = f".{ADAPTER}.weight"
-    return {
-        _PEFT_PREFIX + name[: -len(suffix)] + ".weight": tensor.detach().to("cpu", copy=True)
-        for name, tensor in named
-        if ".lora_" in name and name.endswith(suffix)
-    }
+    return {_PEFT_PREFIX + name.removesuffix(suffix) + ".weight": t.detach().to("cpu", copy=True) for name, t in named}
 
 
 def save_adapter(model: torch.nn.Module, state: dict[str, torch.Tensor], out_dir: Path, base_path: str) -> None:
@@ -146,11 +143,11 @@ def save_adapter(model: torch.nn.Module, state: dict[str, torch.Tensor], out_dir
     save_file(state, str(out_dir / "adapter_model.safetensors"))
 
 
-def read_adapter(adapter_dir: Path) -> dict[str, torch.Tensor]:
-    """An adapter directory's weights renamed for the model: `base_model.model.X.lora_A.weight` -> `X.lora_A.default.weight`."""
+def read_adapter(path: Path) -> dict[str, torch.Tensor]:
+    """adapter_model.safetensors renamed for the model: `base_model.model.X.lora_A.weight` -> `X.lora_A.default.weight`."""
     from safetensors.torch import load_file
 
-    state = load_file(str(Path(adapter_dir) / "adapter_model.safetensors"))
+    state = load_file(str(path))
     return {key.removeprefix(_PEFT_PREFIX).removesuffix(".weight") + f".{ADAPTER}.weight": t for key, t in state.items()}
 
 
