@@ -15,7 +15,8 @@ namespace. It then, in order:
    namespace), sets no_new_privs and the rlimits, and execs `python -I main.py`,
 5. waits for it as init and exits with its status. When PID 1 exits the kernel kills every process
    left in the namespace, so a daemonised child cannot outlive the call.
-Without the namespaces (`isolate: false`) it only writes main.py, sets the rlimits and execs.
+Without the namespaces (`isolate: false`) it skips steps 1-3; step 5 then only keeps a process
+between the code and the caller (killing the code's parent kills this one, not the trainer).
 
 A setup failure exits with SETUP_FAILED and one line on stderr starting with "sandbox setup:".
 """
@@ -140,7 +141,7 @@ def _drop_privileges(s):
         os.setgid(NOBODY)
         os.setuid(NOBODY)  # from real root to an ordinary uid: every capability goes with it
     else:
-        cap = 0
+        cap = 0  # an ordinary user has no CAP_SETPCAP and stops at once: it has nothing to drop
         while _libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) == 0:  # the exec'd code gets none
             cap += 1
     if _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
@@ -168,11 +169,6 @@ def main():
             os.chown(main_py, NOBODY, NOBODY)
     except OSError as exc:
         _fail(str(exc))
-    if not s["isolate"]:
-        try:
-            _exec_code(s)
-        except OSError as exc:
-            _fail(str(exc))
     pid = os.fork()
     if pid == 0:
         try:
@@ -182,7 +178,8 @@ def main():
             sys.stderr.write(f"sandbox setup: {exc}\n")
             sys.stderr.flush()
         os._exit(SETUP_FAILED)
-    # PID 1: reap every orphan until the code's process ends, then leave (which ends the rest).
+    # PID 1 (or, without namespaces, a buffer between the code and the caller, so that killing its
+    # parent kills this process and not the trainer): reap orphans until the code's process ends.
     while True:
         try:
             done, status = os.wait()

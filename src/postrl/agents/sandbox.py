@@ -28,6 +28,7 @@ import os
 import selectors
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -116,7 +117,7 @@ def isolation() -> Isolation:
     """Try a real run in the namespaces once; fall back (and say so) when the kernel refuses."""
     cmd = _unshare_cmd()
     if cmd is None:
-        return Isolation(False, (), False, "sandbox: network NOT isolated (unshare not found; install util-linux)")
+        return _fallback("unshare not found; install util-linux")
     trial = Isolation(True, cmd, os.geteuid() == 0, "")
     probe = "import socket\ns = socket.socket()\ns.settimeout(2)\ntry:\n    s.connect(('1.1.1.1', 53))\n    print('connected')\nexcept OSError:\n    print('isolated')\n"
     res = _run(probe, trial, timeout_s=30.0, max_output_bytes=4096, memory_mb=512, cpu_s=30, max_processes=8,
@@ -126,7 +127,24 @@ def isolation() -> Isolation:
         return Isolation(True, cmd, trial.drop_to_nobody,
                          f"sandbox: no network (network namespace); read-only file system, private /tmp; PID namespace; {who}")
     why = (res.stderr.strip().splitlines() or [res.error or res.stdout.strip() or "unknown"])[-1][:200]
-    return Isolation(False, (), False, f"sandbox: network NOT isolated (unshare refused: {why}); file system and processes fenced by rlimits only")
+    return _fallback(f"unshare refused: {why}")
+
+
+def _reachable_by_others(path: str) -> bool:
+    """Whether a uid other than the owner may traverse to `path` (every ancestor directory o+x)."""
+    current = Path(os.path.realpath(path))
+    return all(os.stat(d).st_mode & stat.S_IXOTH for d in [*reversed(current.parents), current] if d.is_dir())
+
+
+def _fallback(why: str) -> Isolation:
+    """No namespaces: rlimits, a session and the group kill only; as root, still leave root when possible."""
+    if os.geteuid() != 0:
+        who = "code runs as your uid"
+        drop = False
+    else:
+        drop = all(_reachable_by_others(p) for p in (sys.executable, sys.prefix, sys.base_prefix))
+        who = "code runs as uid 65534" if drop else "code runs as ROOT (the interpreter is not reachable for uid 65534)"
+    return Isolation(False, (), drop, f"sandbox: network NOT isolated ({why}); no file-system or PID isolation, {who}; rlimits apply")
 
 
 def sandbox_description() -> str:
@@ -183,6 +201,8 @@ def _run(code: str, iso: Isolation, *, timeout_s: float, max_output_bytes: int, 
          max_processes: int, max_file_mb: int, max_open_files: int, tmpfs_mb: int) -> SandboxResult:
     workdir = tempfile.mkdtemp(prefix="postrl-sandbox-")
     try:
+        if iso.drop_to_nobody and not iso.namespaces:  # in the namespaces the code gets a tmpfs of its own there
+            os.chown(workdir, NOBODY, NOBODY)
         code_uid = NOBODY if iso.drop_to_nobody else os.getuid()
         # Real root is exempt from RLIMIT_NPROC, so a limit only binds for an ordinary uid.
         nproc = _tasks_of_uid(code_uid) + max_processes if code_uid != 0 else max_processes

@@ -1,0 +1,218 @@
+"""The sandbox catalogue: hostile code costs its own call only.
+
+Each case runs model-like code with small limits and checks four things: the call returns an
+error result (it never raises), this test process carries on, nothing outside changed, and
+nothing of the run is left running. Cases that only the namespaces can guarantee (no network, no
+writes outside, signals that cannot reach us) skip with the sandbox's own description where
+`unshare` is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from postrl.agents import run_python, sandbox_description
+from postrl.agents import sandbox as sandbox_mod
+from postrl.agents.sandbox import BOOT, CallStats, isolation
+
+needs_namespaces = pytest.mark.skipif(not isolation().namespaces, reason=sandbox_description())
+SMALL = dict(timeout_s=3.0, memory_mb=256, max_processes=8, max_output_bytes=4096)
+
+
+def _processes(match) -> list[int]:
+    """Pids of live (not zombie) processes whose /proc entry satisfies `match(pid)`."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+            if state != "Z" and match(entry.name):
+                found.append(int(entry.name))
+        except (OSError, IndexError):
+            continue
+    return found
+
+
+def _cmdline(pid: str) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode(errors="replace")
+
+
+def _sandbox_processes() -> list[int]:
+    """This checkout's sandbox launchers and inits (their command lines name _boot.py)."""
+    return _processes(lambda pid: str(BOOT) in _cmdline(pid))
+
+
+def _none_left(match=None, within_s: float = 5.0) -> bool:
+    """True once no sandbox process (and none matching `match`) is alive; the kernel reaps a dead
+    namespace's processes asynchronously, so give it a moment."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if not _sandbox_processes() and not (match and _processes(match)):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_running():
+    assert _none_left(), f"sandbox processes alive before the test: {_sandbox_processes()}"
+    yield
+    assert _none_left(), f"sandbox processes left running: {_sandbox_processes()}"
+
+
+def test_a_clean_run_returns_stdout_and_status_zero():
+    stats = CallStats()
+    res = run_python("import sys\nprint(6 * 7)\nprint('note', file=sys.stderr)", stats=stats, **SMALL)
+    assert (res.stdout, res.stderr, res.exit_status, res.error) == ("42\n", "note\n", 0, None)
+    assert not (res.timed_out or res.killed or res.truncated)
+    assert stats.as_metrics() == {"sandbox/success": 1, "sandbox/error": 0, "sandbox/timeout": 0}
+
+
+def test_an_exception_is_an_error_result_with_the_traceback():
+    res = run_python("raise ValueError('bad input')", **SMALL)
+    assert res.error == "exit" and res.exit_status == 1
+    assert "ValueError: bad input" in res.stderr
+
+
+def test_the_environment_is_empty_and_the_working_directory_fresh():
+    code = "import os, json\nprint(json.dumps({'env': sorted(os.environ), 'files': os.listdir('.'), 'cwd': os.getcwd()}))"
+    import json
+
+    first, second = (json.loads(run_python(code, **SMALL).stdout) for _ in range(2))
+    assert first["env"] == ["HOME", "LANG", "LC_ALL", "PATH", "TMPDIR"]
+    assert first["files"] == ["main.py"] and second["files"] == ["main.py"]
+    assert first["cwd"] != second["cwd"]
+    assert not Path(first["cwd"]).exists(), "the working directory is removed after the call"
+
+
+def test_infinite_loop_is_killed_at_the_time_limit():
+    stats = CallStats()
+    res = run_python("while True:\n    pass", stats=stats, **{**SMALL, "timeout_s": 1.0})
+    assert res.error == "timeout" and res.timed_out and res.killed and res.exit_status is None
+    assert stats.as_metrics() == {"sandbox/success": 0, "sandbox/error": 0, "sandbox/timeout": 1}
+
+
+def test_fork_bomb_hits_the_process_limit():
+    code = "import os\nwhile True:\n    os.fork()"
+    res = run_python(code, **{**SMALL, "timeout_s": 2.0, "max_processes": 8})
+    assert res.error in ("exit", "timeout"), res
+    if res.error == "exit":
+        assert "BlockingIOError" in res.stderr or "Resource temporarily unavailable" in res.stderr
+
+
+def test_memory_bomb_hits_the_address_space_limit():
+    res = run_python("chunks = []\nwhile True:\n    chunks.append(bytearray(16 * 2**20))", **{**SMALL, "memory_mb": 200})
+    assert res.error == "memory" and res.exit_status == 1, res
+    assert "MemoryError" in res.stderr
+
+
+def test_huge_output_is_cut_and_the_writer_stopped():
+    res = run_python("while True:\n    print('x' * 1000)", **{**SMALL, "max_output_bytes": 5000})
+    assert res.error == "output_limit" and res.truncated and res.killed
+    assert len(res.stdout) == 5000 and set(res.stdout) <= {"x", "\n"}
+
+
+def test_a_large_file_hits_the_file_size_limit():
+    res = run_python("open('big', 'wb').write(b'x' * (8 * 2**20))", **{**SMALL, "max_file_mb": 1})
+    assert res.error == "exit" and "File too large" in res.stderr
+
+
+@needs_namespaces
+def test_writing_outside_its_directory_changes_nothing(tmp_path):
+    inside_ours = tmp_path / "escape.txt"  # a path this test owns
+    shared_tmp = Path("/tmp") / f"postrl-escape-{random.getrandbits(64):x}"  # world-writable /tmp
+    code = f"for p in ({str(inside_ours)!r}, {str(shared_tmp)!r}):\n    try:\n        open(p, 'w').write('pwned')\n        print('wrote', p)\n    except OSError as e:\n        print('refused', p, e.strerror)\n"
+    res = run_python(code, **SMALL)
+    assert res.error is None, res
+    assert f"refused {inside_ours}" in res.stdout  # read-only file system (and another uid as root)
+    assert f"wrote {shared_tmp}" in res.stdout  # the sandbox's private /tmp ...
+    assert not inside_ours.exists() and not shared_tmp.exists()  # ... which vanished with it
+    assert list(tmp_path.iterdir()) == []
+
+
+@needs_namespaces
+def test_network_connect_to_a_loopback_server_fails():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        server.settimeout(0.2)
+        port = server.getsockname()[1]
+        code = f"import socket\ns = socket.socket()\ns.settimeout(2)\ns.connect(('127.0.0.1', {port}))\nprint('connected')"
+        res = run_python(code, **SMALL)
+        assert res.error == "exit" and "connected" not in res.stdout
+        assert "OSError" in res.stderr or "Error" in res.stderr.splitlines()[-1], res.stderr
+        with pytest.raises(socket.timeout):
+            server.accept()  # nobody knocked
+
+
+def test_killing_its_parent_does_not_kill_the_caller():
+    me = os.getpid()
+    res = run_python("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nprint('still here')", **SMALL)
+    assert os.getpid() == me  # this process carries on
+    assert res.error is not None or res.stdout == "still here\n"  # the kill failed, or hit only the sandbox's init
+
+
+@needs_namespaces
+def test_signalling_every_process_reaches_only_the_sandbox():
+    helper = os.fork()
+    if helper == 0:  # a bystander process outside the sandbox
+        time.sleep(30)
+        os._exit(0)
+    try:
+        res = run_python("import os, signal\nos.kill(-1, signal.SIGKILL)\nprint('sent')", **SMALL)
+        assert res.error in (None, "exit", "signal")
+        assert os.waitpid(helper, os.WNOHANG) == (0, 0), "the bystander must still be alive"
+    finally:
+        os.kill(helper, 9)
+        os.waitpid(helper, 0)
+
+
+def test_a_daemonised_child_does_not_outlive_the_call():
+    marker = f"{50 + random.random() * 9:.9f}"  # /bin/sleep's argument doubles as a unique tag
+    code = (
+        "import os, sys\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    if os.fork() == 0:\n"
+        "        os.closerange(0, 3)\n"
+        f"        os.execv('/bin/sleep', ['sleep', '{marker}'])\n"
+        "    os._exit(0)\n"
+        "print('daemon started')\n"
+    )
+    res = run_python(code, **SMALL)
+    assert res.stdout == "daemon started\n" and res.error is None
+
+    def sleeper(pid: str) -> bool:
+        return _cmdline(pid).strip() == f"sleep {marker}"
+
+    if not isolation().namespaces:  # the group kill cannot reach a child that left the session
+        pytest.skip(f"daemons escape without a PID namespace: {sandbox_description()}")
+    assert _none_left(sleeper), "the daemon is still running"
+
+
+def test_without_namespaces_limits_still_hold(monkeypatch):
+    """The fallback path (unshare refused) still kills at the limit and cuts the output."""
+    monkeypatch.setattr(sandbox_mod, "isolation", lambda: sandbox_mod._fallback("forced by the test"))
+    assert "network NOT isolated (forced by the test)" in sandbox_mod._fallback("forced by the test").description
+    assert run_python("print('hi')", **SMALL).stdout == "hi\n"
+    assert run_python("while True:\n    pass", **{**SMALL, "timeout_s": 1.0}).error == "timeout"
+    res = run_python("while True:\n    print('x' * 1000)", **{**SMALL, "max_output_bytes": 2000})
+    assert res.error == "output_limit" and len(res.stdout) == 2000
+    me = os.getpid()
+    res = run_python("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nprint('still here')", **SMALL)
+    assert os.getpid() == me and res.stdout == "still here\n"  # its parent is the sandbox's own process
+
+
+def test_the_description_is_one_line_that_says_what_is_isolated():
+    line = sandbox_description()
+    assert "\n" not in line and line.startswith("sandbox: ")
+    assert ("no network (network namespace)" in line) == isolation().namespaces
