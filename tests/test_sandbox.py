@@ -140,6 +140,27 @@ def test_writing_outside_its_directory_changes_nothing(tmp_path):
 
 
 @needs_namespaces
+def test_the_callers_home_is_hidden():
+    import json
+    import sys
+
+    home = os.path.expanduser("~")
+    res = run_python(f"import os, json\nprint(json.dumps(os.listdir({home!r})))", **SMALL)
+    assert res.error is None, res
+    # Only the way to the interpreter (e.g. ~/.pyenv when Python lives there) is bound back in.
+    interpreter = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.executable)}
+    way_in = {Path(p).relative_to(home).parts[0] for p in interpreter if p.startswith(home.rstrip("/") + "/")}
+    assert set(json.loads(res.stdout)) == way_in
+
+
+def test_closing_its_output_does_not_end_the_call_early():
+    res = run_python("import os, time\nos.close(1)\nos.close(2)\ntime.sleep(0.5)\nraise SystemExit(3)", **SMALL)
+    assert (res.error, res.exit_status, res.timed_out) == ("exit", 3, False)
+    res = run_python("import os\nos.close(1)\nos.close(2)\nwhile True:\n    pass", **{**SMALL, "timeout_s": 1.0})
+    assert res.error == "timeout" and res.killed
+
+
+@needs_namespaces
 def test_network_connect_to_a_loopback_server_fails():
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
         server.bind(("127.0.0.1", 0))
@@ -210,6 +231,9 @@ def test_without_namespaces_limits_still_hold(monkeypatch):
     me = os.getpid()
     res = run_python("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nprint('still here')", **SMALL)
     assert os.getpid() == me and res.stdout == "still here\n"  # its parent is the sandbox's own process
+    # A background child that keeps the pipes open does not hold the call until its time limit.
+    res = run_python("import os, time\nif os.fork() == 0:\n    time.sleep(30)\nprint('done')", **{**SMALL, "timeout_s": 20.0})
+    assert res.error is None and res.stdout == "done\n" and res.duration_s < 15
 
 
 def test_the_description_is_one_line_that_says_what_is_isolated():

@@ -9,8 +9,9 @@ namespace. It then, in order:
 1. makes every mount private and read-only (so nothing outside can be written, whoever runs),
 2. mounts fresh size-limited tmpfs on /tmp, /var/tmp, /dev/shm and on the working directory (the
    code's only writable places, gone with the namespace),
-3. when run as real root: makes the interpreter reachable for the unprivileged uid it drops to
-   (a tmpfs over a private ancestor such as /root, with the interpreter's tree bound back in),
+3. hides the home directories (and, as real root, any private ancestor of the interpreter such as
+   /root, so that the unprivileged uid it drops to can run it) under empty tmpfs, with the
+   interpreter's own trees bound back in read-only,
 4. forks the code's process: drops to uid/gid 65534 (real root) or drops every capability (user
    namespace), sets no_new_privs and the rlimits, and execs `python -I main.py`,
 5. waits for it as init and exits with its status. When PID 1 exits the kernel kills every process
@@ -88,18 +89,21 @@ def _blocking_ancestor(path):
     return None
 
 
-def _expose_interpreter(paths):
-    """Make `paths` (the interpreter's trees) reachable for an unprivileged uid: cover each private
-    ancestor with an empty tmpfs and bind the needed trees back at their own paths."""
-    needed = sorted({os.path.realpath(p) for p in paths})
-    fds = {}
-    for p in needed:
-        blocker = _blocking_ancestor(p)
-        if blocker is not None:
-            fds[p] = (blocker, os.open(p, os.O_PATH))
-    for blocker in sorted({b for b, _ in fds.values()}):
-        _mount("tmpfs", blocker, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=64k")
-    for p, (_, fd) in fds.items():
+def _under(path, directory):
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
+def _cover(dirs, keep):
+    """Hide each of `dirs` under an empty tmpfs, then bind back, read-only and at their own paths,
+    the trees of `keep` (the interpreter's) that lay under one of them."""
+    keep = sorted({os.path.realpath(p) for p in keep})
+    dirs = {os.path.realpath(d) for d in dirs if os.path.isdir(d)}
+    dirs = {d for d in dirs if d != "/" and not any(_under(d, p) for p in keep)}  # never inside the interpreter
+    dirs = sorted(d for d in dirs if not any(_under(d, o) and d != o for o in dirs))  # the outermost only
+    fds = [(p, os.open(p, os.O_PATH)) for p in keep if any(_under(p, d) for d in dirs)]
+    for d in dirs:
+        _mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=64k")
+    for p, fd in fds:
         os.makedirs(p, exist_ok=True)
         _mount(f"/proc/self/fd/{fd}", p, None, MS_BIND | MS_REC)
         _mount(None, p, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
@@ -128,8 +132,11 @@ def _isolate(s):
     for scratch in ("/tmp", "/var/tmp", "/dev/shm"):
         if os.path.isdir(scratch):
             _mount("tmpfs", scratch, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,{size}")
-    if s["drop_to_nobody"]:
-        _expose_interpreter([sys.prefix, sys.base_prefix, os.path.dirname(s["python"])])
+    interpreter = [sys.prefix, sys.base_prefix, os.path.dirname(s["python"]), os.path.dirname(os.path.realpath(s["python"]))]
+    hide = list(s["hide"])  # home directories: keys, tokens, caches
+    if s["drop_to_nobody"]:  # uid 65534 must reach the interpreter: cover private ancestors such as /root
+        hide += [b for p in interpreter if (b := _blocking_ancestor(os.path.realpath(p))) is not None]
+    _cover(hide, interpreter)
     os.makedirs(s["workdir"], exist_ok=True)
     owner = f",uid={NOBODY},gid={NOBODY}" if s["drop_to_nobody"] else ""
     _mount("tmpfs", s["workdir"], "tmpfs", MS_NOSUID | MS_NODEV, f"mode=0700,{size}{owner}")

@@ -210,6 +210,7 @@ def _run(code: str, iso: Isolation, *, timeout_s: float, max_output_bytes: int, 
             "isolate": iso.namespaces,
             "drop_to_nobody": iso.drop_to_nobody,
             "workdir": workdir,
+            "hide": sorted({h for h in (os.path.expanduser("~"), "/root") if h.startswith("/")}),
             "python": sys.executable,
             "env": {"PATH": SAFE_PATH, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir},
             "cpu_s": int(cpu_s),
@@ -240,34 +241,36 @@ def _supervise(argv: list[str], code: bytes, workdir: str, timeout_s: float, max
         except OSError:
             pass
     out = {proc.stdout: bytearray(), proc.stderr: bytearray()}
-    truncated = timed_out = killed = False
+    truncated = timed_out = False
     deadline = start + timeout_s
     with selectors.DefaultSelector() as sel:
         for stream in out:
             os.set_blocking(stream.fileno(), False)
             sel.register(stream, selectors.EVENT_READ)
-        while sel.get_map():
+        # Read until the sandbox's first process ends (in the namespaces its end kills the rest), the
+        # output overflows, or the time is up. Not until EOF: without namespaces, a background child
+        # may hold the pipes open long after the code is done.
+        while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 timed_out = True
                 break
-            for key, _ in sel.select(timeout=left):
-                chunk = os.read(key.fd, _READ_CHUNK)
-                if not chunk:
-                    sel.unregister(key.fileobj)
-                    continue
-                buf = out[key.fileobj]
-                room = max_output_bytes - len(buf)
-                if len(chunk) > room:
-                    buf += chunk[: max(room, 0)]
-                    truncated = True
-                else:
-                    buf += chunk
-            if truncated:
+            if proc.poll() is not None:
+                truncated = _drain(sel, out, max_output_bytes)
                 break
-    if timed_out or truncated:
-        killed = True
-    # Always kill the group: a clean exit may still leave children of the code's session behind.
+            if sel.get_map():
+                for key, _ in sel.select(timeout=min(left, 0.05)):
+                    truncated |= _pump(sel, key.fileobj, out[key.fileobj], max_output_bytes)
+                if truncated:
+                    break
+            else:  # both streams closed, the code still runs
+                try:
+                    proc.wait(timeout=min(left, 0.05))
+                except subprocess.TimeoutExpired:
+                    pass
+    killed = timed_out or truncated
+    # Always kill the group, also after a clean exit: children of the code's session may be left.
+    # The leader is not reaped yet (no wait before this), so its pid cannot have been reused.
     _kill_group(pgid)
     try:
         status = proc.wait(timeout=10)
@@ -295,6 +298,32 @@ def _supervise(argv: list[str], code: bytes, workdir: str, timeout_s: float, max
     else:
         error = "exit"
     return SandboxResult(stdout, stderr, exit_status, timed_out, killed, truncated, error, duration)
+
+
+def _pump(sel: selectors.BaseSelector, stream, buf: bytearray, limit: int) -> bool:
+    """Append what `stream` has to `buf`, up to `limit` bytes (unregister it at EOF); True when output was cut."""
+    try:
+        chunk = os.read(stream.fileno(), _READ_CHUNK)
+    except BlockingIOError:
+        return False
+    if not chunk:
+        sel.unregister(stream)
+        return False
+    room = limit - len(buf)
+    buf += chunk[: max(room, 0)]
+    return len(chunk) > room
+
+
+def _drain(sel: selectors.BaseSelector, out: dict, limit: int) -> bool:
+    """After the first process ended: read what is already in the pipes; True if that cut the output."""
+    for key in list(sel.get_map().values()):
+        while key.fileobj in sel.get_map():
+            before = len(out[key.fileobj])
+            if _pump(sel, key.fileobj, out[key.fileobj], limit):
+                return True
+            if len(out[key.fileobj]) == before:
+                break
+    return False
 
 
 def _kill_group(pgid: int) -> None:
