@@ -99,7 +99,7 @@ class Isolation:
     """How runs are fenced on this machine (decided once per process)."""
 
     namespaces: bool  # network + PID + mount namespaces through unshare
-    unshare_cmd: tuple[str, ...]  # the unshare prefix ('' when not used)
+    unshare_cmd: tuple[str, ...]  # the unshare prefix (empty when not used)
     drop_to_nobody: bool  # running as real root: the code runs as uid 65534
     description: str
 
@@ -126,6 +126,8 @@ def isolation() -> Isolation:
         who = "uid 65534" if trial.drop_to_nobody else "no capabilities"
         return Isolation(True, cmd, trial.drop_to_nobody,
                          f"sandbox: no network (network namespace); read-only file system, private /tmp; PID namespace; {who}")
+    if res.ok and res.stdout.strip() == "connected":
+        return _fallback("a connection left the network namespace")
     why = (res.stderr.strip().splitlines() or [res.error or res.stdout.strip() or "unknown"])[-1][:200]
     return _fallback(f"unshare refused: {why}")
 
