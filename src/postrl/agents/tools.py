@@ -114,6 +114,8 @@ def _eval(node: ast.AST) -> int | float:
             raise _CalcError("the result is a complex number")
         if isinstance(result, int) and result.bit_length() > MAX_INT_BITS:
             raise _CalcError(f"the result is too large (limit: {MAX_INT_BITS} bits)")
+        if isinstance(result, float) and not math.isfinite(result):
+            raise _CalcError("the result is not a finite number")
         return result
     what = type(node).__name__
     if isinstance(node, ast.Name):
