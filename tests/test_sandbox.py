@@ -46,9 +46,19 @@ def _cmdline(pid: str) -> str:
         return f.read().replace(b"\0", b" ").decode(errors="replace")
 
 
+def _ppid(pid: str) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[1]
+
+
 def _sandbox_processes() -> list[int]:
-    """This checkout's sandbox launchers and inits (their command lines name _boot.py)."""
-    return _processes(lambda pid: str(BOOT) in _cmdline(pid))
+    """This test process's sandbox launchers and inits (children or grandchildren naming _boot.py)."""
+    me = str(os.getpid())
+
+    def ours(pid: str) -> bool:
+        return str(BOOT) in _cmdline(pid) and me in (_ppid(pid), _ppid(_ppid(pid)))
+
+    return _processes(ours)
 
 
 def _none_left(match=None, within_s: float = 5.0) -> bool:
