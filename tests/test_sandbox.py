@@ -250,3 +250,60 @@ def test_the_description_is_one_line_that_says_what_is_isolated():
     line = sandbox_description()
     assert "\n" not in line and line.startswith("sandbox: ")
     assert ("no network (network namespace)" in line) == isolation().namespaces
+
+
+USERNS_SCRIPT = r"""
+import json, os, sys
+from postrl.agents.sandbox import isolation, run_python
+target = sys.argv[1]
+small = dict(timeout_s=3.0, memory_mb=256, max_processes=8)
+out = {"uid": os.getuid(), "namespaces": isolation().namespaces, "description": isolation().description}
+res = run_python(f"import os\nprint(os.getuid())\nopen({target!r}, 'w').write('pwned')", **small)
+out["write"] = [res.error, res.stdout, res.stderr.strip().splitlines()[-1] if res.stderr.strip() else ""]
+res = run_python("import os\nwhile True:\n    os.fork()", **{**small, "timeout_s": 2.0})
+out["fork"] = res.error
+res = run_python("import socket\nsocket.create_connection(('127.0.0.1', 9), timeout=1)", **small)
+out["net"] = res.stderr.strip().splitlines()[-1]
+res = run_python("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nprint(libc.mount(None, b'/', None, 32 | 4096, None), ctypes.get_errno())", **small)
+out["remount"] = res.stdout
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not Path("/usr/bin/setpriv").exists() or not Path("/usr/bin/python3").exists(),
+                    reason="needs root (to become an ordinary uid with setpriv) and /usr/bin/python3 (>= 3.10)")
+def test_an_ordinary_user_gets_the_same_fences_through_a_user_namespace():
+    """The path most users take: not root, so `unshare -r` (an unprivileged user namespace) and every
+    capability dropped instead of uid 65534. Run as uid 65533 with the system Python (the package's
+    sandbox needs only the standard library)."""
+    import json
+    import shutil
+    import subprocess
+    import tempfile
+
+    version = subprocess.run(["/usr/bin/python3", "-c", "import sys; print(sys.version_info >= (3, 10))"],
+                             capture_output=True, text=True).stdout.strip()
+    if version != "True":
+        pytest.skip("/usr/bin/python3 is older than 3.10")
+    # World-writable and outside /tmp (which the sandbox replaces): only the read-only mount stops the write.
+    shared = tempfile.mkdtemp(prefix="postrl-userns-", dir=Path(__file__).parent)
+    os.chmod(shared, 0o777)
+    target = os.path.join(shared, "escape.txt")
+    try:
+        proc = subprocess.run(
+            ["/usr/bin/setpriv", "--reuid=65533", "--regid=65533", "--clear-groups", "/usr/bin/python3", "-I", "-c",
+             f"import sys; sys.path.insert(0, {str(Path(sandbox_mod.__file__).parents[2])!r})\n" + USERNS_SCRIPT, target],
+            capture_output=True, text=True, timeout=120, cwd="/", env={"PATH": "/usr/bin:/bin", "HOME": "/"},
+        )
+        assert proc.returncode == 0, proc.stderr
+        out = json.loads(proc.stdout)
+        if not out["namespaces"]:
+            pytest.skip(out["description"])
+        assert out["uid"] == 65533 and out["description"].endswith("no capabilities")
+        assert out["write"][0] == "exit" and out["write"][1] == "0\n" and "Read-only file system" in out["write"][2]
+        assert not os.path.exists(target)
+        assert out["fork"] in ("exit", "timeout")
+        assert "Network is unreachable" in out["net"]
+        assert out["remount"] == "-1 1\n"  # EPERM: the code cannot make the file system writable again
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
