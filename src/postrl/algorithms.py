@@ -1,4 +1,4 @@
-"""The math of GRPO, DAPO and their relatives as pure tensor functions (DESIGN.md section 4).
+"""The math of GRPO, DAPO and their relatives as pure tensor functions (docs/algorithms.md).
 
 No I/O and no config objects: every function takes tensors and keyword arguments and returns tensors
 (and, for losses, a dict of statistics). Shapes: B sequences, G group size, T response tokens.
@@ -7,8 +7,11 @@ Variants are chosen by name from registries, as in verl's core_algos (an unknown
 ValueError that lists the valid ones); this module is the one place that holds the names:
 - advantage estimators (`get_adv_estimator`): grpo, drgrpo, rloo, reinforce_plus_plus,
   reinforce_plus_plus_baseline; one signature `fn(rewards_B, group_size, *, norm_adv_by_std, epsilon)`;
-- policy losses (`get_policy_loss_fn`): vanilla, gspo, cispo; one signature
-  `fn(logp_BT, old_logp_BT, adv_BT, mask_BT, *, clip_ratio_low, clip_ratio_high, clip_ratio_c)`;
+- policy losses (`get_policy_loss_fn`): vanilla, gspo, cispo, or a user's 'package.module:function'; one
+  signature `fn(logp_BT, old_logp_BT, adv_BT, mask_BT, *, clip_ratio_low, clip_ratio_high, clip_ratio_c,
+  **params)`. Each declares with its registration (`LossSpec`) its own hyperparameters (`Param`: default,
+  range, doc; the config's `algorithm.policy_loss_args`) and the shared settings it prefers (gspo: the
+  paper's clip range and seq-mean-token-mean); the config reads both from here;
 - loss aggregation modes (`LOSS_AGGREGATIONS`), KL estimators (`KL_ESTIMATORS`) and rollout
   correction levels (`ROLLOUT_CORRECTIONS`).
 
@@ -30,8 +33,10 @@ and `aggregate_loss` returns each micro-batch's *share*; the shares add up to th
 
 from __future__ import annotations
 
+import importlib
 import math
-from typing import Callable, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Protocol
 
 import torch
 from torch import Tensor
@@ -157,7 +162,7 @@ def reinforce_plus_plus_advantages(
     A = (R - mean_batch R) / (std_batch R + epsilon), unbiased std; no groups (`group_size` is unused),
     so a prompt whose samples all score the same still gets a non-zero advantage when the batch
     varies. `norm_adv_by_std=False` only centres. verl whitens over tokens (longer responses weigh
-    more); here each sequence counts once, as in DESIGN.md.
+    more); here each sequence counts once (docs/algorithms.md).
     """
     return _batch_whiten(rewards_B.float().reshape(-1), norm_adv_by_std, epsilon)
 
@@ -200,6 +205,8 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 class PolicyLossFn(Protocol):
+    """Per-token policy loss: the shared clip settings always, the loss's own `params` by name."""
+
     def __call__(
         self,
         logp_BT: torch.Tensor,
@@ -210,23 +217,111 @@ class PolicyLossFn(Protocol):
         clip_ratio_low: float,
         clip_ratio_high: float,
         clip_ratio_c: float | None = None,
+        **params: Any,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
-
-
-POLICY_LOSSES: dict[str, PolicyLossFn] = {}
 
 
 LossAndStats = tuple[Tensor, dict[str, Tensor]]  # per-token loss [B, T] and masked-mean statistics
 
+# Settings every policy loss is called with (keyword arguments of `PolicyLossFn`), and the shared
+# settings a loss may prefer a default for (`LossSpec.defaults`; the config fills them when unset).
+SHARED_LOSS_KWARGS = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c")
+LOSS_PREFERENCES = ("clip_ratio_low", "clip_ratio_high", "loss_agg_mode")
 
-def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Register a per-token policy loss under `name` (decorator)."""
-    return _register_into(POLICY_LOSSES, "policy loss", name)
+
+@dataclass(frozen=True)
+class Param:
+    """One hyperparameter of a policy loss: its default, its valid range and one line that says what it does.
+
+    The type is the default's (a float accepts an int). `ge` / `gt` / `le` / `lt` bound it as pydantic's
+    Field does; the config checks `algorithm.policy_loss_args` against them before the run starts.
+    """
+
+    default: float | int | bool | str
+    doc: str
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+
+    def range_text(self, name: str) -> str:
+        """`0 < scale <= 10`, or `any value` when unbounded."""
+        lower = f"{self.ge} <= " if self.ge is not None else f"{self.gt} < " if self.gt is not None else ""
+        upper = f" <= {self.le}" if self.le is not None else f" < {self.lt}" if self.lt is not None else ""
+        return f"{lower}{name}{upper}" if lower or upper else "any value"
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """What a policy loss declares with its registration: its own hyperparameters (`params`, passed to it as
+    keyword arguments from `algorithm.policy_loss_args`) and the values it prefers for shared settings left
+    unset (`defaults`, keys from LOSS_PREFERENCES); an explicit setting always wins."""
+
+    params: Mapping[str, Param] = field(default_factory=dict)
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        clash = sorted(set(self.params) & set(SHARED_LOSS_KWARGS))
+        if clash:
+            raise ValueError(f"policy loss params {clash} clash with the shared settings {list(SHARED_LOSS_KWARGS)}")
+        unknown = sorted(set(self.defaults) - set(LOSS_PREFERENCES))
+        if unknown:
+            raise ValueError(f"a policy loss may prefer defaults for {list(LOSS_PREFERENCES)} only, not {unknown}")
+
+
+POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+DEFAULT_POLICY_LOSS = "vanilla"  # the config's default for algorithm.policy_loss
+
+
+def declare_policy_loss(
+    *, params: Mapping[str, Param] | None = None, defaults: Mapping[str, Any] | None = None
+) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Attach a `LossSpec` to a policy loss without registering a name (decorator).
+
+    For a user's loss named 'package.module:function' in `algorithm.policy_loss`; docs/algorithms.md,
+    "Writing your own loss", has a complete example.
+    """
+    spec = LossSpec(dict(params or {}), dict(defaults or {}))
+
+    def deco(fn):
+        fn.loss_spec = spec
+        return fn
+
+    return deco
+
+
+def register_policy_loss(
+    name: str, *, params: Mapping[str, Param] | None = None, defaults: Mapping[str, Any] | None = None
+) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Register a per-token policy loss under `name` with its hyperparameters and preferred defaults (decorator)."""
+    declare, register = declare_policy_loss(params=params, defaults=defaults), _register_into(POLICY_LOSSES, "policy loss", name)
+    return lambda fn: register(declare(fn))
 
 
 def get_policy_loss_fn(name: str) -> PolicyLossFn:
-    """The policy loss registered as `name`; a ValueError lists the valid names otherwise."""
-    return _lookup(POLICY_LOSSES, "policy loss", name)
+    """The policy loss registered as `name`, or the user's 'package.module:function'.
+
+    A ValueError lists the valid names, or says why the user's function could not be loaded.
+    """
+    if ":" not in name:
+        return _lookup(POLICY_LOSSES, "policy loss", name)
+    module_name, _, attr = name.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(
+            f"policy loss '{name}' could not be loaded ({type(exc).__name__}: {exc}). A user loss is named "
+            "'package.module:function' and the module must be importable from the current environment (install the "
+            "package, or add its directory to PYTHONPATH)."
+        ) from None
+    if not callable(fn):
+        raise ValueError(f"policy loss '{name}' is a {type(fn).__name__}, not a function. Fix: name a function.")
+    return fn
+
+
+def policy_loss_spec(fn: PolicyLossFn) -> LossSpec:
+    """What `fn` declares (`declare_policy_loss` / `register_policy_loss`); a plain function declares nothing."""
+    return getattr(fn, "loss_spec", None) or LossSpec()
 
 
 def _clipped_surrogate(
@@ -271,7 +366,9 @@ def policy_loss(logp_BT: Tensor, old_logp_BT: Tensor, adv_BT: Tensor, mask_BT: T
     return loss_BT, _loss_stats(clipped_BT, lower_BT, log_ratio_BT, mask_BT)
 
 
-@register_policy_loss("gspo")
+@register_policy_loss(
+    "gspo", defaults={"clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4, "loss_agg_mode": "seq-mean-token-mean"}
+)
 def gspo_policy_loss(logp_BT: Tensor, old_logp_BT: Tensor, adv_BT: Tensor, mask_BT: Tensor, *, clip_ratio_low: float,
                      clip_ratio_high: float, clip_ratio_c: float | None = None) -> LossAndStats:
     """GSPO (Zheng et al., 2025, "Group Sequence Policy Optimization"): one clipped ratio per sequence.
@@ -294,7 +391,7 @@ def gspo_policy_loss(logp_BT: Tensor, old_logp_BT: Tensor, adv_BT: Tensor, mask_
     return loss_BT, _loss_stats(clipped_BT, torch.zeros_like(loss_BT), log_ratio_BT, mask_BT)
 
 
-@register_policy_loss("cispo")
+@register_policy_loss("cispo", defaults={"loss_agg_mode": "token-mean"})
 def cispo_policy_loss(logp_BT: Tensor, old_logp_BT: Tensor, adv_BT: Tensor, mask_BT: Tensor, *, clip_ratio_low: float,
                       clip_ratio_high: float, clip_ratio_c: float | None = None) -> LossAndStats:
     """CISPO (MiniMax, 2025, "MiniMax-M1", arXiv 2506.13585, eq. 4): clip the IS weight, not the update.
