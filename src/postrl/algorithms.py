@@ -378,9 +378,11 @@ def gspo_policy_loss(logp_BT: Tensor, old_logp_BT: Tensor, adv_BT: Tensor, mask_
     l_it = max(-A_it s_it, -A_it clip(s_it, 1 - eps_low, 1 + eps_high))
     A whole sequence is clipped or not, so token-level noise in the ratio no longer decides which
     tokens learn. The paper's ranges are tiny (eps_low 3e-4, eps_high 4e-4) and its aggregation is
-    seq-mean-token-mean (the config derives both). The mean log-ratio is clamped to [-20, 20];
-    `clip_ratio_c` is ignored (no dual clip in the paper: s_i is already bounded by the clip range),
-    so pg_clipfrac_lower is 0. pg_clipfrac counts tokens of clipped sequences.
+    seq-mean-token-mean (declared as its preferred defaults). The mean log-ratio is clamped to [-20, 20].
+    `clip_ratio_c` is ignored (the paper has no dual clip), so pg_clipfrac_lower is 0; the loss is not
+    bounded by the clip range: for A < 0 and s_i > 1 + eps_high the unclipped term -A s_i is the larger,
+    so the loss grows with s_i and the gradient flows, as in PPO without dual clip. pg_clipfrac counts
+    tokens of clipped sequences.
     """
     mask_BT = mask_BT.to(logp_BT.dtype)
     log_ratio_BT = torch.clamp(logp_BT - old_logp_BT, -20.0, 20.0)
