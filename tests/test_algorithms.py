@@ -504,7 +504,7 @@ def test_rollout_correction_sequence_level_masks():
 
 
 def test_rollout_correction_unknown_level_and_bad_cap():
-    assert sorted(ROLLOUT_CORRECTIONS) == ["sequence", "token"]
+    assert sorted(ROLLOUT_CORRECTIONS) == ["geo_rs", "icepop", "seq_mis", "sequence", "token"]
     with pytest.raises(ValueError, match="unknown rollout correction level 'geo'.*token.*sequence"):
         rollout_correction(t([[0.0]]), t([[0.0]]), t([[1.0]]), level="geo", cap=2.0)
     with pytest.raises(AssertionError, match="cap"):

@@ -4,16 +4,28 @@ hyperparameter (tests/losses_for_tests.py)."""
 
 from __future__ import annotations
 
+import math
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import tiny_overrides
 
 from postrl import algorithms
-from postrl.algorithms import Param, declare_policy_loss, get_policy_loss_fn, policy_loss_spec, register_policy_loss
+from postrl.algorithms import (
+    Param,
+    aggregate_loss,
+    declare_policy_loss,
+    get_policy_loss_fn,
+    loss_normalizers,
+    policy_loss_spec,
+    register_policy_loss,
+    rollout_correction,
+    rollout_loss_mask,
+)
 from postrl.config import build_config, dump_config, load_config
 from postrl.errors import UserError
 from postrl.metrics import read_jsonl
@@ -21,6 +33,15 @@ from postrl.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+F64 = torch.float64
+
+
+def t(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=F64)
+
+
+def close(actual: torch.Tensor, expected, atol: float = 1e-6) -> None:
+    torch.testing.assert_close(actual, torch.as_tensor(expected, dtype=actual.dtype), atol=atol, rtol=0)
 
 
 def problems_of(algorithm: dict, **sections) -> list[str]:
@@ -147,3 +168,95 @@ def test_a_user_loss_with_its_own_hyperparameter_trains_and_receives_it(tmp_path
     assert scaled["actor/pg_loss"] == pytest.approx(3.0 * vanilla["actor/pg_loss"], rel=1e-5)
     assert scaled["actor/grad_norm"] == pytest.approx(3.0 * vanilla["actor/grad_norm"], rel=1e-5)
     assert scaled["actor/entropy"] == vanilla["actor/entropy"]
+
+
+# ---------------------------------------------------------------------------------- rollout correction
+
+
+def test_only_the_truncating_level_keeps_every_token():
+    assert [algorithms.rollout_correction_rejects(level) for level in algorithms.ROLLOUT_CORRECTIONS] == [
+        False, True, True, True, True
+    ]  # fmt: skip  (token, sequence, seq_mis, icepop, geo_rs)
+
+
+def test_seq_mis_rejects_like_mis_and_weights_the_kept_sequences_by_their_ratio():
+    # cap 2: keep iff |sum_t (p - q)| <= ln 2 = 0.693147 (the rows of the MIS test in test_algorithms.py)
+    # row 0: 0.6 -> rho e^0.6 = 1.822119 kept, weight rho; rows 1, 2: +-0.8 rejected; row 3: -0.3 -> 0.740818
+    diff_BT = t([[0.3, 0.3], [0.5, 0.3], [-0.5, -0.3], [-0.3, 5.0]])
+    mask_BT = t([[1, 1], [1, 1], [1, 1], [1, 0]])
+    weight_BT, stats = rollout_correction(diff_BT, torch.zeros(4, 2, dtype=F64), mask_BT, level="seq_mis", cap=2.0)
+    close(weight_BT, [[math.exp(0.6)] * 2, [0.0, 0.0], [0.0, 0.0], [math.exp(-0.3)] * 2])
+    close(stats["rollout_corr/masked_frac"], 0.5)
+    # mean over the 7 valid tokens: (2 x 1.822119 + 0.740818) / 7 = 0.626437
+    close(stats["rollout_corr/weight_mean"], (2 * math.exp(0.6) + math.exp(-0.3)) / 7)
+    close(stats["rollout_corr/weight_max"], math.exp(0.6))
+
+
+def test_icepop_masks_tokens_outside_the_two_sided_range():
+    # cap 2 (ln 2 = 0.693147): 0.3 kept, 0.8 out, -0.8 out, -0.5 kept, 0.69 kept, 5.0 masked anyway
+    diff_BT = t([[0.3, 0.8], [-0.8, -0.5], [0.69, 5.0]])
+    mask_BT = t([[1, 1], [1, 1], [1, 0]])
+    weight_BT, stats = rollout_correction(diff_BT, torch.zeros(3, 2, dtype=F64), mask_BT, level="icepop", cap=2.0)
+    close(weight_BT, [[1.0, 0.0], [0.0, 1.0], [1.0, 0.0]])
+    close(stats["rollout_corr/masked_token_frac"], 2 / 5)  # 2 of the 5 valid tokens
+    close(stats["rollout_corr/weight_mean"], 3 / 5)
+
+
+def test_geo_rs_bounds_the_geometric_mean_which_does_not_tighten_with_length():
+    # cap 1.5 (ln 1.5 = 0.405465) on the mean log-ratio over valid tokens:
+    # row 0: (0.3 + 0.4) / 2 = 0.35 kept (MIS would reject it: the sum 0.7 > 0.405); row 1: 0.45 out;
+    # row 2: -0.45 out; row 3: 0.4 over its one valid token, kept (with the masked 9.0: 4.7, out)
+    diff_BT = t([[0.3, 0.4], [0.3, 0.6], [-0.1, -0.8], [0.4, 9.0]])
+    mask_BT = t([[1, 1], [1, 1], [1, 1], [1, 0]])
+    weight_BT, stats = rollout_correction(diff_BT, torch.zeros(4, 2, dtype=F64), mask_BT, level="geo_rs", cap=1.5)
+    close(weight_BT, [[1.0, 1.0], [0.0, 0.0], [0.0, 0.0], [1.0, 1.0]])
+    close(stats["rollout_corr/masked_frac"], 0.5)
+    mis_BT, _ = rollout_correction(diff_BT, torch.zeros(4, 2, dtype=F64), mask_BT, level="sequence", cap=1.5)
+    close(mis_BT[0], [0.0, 0.0])
+
+
+def test_rejected_tokens_leave_the_normalisers():
+    # row 1 rejected (weight 0): 3 tokens in 2 sequences remain, not 5 in 3
+    mask_BT = t([[1, 1], [1, 1], [1, 0]])
+    loss_mask_BT = rollout_loss_mask(t([[1.8, 1.8], [0.0, 0.0], [0.7, 0.7]]), mask_BT)
+    close(loss_mask_BT, [[1.0, 1.0], [0.0, 0.0], [1.0, 0.0]])
+    assert loss_normalizers(loss_mask_BT) == {"num_tokens": 3.0, "num_seqs": 2.0}
+    # token-mean of per-token losses (2, 4 | 6, 8 | 3): (2 + 4 + 3) / 3 = 3, where the weight alone gave 9 / 5 = 1.8
+    loss_BT = t([[2.0, 4.0], [6.0, 8.0], [3.0, 0.0]])
+    close(aggregate_loss(loss_BT, loss_mask_BT, "token-mean", **loss_normalizers(loss_mask_BT)), 3.0)
+    # seq-mean-token-mean: (3 + 3) / 2 = 3, not / 3
+    close(aggregate_loss(loss_BT, loss_mask_BT, "seq-mean-token-mean", **loss_normalizers(loss_mask_BT)), 3.0)
+
+
+@pytest.mark.parametrize("level", ["sequence", "icepop"])
+def test_the_update_drops_rejected_sequences_from_the_token_mean(tmp_path, level):
+    """One update where rollout correction rejects one sequence: its tokens leave the numerator and the denominator.
+
+    With the old log-probs from their own pass the ratio is 1, so vanilla's token-mean loss is
+    -sum_i A_i n_i / sum_i n_i over the kept sequences i (n_i their response tokens).
+    """
+    from postrl.trainer import Trainer
+
+    overrides = [
+        "reward.verifiers=[verifiers_for_tests:vowel_share]", "train.total_steps=1", "algorithm.loss_agg_mode=token-mean",
+        "algorithm.rollout_correction.enable=true", f"algorithm.rollout_correction.level={level}",
+    ]  # fmt: skip
+    tr = Trainer(load_config(None, tiny_overrides(tmp_path, *overrides)))
+    assert not tr.actor.on_policy  # a rejecting level needs the old log-probs before the update
+    batch, _ = tr.experience.collect(tr.step, tr.timer)
+    packed = tr.actor.pack(batch, tr.experience.advantages(batch))
+    x = packed.tensors
+    x["old_logp"] = tr.actor.compute_logprobs(tr.model, packed)
+    x["engine_logp"] = x["old_logp"].clone()
+    x["engine_logp"][0] -= 1.0  # p - q = 1 > ln 2 on every token of row 0: rejected at both levels
+    stats = tr.actor.update(packed)
+    tr.close()
+    n_B, adv_B = x["response_mask"].float().sum(-1), x["adv"].double()
+    kept = -(adv_B[1:] * n_B[1:]).sum() / n_B[1:].sum()
+    weighted_only = -(adv_B[1:] * n_B[1:]).sum() / n_B.sum()  # what the weight alone gave: row 0 as zeros
+    assert abs(kept - weighted_only) > 1e-3
+    assert stats["actor/pg_loss"] == pytest.approx(float(kept), rel=1e-4, abs=1e-6)
+    share = "rollout_corr/masked_frac" if level == "sequence" else "rollout_corr/masked_token_frac"
+    # micro-batch stats are token-weighted means: row 0 is 1 of the 8 sequences of the first micro-batch
+    expected_share = float(n_B[:8].sum() / 8 / n_B.sum()) if level == "sequence" else float(n_B[0] / n_B.sum())
+    assert stats[share] == pytest.approx(expected_share, rel=1e-6)

@@ -11,11 +11,12 @@ Where it departs from a textbook reading:
 - On-policy shortcut (as TRL does): with one optimizer step per batch (mini_batch_size ==
   global_batch_size, epochs_per_batch == 1) the "old" policy is the current one, so old log-probs
   are the detached log-probs of the update pass itself; the extra forward pass is skipped and the
-  ratio is exactly 1 (its gradient is the policy gradient). Otherwise they come from a separate
-  no-grad pass before the update (the guides' old_log_p step).
+  ratio is exactly 1 (its gradient is the policy gradient). Otherwise, and with a rollout correction
+  level that rejects tokens (they must leave the normalisers before the first micro-batch), they come
+  from a separate no-grad pass before the update (the guides' old_log_p step).
 - Loss normalisers (token and sequence counts) are taken over the whole mini-batch on all ranks
   before the first micro-batch, so the gradient does not depend on micro-batching or world size
-  (`algorithms.loss_normalizers` / `aggregate_loss`).
+  (`algorithms.loss_normalizers` / `aggregate_loss`); tokens rollout correction rejects do not count.
 """
 
 from __future__ import annotations
@@ -72,7 +73,6 @@ class Actor:
         self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(t.warmup_steps, t.total_steps, t.lr_schedule, t.min_lr_ratio))
         self.scaler = distributed.grad_scaler(model, runtime.dtype, runtime.device)  # fp16 loss scaling; else a no-op
-        self.on_policy = t.mini_batch_size == t.global_batch_size and t.epochs_per_batch == 1
         # The loss's terms, chosen by name from the registries once and bound to their settings.
         a = cfg.algorithm
         self.policy_loss = functools.partial(
@@ -81,6 +81,10 @@ class Actor:
         )  # fmt: skip
         rc = a.rollout_correction
         self.rollout_correction = functools.partial(algo.rollout_correction, level=rc.level, cap=rc.cap) if rc.enable else None
+        # A level that rejects tokens must weigh them before the update (they leave the normalisers), so it
+        # needs the old log-probs up front: no on-policy shortcut then.
+        self._rejects = rc.enable and algo.rollout_correction_rejects(rc.level)
+        self.on_policy = t.mini_batch_size == t.global_batch_size and t.epochs_per_batch == 1 and not self._rejects
         self.kl_penalty = functools.partial(algo.kl_penalty, estimator=a.kl.estimator)
         self._agg = dict(mode=a.loss_agg_mode, max_response_len=cfg.rollout.max_tokens)
         self._logprob_options = dict(remove_padding=t.use_remove_padding, chunk_tokens=t.logprob_chunk_tokens)
@@ -164,8 +168,7 @@ class Actor:
         for epoch in range(t.epochs_per_batch):
             for start in range(0, packed.size, mini):
                 rows = range(start, min(start + mini, packed.size))
-                mask = packed.tensors["response_mask"][start : start + mini]
-                norms = distributed.all_reduce_sum_dict(algo.loss_normalizers(mask))
+                norms = distributed.all_reduce_sum_dict(algo.loss_normalizers(self._loss_mask(packed, rows)))
                 self.optimizer.zero_grad(set_to_none=True)
                 pg_total = kl_total = 0.0
                 first = epoch == 0 and start == 0  # before any optimizer step: the ratio must be 1
@@ -199,10 +202,12 @@ class Actor:
         logp, entropy = self._forward(mb)
         old_logp = logp.detach() if self.on_policy else mb["old_logp"]
         pg_BT, stats = self.policy_loss(logp, old_logp, mb["adv"].unsqueeze(1).expand_as(logp), mask)
+        loss_mask = mask
         if self.rollout_correction is not None and "engine_logp" in mb:  # the trainer's policy over the engine's
             weight_BT, rc_stats = self.rollout_correction(old_logp, mb["engine_logp"], mask)
             pg_BT, stats = pg_BT * weight_BT, {**stats, **rc_stats}
-        agg = functools.partial(algo.aggregate_loss, mask_BT=mask, **self._agg, **norms)
+            loss_mask = algo.rollout_loss_mask(weight_BT, mask)  # rejected tokens leave every term, as in _loss_mask
+        agg = functools.partial(algo.aggregate_loss, mask_BT=loss_mask, **self._agg, **norms)
         loss = pg = agg(pg_BT)
         if a.entropy_coef:
             loss = loss - a.entropy_coef * agg(entropy)
@@ -216,6 +221,15 @@ class Actor:
         self.scaler.scale(loss * distributed.world_size()).backward()
         sums.add_micro_batch(stats, mask, entropy, logp, old_logp, mb.get("engine_logp"), first=first, on_policy=self.on_policy)
         return float(pg.detach()), kl_value
+
+    def _loss_mask(self, packed: Packed, rows: range) -> torch.Tensor:
+        """The response mask of `rows` without the tokens rollout correction rejects (for the normalisers)."""
+        x, sl = packed.tensors, slice(rows.start, rows.stop)
+        mask = x["response_mask"][sl]
+        if self._rejects and "engine_logp" in x:
+            weight_BT, _ = self.rollout_correction(x["old_logp"][sl], x["engine_logp"][sl], mask)
+            mask = algo.rollout_loss_mask(weight_BT, mask)
+        return mask
 
     def _forward(self, mb: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropy [B, T] of a micro-batch's responses, with gradients, under the trained model."""

@@ -181,10 +181,16 @@ class RolloutCorrectionConfig(Section):
     enable: bool = Field(False, description="Weight the policy loss by the engine-vs-trainer importance ratio.")
     level: str = Field(
         "token",
-        description="token (TIS: per-token weight min(p/q, cap)) or sequence (MIS: drop sequences whose "
-        "ratio prod_t p/q lies outside [1/cap, cap]).",
+        description="A level registered in postrl.algorithms (docs/algorithms.md): token (TIS: per-token weight "
+        "min(p/q, cap)), sequence (MIS: reject sequences whose ratio prod_t p/q lies outside [1/cap, cap]), seq_mis "
+        "(MIS, kept sequences weighted by their ratio), icepop (reject tokens whose p/q lies outside [1/cap, cap]), "
+        "geo_rs (reject sequences whose geometric-mean ratio lies outside [1/cap, cap]). Rejected tokens leave the "
+        "loss and its normalisers; a rejecting level computes the old log-probs in their own pass.",
     )
-    cap: float = Field(2.0, gt=1, description="Truncation cap (token) or mask bound (sequence); must exceed 1.")
+    cap: float = Field(
+        2.0, gt=1, description="Truncation cap (token) or bound of the accepted ratio range (the others; geo_rs wants "
+        "one near 1, e.g. 1.002); must exceed 1.",
+    )
 
     @field_validator("level")
     @classmethod
