@@ -264,10 +264,16 @@ class LossSpec:
     def __post_init__(self) -> None:
         clash = sorted(set(self.params) & set(SHARED_LOSS_KWARGS))
         if clash:
-            raise ValueError(f"policy loss params {clash} clash with the shared settings {list(SHARED_LOSS_KWARGS)}")
+            raise ValueError(
+                f"policy loss params {clash} clash with the shared settings {list(SHARED_LOSS_KWARGS)}, which every "
+                "loss receives already. Fix: rename them, or prefer a default for a shared setting with `defaults`."
+            )
         unknown = sorted(set(self.defaults) - set(LOSS_PREFERENCES))
         if unknown:
-            raise ValueError(f"a policy loss may prefer defaults for {list(LOSS_PREFERENCES)} only, not {unknown}")
+            raise ValueError(
+                f"a policy loss may prefer defaults for {list(LOSS_PREFERENCES)} only, not {unknown}. Fix: declare "
+                "the loss's own hyperparameters as `params`."
+            )
 
 
 POLICY_LOSSES: dict[str, PolicyLossFn] = {}
