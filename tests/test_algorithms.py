@@ -391,6 +391,21 @@ def test_gspo_paper_clip_range_clips_whole_sequences():
     close(loss_BT, [[-math.exp(-0.2)] * 3])
 
 
+def test_gspo_loss_is_not_bounded_by_the_clip_range_for_negative_advantages():
+    # log-ratios (1, 3 | masked): s = exp((1 + 3) / 2) = e^2 = 7.389056, far above 1 + 4e-4.
+    # A = -1: max(-A s, -A clip(s)) = max(7.389056, 1.0004) = 7.389056: the unclipped term wins, so the
+    # loss grows with s and the gradient -A s = 7.389056 flows; GSPO has no dual clip to cap it at -A c.
+    s = math.exp(2.0)
+    loss_BT, grad_BT, stats = gspo([[1.0, 3.0, 0.0]], -1.0, **PAPER_EPS)
+    close(loss_BT, [[s] * 3], atol=1e-9)
+    close(grad_BT, [[s, s, 0.0]], atol=1e-9)
+    close(stats["pg_clipfrac"], 0.0)
+    # vanilla with dual clip c = 3 bounds the same tokens (r = e, e^3) at -A c = 3
+    loss_BT, _ = policy_loss(t([[1.0, 3.0]]), t([[0.0, 0.0]]), t([[-1.0, -1.0]]), t([[1.0, 1.0]]),
+                             clip_ratio_low=3e-4, clip_ratio_high=4e-4, clip_ratio_c=3.0)  # fmt: skip
+    close(loss_BT, [[math.e, 3.0]], atol=1e-9)
+
+
 def test_gspo_ratio_per_sequence_and_dual_clip_ignored():
     # row 0: log-ratios (0.1, 0.3 | masked) -> s = e^0.2; row 1: (0.6, 0.0, -0.3), all valid -> s = e^0.1
     # A = -1 everywhere, eps 0.2 / 0.28, c = 1.1 (would bind for vanilla at r > 1.1; GSPO ignores it)
@@ -489,7 +504,7 @@ def test_rollout_correction_sequence_level_masks():
 
 
 def test_rollout_correction_unknown_level_and_bad_cap():
-    assert sorted(ROLLOUT_CORRECTIONS) == ["sequence", "token"]
+    assert sorted(ROLLOUT_CORRECTIONS) == ["geo_rs", "icepop", "seq_mis", "sequence", "token"]
     with pytest.raises(ValueError, match="unknown rollout correction level 'geo'.*token.*sequence"):
         rollout_correction(t([[0.0]]), t([[0.0]]), t([[1.0]]), level="geo", cap=2.0)
     with pytest.raises(AssertionError, match="cap"):

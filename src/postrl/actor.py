@@ -11,15 +11,17 @@ Where it departs from a textbook reading:
 - On-policy shortcut (as TRL does): with one optimizer step per batch (mini_batch_size ==
   global_batch_size, epochs_per_batch == 1) the "old" policy is the current one, so old log-probs
   are the detached log-probs of the update pass itself; the extra forward pass is skipped and the
-  ratio is exactly 1 (its gradient is the policy gradient). Otherwise they come from a separate
-  no-grad pass before the update (the guides' old_log_p step).
+  ratio is exactly 1 (its gradient is the policy gradient). Otherwise, and with a rollout correction
+  level that rejects tokens (they must leave the normalisers before the first micro-batch), they come
+  from a separate no-grad pass before the update (the guides' old_log_p step).
 - Loss normalisers (token and sequence counts) are taken over the whole mini-batch on all ranks
   before the first micro-batch, so the gradient does not depend on micro-batching or world size
-  (`algorithms.loss_normalizers` / `aggregate_loss`).
+  (`algorithms.loss_normalizers` / `aggregate_loss`); tokens rollout correction rejects do not count.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -73,8 +75,20 @@ class Actor:
         self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(t.warmup_steps, t.total_steps, t.lr_schedule, t.min_lr_ratio))
         self.scaler = distributed.grad_scaler(model, runtime.dtype, runtime.device)  # fp16 loss scaling; else a no-op
-        self.on_policy = t.mini_batch_size == t.global_batch_size and t.epochs_per_batch == 1
-        self.policy_loss = algo.get_policy_loss_fn(cfg.algorithm.policy_loss)
+        # The loss's terms, chosen by name from the registries once and bound to their settings.
+        a = cfg.algorithm
+        self.policy_loss = functools.partial(
+            algo.get_policy_loss_fn(a.policy_loss), clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
+            clip_ratio_c=a.clip_ratio_c, **a.policy_loss_args,
+        )  # fmt: skip
+        rc = a.rollout_correction
+        self.rollout_correction = functools.partial(algo.rollout_correction, level=rc.level, cap=rc.cap) if rc.enable else None
+        # A level that rejects tokens must weigh them before the update (they leave the normalisers), so it
+        # needs the old log-probs up front: no on-policy shortcut then.
+        self._rejects = rc.enable and algo.rollout_correction_rejects(rc.level)
+        self.on_policy = t.mini_batch_size == t.global_batch_size and t.epochs_per_batch == 1 and not self._rejects
+        self.kl_penalty = functools.partial(algo.kl_penalty, estimator=a.kl.estimator)
+        self._agg = dict(mode=a.loss_agg_mode, max_response_len=cfg.rollout.max_tokens)
         self._logprob_options = dict(remove_padding=t.use_remove_padding, chunk_tokens=t.logprob_chunk_tokens)
 
     # --------------------------------------------------------------------------------- tensors
@@ -160,12 +174,10 @@ class Actor:
         mini = t.mini_batch_size * self.G // distributed.world_size()  # this rank's rows of a mini-batch
         sums = _WeightedSums()
         grad_norms = []
-        self.first_ratio_gap = 0.0  # max |logp - logp_old| before the first optimizer step (guards.first_ratio)
         for epoch in range(t.epochs_per_batch):
             for start in range(0, packed.size, mini):
                 rows = range(start, min(start + mini, packed.size))
-                mask = packed.tensors["response_mask"][start : start + mini]
-                norms = distributed.all_reduce_sum_dict(algo.loss_normalizers(mask))
+                norms = distributed.all_reduce_sum_dict(algo.loss_normalizers(self._loss_mask(packed, rows)))
                 self.optimizer.zero_grad(set_to_none=True)
                 pg_total = kl_total = 0.0
                 first = epoch == 0 and start == 0  # before any optimizer step: the ratio must be 1
@@ -191,56 +203,51 @@ class Actor:
         out["actor/lr"] = lr
         if self.scaler.is_enabled():
             out["actor/loss_scale"] = self.scaler.get_scale()
-        if not self.on_policy:
-            out["actor/first_ratio_gap"] = distributed.all_reduce_max(self.first_ratio_gap)
         return out
 
     def _micro_step(self, mb: dict, norms: dict, use_ref: bool, sums: "_WeightedSums", first: bool) -> tuple[float, float]:
         """Forward, loss and backward of one micro-batch; returns its (pg, kl) loss shares."""
-        a = self.cfg.algorithm
-        mask = mb["response_mask"]
-        with self.runtime.autocast():  # the forward only: losses below and backward run outside, in fp32
-            logp, entropy = response_logprobs(
-                self.train_model, mb["input_ids"], mb["attention_mask"], mb["position_ids"], mask.shape[1],
-                self.cfg.rollout.temperature, with_entropy=True, multi_modal=mb.get("multi_modal"), modality=self.modality,
-                **self._logprob_options,
-            )  # fmt: skip
+        a, mask = self.cfg.algorithm, mb["response_mask"]
+        logp, entropy = self._forward(mb)
         old_logp = logp.detach() if self.on_policy else mb["old_logp"]
-        adv_BT = mb["adv"].unsqueeze(1).expand_as(logp)
-        pg_BT, stats = self.policy_loss(
-            logp, old_logp, adv_BT, mask,
-            clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
-        )  # fmt: skip
-        rc = a.rollout_correction
-        if rc.enable and "engine_logp" in mb:  # importance weight of the trainer's policy over the engine's
-            weight_BT, rc_stats = algo.rollout_correction(old_logp, mb["engine_logp"], mask, level=rc.level, cap=rc.cap)
-            pg_BT = pg_BT * weight_BT
-            stats = {**stats, **rc_stats}
-        agg = dict(mode=a.loss_agg_mode, **norms, max_response_len=self.cfg.rollout.max_tokens)
-        pg = algo.aggregate_loss(pg_BT, mask, **agg)
-        loss = pg
+        pg_BT, stats = self.policy_loss(logp, old_logp, mb["adv"].unsqueeze(1).expand_as(logp), mask)
+        loss_mask = mask
+        if self.rollout_correction is not None and "engine_logp" in mb:  # the trainer's policy over the engine's
+            weight_BT, rc_stats = self.rollout_correction(old_logp, mb["engine_logp"], mask)
+            pg_BT, stats = pg_BT * weight_BT, {**stats, **rc_stats}
+            loss_mask = algo.rollout_loss_mask(weight_BT, mask)  # rejected tokens leave every term, as in _loss_mask
+        agg = functools.partial(algo.aggregate_loss, mask_BT=loss_mask, **self._agg, **norms)
+        loss = pg = agg(pg_BT)
         if a.entropy_coef:
-            loss = loss - a.entropy_coef * algo.aggregate_loss(entropy, mask, **agg)
+            loss = loss - a.entropy_coef * agg(entropy)
         kl_value = 0.0
         if use_ref:
-            kl = algo.aggregate_loss(algo.kl_penalty(logp, mb["ref_logp"], a.kl.estimator), mask, **agg)
+            kl = agg(self.kl_penalty(logp, mb["ref_logp"]))
             loss = loss + a.kl.coef * kl
             kl_value = float(kl.detach())
         # DDP / FSDP average gradients over ranks; the loss is this rank's share of the global loss,
         # so the global gradient is the sum: scale by the world size.
         self.scaler.scale(loss * distributed.world_size()).backward()
-        n_tok = float(mask.sum())
-        for k, v in stats.items():
-            sums.add(k if "/" in k else f"actor/{k}", float(v), n_tok)
-        sums.add("actor/entropy", float(algo.masked_mean(entropy.detach(), mask)), n_tok)
-        if "engine_logp" in mb and first:
-            diff = algo.masked_mean((old_logp.detach() - mb["engine_logp"]).abs(), mask)
-            sums.add("rollout/logprob_diff_mean", float(diff), n_tok)
-        if first and not self.on_policy:
-            gap_BT = (logp.detach() - old_logp).abs()
-            self.first_ratio_gap = max(self.first_ratio_gap, float((gap_BT * mask).max()))
-            sums.add("actor/first_ratio_gap_mean", float(algo.masked_mean(gap_BT, mask)), n_tok)
+        sums.add_micro_batch(stats, mask, entropy, logp, old_logp, mb.get("engine_logp"), first=first, on_policy=self.on_policy)
         return float(pg.detach()), kl_value
+
+    def _loss_mask(self, packed: Packed, rows: range) -> torch.Tensor:
+        """The response mask of `rows` without the tokens rollout correction rejects (for the normalisers)."""
+        x, sl = packed.tensors, slice(rows.start, rows.stop)
+        mask = x["response_mask"][sl]
+        if self._rejects and "engine_logp" in x:
+            weight_BT, _ = self.rollout_correction(x["old_logp"][sl], x["engine_logp"][sl], mask)
+            mask = algo.rollout_loss_mask(weight_BT, mask)
+        return mask
+
+    def _forward(self, mb: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and entropy [B, T] of a micro-batch's responses, with gradients, under the trained model."""
+        with self.runtime.autocast():  # the forward only: losses and backward run outside, in fp32
+            return response_logprobs(
+                self.train_model, mb["input_ids"], mb["attention_mask"], mb["position_ids"], mb["response_mask"].shape[1],
+                self.cfg.rollout.temperature, with_entropy=True, multi_modal=mb.get("multi_modal"), modality=self.modality,
+                **self._logprob_options,
+            )  # fmt: skip
 
     def free_grads(self) -> None:
         """Drop the last update's gradients (fp32, 4 bytes a parameter) so that rollout has the memory."""
@@ -286,20 +293,39 @@ class Actor:
 
 
 class _WeightedSums:
-    """Token-weighted means of per-micro-batch statistics, summed over ranks."""
+    """Token-weighted means (and a few maxima) of per-micro-batch statistics, over ranks."""
 
     def __init__(self) -> None:
         self.sums: dict[str, list[float]] = {}  # key -> [sum of value x weight, sum of weights]
+        self.maxima: dict[str, float] = {}
 
     def add(self, key: str, value: float, weight: float = 1.0) -> None:
         acc = self.sums.setdefault(key, [0.0, 0.0])
         acc[0] += value * weight
         acc[1] += weight
 
+    def add_max(self, key: str, value: float) -> None:
+        self.maxima[key] = max(self.maxima.get(key, value), value)
+
+    def add_micro_batch(self, stats: dict, mask, entropy, logp, old_logp, engine_logp, *, first: bool, on_policy: bool) -> None:
+        """One micro-batch's metrics: the loss's stats, the entropy, and before the first optimizer step the
+        engine-vs-trainer gap and |logp - logp_old| (the ratio must be 1 there; guards.py judges both)."""
+        n_tok = float(mask.sum())
+        for k, v in stats.items():
+            self.add(k if "/" in k else f"actor/{k}", float(v), n_tok)
+        self.add("actor/entropy", float(algo.masked_mean(entropy.detach(), mask)), n_tok)
+        if first and engine_logp is not None:
+            self.add("rollout/logprob_diff_mean", float(algo.masked_mean((old_logp.detach() - engine_logp).abs(), mask)), n_tok)
+        if first and not on_policy:
+            gap_BT = (logp.detach() - old_logp).abs()
+            self.add_max("actor/first_ratio_gap", float((gap_BT * mask).max()))
+            self.add("actor/first_ratio_gap_mean", float(algo.masked_mean(gap_BT, mask)), n_tok)
+
     def means(self) -> dict[str, float]:
         flat = {f"{k}\0{i}": v[i] for k, v in self.sums.items() for i in (0, 1)}
         total = distributed.all_reduce_sum_dict(flat)
-        return {k: total[f"{k}\0{0}"] / max(total[f"{k}\0{1}"], 1e-12) for k in self.sums}
+        out = {k: total[f"{k}\0{0}"] / max(total[f"{k}\0{1}"], 1e-12) for k in self.sums}
+        return out | {k: distributed.all_reduce_max(self.maxima[k]) for k in sorted(self.maxima)}
 
 
 def lr_lambda(warmup_steps: int, total_steps: int, schedule: str, min_ratio: float):

@@ -1,4 +1,4 @@
-"""The math of GRPO, DAPO and their relatives as pure tensor functions (DESIGN.md section 4).
+"""The math of GRPO, DAPO and their relatives as pure tensor functions (docs/algorithms.md).
 
 No I/O and no config objects: every function takes tensors and keyword arguments and returns tensors
 (and, for losses, a dict of statistics). Shapes: B sequences, G group size, T response tokens.
@@ -7,10 +7,14 @@ Variants are chosen by name from registries, as in verl's core_algos (an unknown
 ValueError that lists the valid ones); this module is the one place that holds the names:
 - advantage estimators (`get_adv_estimator`): grpo, drgrpo, rloo, reinforce_plus_plus,
   reinforce_plus_plus_baseline; one signature `fn(rewards_B, group_size, *, norm_adv_by_std, epsilon)`;
-- policy losses (`get_policy_loss_fn`): vanilla, gspo, cispo; one signature
-  `fn(logp_BT, old_logp_BT, adv_BT, mask_BT, *, clip_ratio_low, clip_ratio_high, clip_ratio_c)`;
+- policy losses (`get_policy_loss_fn`): vanilla, gspo, cispo, or a user's 'package.module:function'; one
+  signature `fn(logp_BT, old_logp_BT, adv_BT, mask_BT, *, clip_ratio_low, clip_ratio_high, clip_ratio_c,
+  **params)`. Each declares with its registration (`LossSpec`) its own hyperparameters (`Param`: default,
+  range, doc; the config's `algorithm.policy_loss_args`) and the shared settings it prefers (gspo: the
+  paper's clip range and seq-mean-token-mean); the config reads both from here;
 - loss aggregation modes (`LOSS_AGGREGATIONS`), KL estimators (`KL_ESTIMATORS`) and rollout
-  correction levels (`ROLLOUT_CORRECTIONS`).
+  correction levels (`ROLLOUT_CORRECTIONS`, `register_rollout_correction`: token, sequence, seq_mis,
+  icepop, geo_rs).
 
 Papers:
 - GRPO (Shao et al., 2024, DeepSeekMath): group-normalised advantages A_i = (R_i - mean) / (std + eps),
@@ -30,8 +34,10 @@ and `aggregate_loss` returns each micro-batch's *share*; the shares add up to th
 
 from __future__ import annotations
 
+import importlib
 import math
-from typing import Callable, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Protocol
 
 import torch
 from torch import Tensor
@@ -157,7 +163,7 @@ def reinforce_plus_plus_advantages(
     A = (R - mean_batch R) / (std_batch R + epsilon), unbiased std; no groups (`group_size` is unused),
     so a prompt whose samples all score the same still gets a non-zero advantage when the batch
     varies. `norm_adv_by_std=False` only centres. verl whitens over tokens (longer responses weigh
-    more); here each sequence counts once, as in DESIGN.md.
+    more); here each sequence counts once (docs/algorithms.md).
     """
     return _batch_whiten(rewards_B.float().reshape(-1), norm_adv_by_std, epsilon)
 
@@ -200,6 +206,8 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 class PolicyLossFn(Protocol):
+    """Per-token policy loss: the shared clip settings always, the loss's own `params` by name."""
+
     def __call__(
         self,
         logp_BT: torch.Tensor,
@@ -210,23 +218,117 @@ class PolicyLossFn(Protocol):
         clip_ratio_low: float,
         clip_ratio_high: float,
         clip_ratio_c: float | None = None,
+        **params: Any,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
-
-
-POLICY_LOSSES: dict[str, PolicyLossFn] = {}
 
 
 LossAndStats = tuple[Tensor, dict[str, Tensor]]  # per-token loss [B, T] and masked-mean statistics
 
+# Settings every policy loss is called with (keyword arguments of `PolicyLossFn`), and the shared
+# settings a loss may prefer a default for (`LossSpec.defaults`; the config fills them when unset).
+SHARED_LOSS_KWARGS = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c")
+LOSS_PREFERENCES = ("clip_ratio_low", "clip_ratio_high", "loss_agg_mode")
 
-def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Register a per-token policy loss under `name` (decorator)."""
-    return _register_into(POLICY_LOSSES, "policy loss", name)
+
+@dataclass(frozen=True)
+class Param:
+    """One hyperparameter of a policy loss: its default, its valid range and one line that says what it does.
+
+    The type is the default's (a float accepts an int). `ge` / `gt` / `le` / `lt` bound it as pydantic's
+    Field does; the config checks `algorithm.policy_loss_args` against them before the run starts.
+    """
+
+    default: float | int | bool | str
+    doc: str
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+
+    def range_text(self, name: str) -> str:
+        """`0 < scale <= 10`, or `any value` when unbounded."""
+        lower = f"{self.ge} <= " if self.ge is not None else f"{self.gt} < " if self.gt is not None else ""
+        upper = f" <= {self.le}" if self.le is not None else f" < {self.lt}" if self.lt is not None else ""
+        return f"{lower}{name}{upper}" if lower or upper else "any value"
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """What a policy loss declares with its registration: its own hyperparameters (`params`, passed to it as
+    keyword arguments from `algorithm.policy_loss_args`) and the values it prefers for shared settings left
+    unset (`defaults`, keys from LOSS_PREFERENCES); an explicit setting always wins."""
+
+    params: Mapping[str, Param] = field(default_factory=dict)
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        clash = sorted(set(self.params) & set(SHARED_LOSS_KWARGS))
+        if clash:
+            raise ValueError(
+                f"policy loss params {clash} clash with the shared settings {list(SHARED_LOSS_KWARGS)}, which every "
+                "loss receives already. Fix: rename them, or prefer a default for a shared setting with `defaults`."
+            )
+        unknown = sorted(set(self.defaults) - set(LOSS_PREFERENCES))
+        if unknown:
+            raise ValueError(
+                f"a policy loss may prefer defaults for {list(LOSS_PREFERENCES)} only, not {unknown}. Fix: declare "
+                "the loss's own hyperparameters as `params`."
+            )
+
+
+POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+DEFAULT_POLICY_LOSS = "vanilla"  # the config's default for algorithm.policy_loss
+
+
+def declare_policy_loss(
+    *, params: Mapping[str, Param] | None = None, defaults: Mapping[str, Any] | None = None
+) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Attach a `LossSpec` to a policy loss without registering a name (decorator).
+
+    For a user's loss named 'package.module:function' in `algorithm.policy_loss`; docs/algorithms.md,
+    "Writing your own loss", has a complete example.
+    """
+    spec = LossSpec(dict(params or {}), dict(defaults or {}))
+
+    def deco(fn):
+        fn.loss_spec = spec
+        return fn
+
+    return deco
+
+
+def register_policy_loss(
+    name: str, *, params: Mapping[str, Param] | None = None, defaults: Mapping[str, Any] | None = None
+) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Register a per-token policy loss under `name` with its hyperparameters and preferred defaults (decorator)."""
+    declare, register = declare_policy_loss(params=params, defaults=defaults), _register_into(POLICY_LOSSES, "policy loss", name)
+    return lambda fn: register(declare(fn))
 
 
 def get_policy_loss_fn(name: str) -> PolicyLossFn:
-    """The policy loss registered as `name`; a ValueError lists the valid names otherwise."""
-    return _lookup(POLICY_LOSSES, "policy loss", name)
+    """The policy loss registered as `name`, or the user's 'package.module:function'.
+
+    A ValueError lists the valid names, or says why the user's function could not be loaded.
+    """
+    if ":" not in name:
+        return _lookup(POLICY_LOSSES, "policy loss", name)
+    module_name, _, attr = name.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(
+            f"policy loss '{name}' could not be loaded ({type(exc).__name__}: {exc}). A user loss is named "
+            "'package.module:function' and the module must be importable from the current environment (install the "
+            "package, or add its directory to PYTHONPATH)."
+        ) from None
+    if not callable(fn):
+        raise ValueError(f"policy loss '{name}' is a {type(fn).__name__}, not a function. Fix: name a function.")
+    return fn
+
+
+def policy_loss_spec(fn: PolicyLossFn) -> LossSpec:
+    """What `fn` declares (`declare_policy_loss` / `register_policy_loss`); a plain function declares nothing."""
+    return getattr(fn, "loss_spec", None) or LossSpec()
 
 
 def _clipped_surrogate(
@@ -271,7 +373,9 @@ def policy_loss(logp_BT: Tensor, old_logp_BT: Tensor, adv_BT: Tensor, mask_BT: T
     return loss_BT, _loss_stats(clipped_BT, lower_BT, log_ratio_BT, mask_BT)
 
 
-@register_policy_loss("gspo")
+@register_policy_loss(
+    "gspo", defaults={"clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4, "loss_agg_mode": "seq-mean-token-mean"}
+)
 def gspo_policy_loss(logp_BT: Tensor, old_logp_BT: Tensor, adv_BT: Tensor, mask_BT: Tensor, *, clip_ratio_low: float,
                      clip_ratio_high: float, clip_ratio_c: float | None = None) -> LossAndStats:
     """GSPO (Zheng et al., 2025, "Group Sequence Policy Optimization"): one clipped ratio per sequence.
@@ -281,9 +385,11 @@ def gspo_policy_loss(logp_BT: Tensor, old_logp_BT: Tensor, adv_BT: Tensor, mask_
     l_it = max(-A_it s_it, -A_it clip(s_it, 1 - eps_low, 1 + eps_high))
     A whole sequence is clipped or not, so token-level noise in the ratio no longer decides which
     tokens learn. The paper's ranges are tiny (eps_low 3e-4, eps_high 4e-4) and its aggregation is
-    seq-mean-token-mean (the config derives both). The mean log-ratio is clamped to [-20, 20];
-    `clip_ratio_c` is ignored (no dual clip in the paper: s_i is already bounded by the clip range),
-    so pg_clipfrac_lower is 0. pg_clipfrac counts tokens of clipped sequences.
+    seq-mean-token-mean (declared as its preferred defaults). The mean log-ratio is clamped to [-20, 20].
+    `clip_ratio_c` is ignored (the paper has no dual clip), so pg_clipfrac_lower is 0; the loss is not
+    bounded by the clip range: for A < 0 and s_i > 1 + eps_high the unclipped term -A s_i is the larger,
+    so the loss grows with s_i and the gradient flows, as in PPO without dual clip. pg_clipfrac counts
+    tokens of clipped sequences.
     """
     mask_BT = mask_BT.to(logp_BT.dtype)
     log_ratio_BT = torch.clamp(logp_BT - old_logp_BT, -20.0, 20.0)
@@ -294,7 +400,7 @@ def gspo_policy_loss(logp_BT: Tensor, old_logp_BT: Tensor, adv_BT: Tensor, mask_
     return loss_BT, _loss_stats(clipped_BT, torch.zeros_like(loss_BT), log_ratio_BT, mask_BT)
 
 
-@register_policy_loss("cispo")
+@register_policy_loss("cispo", defaults={"loss_agg_mode": "token-mean"})
 def cispo_policy_loss(logp_BT: Tensor, old_logp_BT: Tensor, adv_BT: Tensor, mask_BT: Tensor, *, clip_ratio_low: float,
                       clip_ratio_high: float, clip_ratio_c: float | None = None) -> LossAndStats:
     """CISPO (MiniMax, 2025, "MiniMax-M1", arXiv 2506.13585, eq. 4): clip the IS weight, not the update.
@@ -322,23 +428,87 @@ def cispo_policy_loss(logp_BT: Tensor, old_logp_BT: Tensor, adv_BT: Tensor, mask
 # ----------------------------------------------------------------------------- rollout correction
 
 
-def _truncated_is(log_w_BT: torch.Tensor, mask_BT: torch.Tensor, cap: float):
+RolloutCorrectionFn = Callable[[Tensor, Tensor, float], tuple[Tensor, dict[str, Tensor]]]
+ROLLOUT_CORRECTIONS: dict[str, RolloutCorrectionFn] = {}
+
+
+def register_rollout_correction(name: str, *, rejects: bool) -> Callable[[RolloutCorrectionFn], RolloutCorrectionFn]:
+    """Register a rollout correction level `fn(log_w_BT, mask_BT, cap) -> (weight_BT, stats)` (decorator).
+
+    `rejects`: the level gives some valid tokens weight 0. Those tokens leave the loss altogether, its
+    normalisers included (`rollout_loss_mask`), so the caller must know the weight before the update.
+    """
+    register = _register_into(ROLLOUT_CORRECTIONS, "rollout correction level", name)
+
+    def deco(fn):
+        fn.rejects = rejects
+        return register(fn)
+
+    return deco
+
+
+def rollout_correction_rejects(level: str) -> bool:
+    """Whether `level` rejects tokens (weight 0), which must then leave the loss's normalisers too."""
+    return _lookup(ROLLOUT_CORRECTIONS, "rollout correction level", level).rejects
+
+
+def rollout_loss_mask(weight_BT: Tensor, mask_BT: Tensor) -> Tensor:
+    """The loss mask without the tokens a rollout correction rejected (weight 0).
+
+    As verl writes them into its response mask: a rejected sequence leaves every term of the loss and the
+    token / sequence counts of `loss_normalizers`, instead of counting as a zero in the mean.
+    """
+    return mask_BT * (weight_BT > 0).to(mask_BT.dtype)
+
+
+def _seq_log_ratio(log_w_BT: Tensor, mask_BT: Tensor) -> Tensor:
+    return (log_w_BT * mask_BT).sum(-1)
+
+
+def _rejected_share(keep_X: Tensor, mask_X: Tensor) -> Tensor:
+    return 1.0 - masked_mean(keep_X.to(mask_X.dtype), mask_X)
+
+
+@register_rollout_correction("token", rejects=False)
+def _truncated_is(log_w_BT: Tensor, mask_BT: Tensor, cap: float):
+    """TIS: w_t = min(exp(p_t - q_t), cap)."""
     ratio_BT = torch.exp(log_w_BT)
     weight_BT = torch.clamp(ratio_BT, max=cap)
     return weight_BT, {"rollout_corr/capped_frac": masked_mean((ratio_BT > cap).to(mask_BT.dtype), mask_BT)}
 
 
-def _masked_is(log_w_BT: torch.Tensor, mask_BT: torch.Tensor, cap: float):
-    log_rho_B = (log_w_BT * mask_BT).sum(-1)
-    keep_B = log_rho_B.abs() <= math.log(cap)  # 1 / cap <= rho <= cap, in log space (rho may overflow)
+@register_rollout_correction("sequence", rejects=True)
+def _masked_is(log_w_BT: Tensor, mask_BT: Tensor, cap: float):
+    """MIS: w = 1 on the sequences whose rho = prod_t p_t / q_t lies in [1 / cap, cap], else 0."""
+    keep_B = _seq_log_ratio(log_w_BT, mask_BT).abs() <= math.log(cap)  # in log space: rho may overflow
     weight_BT = keep_B[:, None].to(mask_BT.dtype).expand_as(mask_BT).clone()
     return weight_BT, {"rollout_corr/masked_frac": 1.0 - keep_B.to(mask_BT.dtype).mean()}
 
 
-ROLLOUT_CORRECTIONS: dict[str, Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]] = {
-    "token": _truncated_is,  # TIS: truncated per-token importance weight
-    "sequence": _masked_is,  # MIS: sequences whose importance ratio leaves [1 / cap, cap] are dropped
-}
+@register_rollout_correction("seq_mis", rejects=True)
+def _seq_masked_is(log_w_BT: Tensor, mask_BT: Tensor, cap: float):
+    """Seq-MIS (verl): MIS's rejection, and the kept sequences weighted by their ratio rho (<= cap)."""
+    log_rho_B = _seq_log_ratio(log_w_BT, mask_BT)
+    keep_B = log_rho_B.abs() <= math.log(cap)
+    rho_B = torch.exp(log_rho_B.clamp(max=math.log(cap)))  # rejected ones are zeroed below; no overflow
+    weight_BT = (rho_B * keep_B.to(rho_B.dtype))[:, None].expand_as(mask_BT).clone()
+    return weight_BT, {"rollout_corr/masked_frac": 1.0 - keep_B.to(mask_BT.dtype).mean()}
+
+
+@register_rollout_correction("icepop", rejects=True)
+def _icepop(log_w_BT: Tensor, mask_BT: Tensor, cap: float):
+    """IcePop: w_t = 1 for tokens whose ratio p_t / q_t lies in [1 / cap, cap], else 0 (two-sided token masking)."""
+    keep_BT = log_w_BT.abs() <= math.log(cap)
+    return keep_BT.to(mask_BT.dtype), {"rollout_corr/masked_token_frac": _rejected_share(keep_BT, mask_BT)}
+
+
+@register_rollout_correction("geo_rs", rejects=True)
+def _geometric_rs(log_w_BT: Tensor, mask_BT: Tensor, cap: float):
+    """Geo-RS: w = 1 on the sequences whose geometric-mean ratio exp(mean_t log p_t / q_t) lies in [1 / cap, cap]."""
+    mean_log_B = _seq_log_ratio(log_w_BT, mask_BT) / mask_BT.sum(-1).clamp(min=1)
+    keep_B = mean_log_B.abs() <= math.log(cap)
+    weight_BT = keep_B[:, None].to(mask_BT.dtype).expand_as(mask_BT).clone()
+    return weight_BT, {"rollout_corr/masked_frac": 1.0 - keep_B.to(mask_BT.dtype).mean()}
 
 
 def rollout_correction(
@@ -348,13 +518,19 @@ def rollout_correction(
 
     The engine samples with q (vLLM kernels, other precision) while the loss assumes the trainer's
     p = old log-probs (Yao et al., 2025, "Your efficient RL framework secretly brings you off-policy
-    RL training"; verl's rollout_is). The weight multiplies the per-token loss before aggregation.
+    RL training"; verl's rollout_is / rollout_rs). The weight multiplies the per-token loss before
+    aggregation; tokens it sets to 0 are rejected and also leave the normalisers (`rollout_loss_mask`).
     - level "token" (TIS): w_t = min(exp(p_t - q_t), cap).
     - level "sequence" (MIS): rho_i = exp(sum_t m_t (p_t - q_t)); w = 0 on every token of a sequence
-      with rho_i outside [1 / cap, cap] (masked out of the loss), else 1.
+      with rho_i outside [1 / cap, cap] (rejected), else 1.
+    - level "seq_mis" (verl's Seq-MIS): as "sequence", but a kept sequence is weighted by rho_i.
+    - level "icepop" (IcePop): w_t = 1 if exp(p_t - q_t) lies in [1 / cap, cap], else 0 (per token).
+    - level "geo_rs" (Geo-RS): as "sequence" with the geometric mean exp(mean_t m_t (p_t - q_t)) in
+      place of rho_i, so the bound does not tighten with length (a cap near 1, e.g. 1.002).
     Log-differences are clamped to [-20, 20] per token. The weight is detached. Stats (masked over
     response tokens): rollout_corr/weight_mean, rollout_corr/weight_max, and rollout_corr/capped_frac
-    (token share above the cap) or rollout_corr/masked_frac (share of sequences masked out).
+    (token share above the cap), rollout_corr/masked_frac (share of sequences rejected) or
+    rollout_corr/masked_token_frac (share of tokens rejected).
     """
     correct = _lookup(ROLLOUT_CORRECTIONS, "rollout correction level", level)
     assert cap > 1.0, f"the rollout correction cap must be > 1, got {cap}"
@@ -374,8 +550,12 @@ def rollout_correction(
 
 
 def loss_normalizers(mask_BT: torch.Tensor) -> dict[str, float]:
-    """Whole-mini-batch normalisers for `aggregate_loss` (sum these over ranks before use)."""
-    return {"num_tokens": float(mask_BT.sum()), "num_seqs": float(mask_BT.shape[0])}
+    """Whole-mini-batch normalisers for `aggregate_loss` (sum these over ranks before use).
+
+    num_seqs counts the sequences with at least one loss token: one that rollout correction rejected
+    (`rollout_loss_mask`) has none and leaves the sequence means.
+    """
+    return {"num_tokens": float(mask_BT.sum()), "num_seqs": float((mask_BT.sum(-1) > 0).sum())}
 
 
 def _token_mean(loss_BT, mask_BT, num_tokens, num_seqs, max_response_len):

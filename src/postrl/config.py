@@ -147,8 +147,9 @@ class RolloutConfig(Section):
 
 
 # ----------------------------------------------------------------------------------------- algorithm
-def _registered_name(kind: str, value: str, registry: str) -> str:
-    """`value` if postrl.algorithms registers it in `registry`; else a ValueError with the valid names.
+def _registered_name(kind: str, value: str, registry: str, user_fn: bool = False) -> str:
+    """`value` if postrl.algorithms registers it in `registry`; else a ValueError with the valid names
+    (and, with `user_fn`, the 'package.module:function' alternative).
 
     The names live only in algorithms.py; it is imported here, not at module import, so that loading
     this module does not import torch.
@@ -159,7 +160,8 @@ def _registered_name(kind: str, value: str, registry: str) -> str:
     if value not in valid:
         guess = difflib.get_close_matches(str(value), valid, n=1)
         hint = f" Did you mean '{guess[0]}'?" if guess else ""
-        raise ValueError(f"unknown {kind} '{value}'.{hint} Valid: {', '.join(valid)}. Fix: choose one of them.")
+        own = ", or name your own function as 'package.module:function'" if user_fn else ""
+        raise ValueError(f"unknown {kind} '{value}'.{hint} Valid: {', '.join(valid)}. Fix: choose one of them{own}.")
     return value
 
 
@@ -179,10 +181,16 @@ class RolloutCorrectionConfig(Section):
     enable: bool = Field(False, description="Weight the policy loss by the engine-vs-trainer importance ratio.")
     level: str = Field(
         "token",
-        description="token (TIS: per-token weight min(p/q, cap)) or sequence (MIS: drop sequences whose "
-        "ratio prod_t p/q lies outside [1/cap, cap]).",
+        description="A level registered in postrl.algorithms (docs/algorithms.md): token (TIS: per-token weight "
+        "min(p/q, cap)), sequence (MIS: reject sequences whose ratio prod_t p/q lies outside [1/cap, cap]), seq_mis "
+        "(MIS, kept sequences weighted by their ratio), icepop (reject tokens whose p/q lies outside [1/cap, cap]), "
+        "geo_rs (reject sequences whose geometric-mean ratio lies outside [1/cap, cap]). Rejected tokens leave the "
+        "loss and its normalisers; a rejecting level computes the old log-probs in their own pass.",
     )
-    cap: float = Field(2.0, gt=1, description="Truncation cap (token) or mask bound (sequence); must exceed 1.")
+    cap: float = Field(
+        2.0, gt=1, description="Truncation cap (token) or bound of the accepted ratio range (the others; geo_rs wants "
+        "one near 1, e.g. 1.002); must exceed 1.",
+    )
 
     @field_validator("level")
     @classmethod
@@ -204,6 +212,54 @@ class FilterGroupsConfig(Section):
     )
 
 
+# What `algorithm.name` sets when a key is left unset. A policy loss's own preferences (declared with its
+# registration in algorithms.py) win over these, and an explicit setting over both.
+ALGORITHM_NAME_DEFAULTS: dict[str, dict[str, Any]] = {
+    "grpo": {"clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "loss_agg_mode": "seq-mean-token-mean"},
+    "dapo": {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "loss_agg_mode": "token-mean"},  # clip-higher, token-level loss
+}
+
+
+def _policy_loss_args(name: str, args: dict[str, Any]) -> dict[str, Any]:
+    """Every param policy loss `name` declares, from `args` (coerced, range-checked) or its default.
+
+    A ValueError holds one paragraph per problem: an unknown key lists the valid ones, a bad value its range.
+    """
+    from pydantic import create_model
+
+    from postrl import algorithms
+
+    params = algorithms.policy_loss_spec(algorithms.get_policy_loss_fn(name)).params
+    fields = {
+        k: (type(p.default), Field(p.default, ge=p.ge, gt=p.gt, le=p.le, lt=p.lt, description=p.doc)) for k, p in params.items()
+    }
+    model = create_model("PolicyLossArgs", __config__=ConfigDict(extra="forbid"), **fields)
+    try:
+        return model.model_validate(args).model_dump()
+    except ValidationError as exc:
+        errors = exc.errors()
+    valid = "; ".join(f"{k} ({p.range_text(k)}, default {p.default!r}: {p.doc.rstrip('.')})" for k, p in params.items())
+    problems = []
+    for err in errors:
+        key = str(err["loc"][0]) if err["loc"] else ""
+        if err["type"] == "extra_forbidden":
+            guess = difflib.get_close_matches(key, list(params), n=1)
+            hint = f" Did you mean '{guess[0]}'?" if guess else ""
+            takes = f"Valid keys: {valid}." if params else "It declares no arguments."
+            problems.append(
+                f"unknown key '{key}' for policy loss '{name}'.{hint} {takes} Fix: use one of the keys it declares, "
+                "or remove the key."
+            )
+        else:
+            p = params[key]
+            problems.append(
+                f"{key} = {err.get('input')!r} is not valid for policy loss '{name}': {err['msg'][0].lower()}{err['msg'][1:]}. "
+                f"{key} must be {type(p.default).__name__} with {p.range_text(key)} ({p.doc.rstrip('.')}). "
+                f"Fix: set algorithm.policy_loss_args.{key} within that range, or leave it out for the default {p.default!r}."
+            )
+    raise ValueError("\n".join(problems))
+
+
 class AlgorithmConfig(Section):
     name: Literal["grpo", "dapo"] = Field("grpo", description="grpo or dapo; dapo only changes defaults.")
     adv_estimator: str = Field(
@@ -211,10 +267,17 @@ class AlgorithmConfig(Section):
         description="Advantage estimator: grpo, drgrpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline "
         "(docs/algorithms.md).",
     )
-    policy_loss: str = Field(
-        "vanilla",
-        description="Policy loss: vanilla (PPO clip, clip-higher, dual clip), gspo (sequence-level ratio; derives "
-        "clip 3e-4/4e-4 and seq-mean-token-mean), cispo (clipped IS weight x logp; derives token-mean).",
+    policy_loss: str | None = Field(
+        None,
+        description="Policy loss: a name registered in postrl.algorithms (docs/algorithms.md lists each with its "
+        "arguments and preferred defaults) or your own 'package.module:function' (docs/algorithms.md, \"Writing your "
+        "own loss\"). Default: the registry's default, the PPO clipped surrogate.",
+    )
+    policy_loss_args: dict[str, Any] = Field(
+        default_factory=dict,
+        validate_default=True,
+        description="The policy loss's own hyperparameters, as it declares them (name, range, default); unset ones "
+        "take the loss's defaults. An unknown key or an out-of-range value is an error.",
     )
     norm_adv_by_std: bool = Field(True, description="Divide advantages by the group std (false: Dr. GRPO).")
     epsilon: float = Field(1e-6, gt=0, description="Added to the group std.")
@@ -224,12 +287,16 @@ class AlgorithmConfig(Section):
     )
     entropy_coef: float = Field(0.0, description="Entropy bonus weight (subtracted from the loss).")
     clip_ratio_low: float | None = Field(
-        None, gt=0, lt=1, description="eps_low: ratio clipped below at 1 - eps_low (default 3e-4 gspo, else 0.2)."
+        None,
+        gt=0,
+        lt=1,
+        description="eps_low: ratio clipped below at 1 - eps_low (default: the policy loss's preference, else 0.2).",
     )
     clip_ratio_high: float | None = Field(
         None,
         gt=0,
-        description="eps_high: ratio clipped above at 1 + eps_high (default 4e-4 gspo, 0.28 dapo, else 0.2).",
+        description="eps_high: ratio clipped above at 1 + eps_high (default: the policy loss's preference, else 0.28 "
+        "for dapo and 0.2 for grpo).",
     )
     clip_ratio_c: float | None = Field(
         3.0,
@@ -240,8 +307,7 @@ class AlgorithmConfig(Section):
     loss_agg_mode: str | None = Field(
         None,
         description="Loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm "
-        "(default: seq-mean-token-mean for gspo, token-mean for cispo, else token-mean for dapo and "
-        "seq-mean-token-mean for grpo).",
+        "(default: the policy loss's preference, else token-mean for dapo and seq-mean-token-mean for grpo).",
     )
     overlong_buffer: OverlongBufferConfig = Field(default_factory=OverlongBufferConfig, description="Overlong shaping.")
     filter_groups: FilterGroupsConfig = Field(default_factory=FilterGroupsConfig, description="Dynamic sampling.")
@@ -253,8 +319,24 @@ class AlgorithmConfig(Section):
 
     @field_validator("policy_loss")
     @classmethod
-    def _known_policy_loss(cls, v: str) -> str:
-        return _registered_name("policy loss", v, "POLICY_LOSSES")
+    def _known_policy_loss(cls, v: str | None) -> str | None:
+        if v is None or ":" not in v:
+            return v if v is None else _registered_name("policy loss", v, "POLICY_LOSSES", user_fn=True)
+        from postrl import algorithms
+
+        algorithms.get_policy_loss_fn(v)  # imports the user's module: a ValueError says why it failed
+        return v
+
+    @field_validator("policy_loss_args")
+    @classmethod
+    def _declared_args(cls, v: dict[str, Any], info) -> dict[str, Any]:
+        # Checked against what the chosen loss declares, and filled with its defaults, so that
+        # check-config shows every value the loss will be called with.
+        if "policy_loss" not in info.data:
+            return v  # the loss itself is invalid, and reported
+        from postrl import algorithms
+
+        return _policy_loss_args(info.data["policy_loss"] or algorithms.DEFAULT_POLICY_LOSS, v)
 
     @field_validator("loss_agg_mode")
     @classmethod
@@ -262,20 +344,16 @@ class AlgorithmConfig(Section):
         return v if v is None else _registered_name("loss_agg_mode", v, "LOSS_AGGREGATIONS")
 
     def _derive(self) -> None:
-        # The policy loss's paper settings win over dapo's: GSPO clips a sequence ratio, whose useful
-        # range is ~1e-4 wide (Zheng et al., 2025), and averages per sequence; CISPO averages per token.
-        dapo, gspo = self.name == "dapo", self.policy_loss == "gspo"
-        if self.clip_ratio_low is None:
-            self.clip_ratio_low = 3e-4 if gspo else 0.2
-        if self.clip_ratio_high is None:
-            self.clip_ratio_high = 4e-4 if gspo else 0.28 if dapo else 0.2
-        if self.loss_agg_mode is None:
-            if gspo:
-                self.loss_agg_mode = "seq-mean-token-mean"
-            elif self.policy_loss == "cispo":
-                self.loss_agg_mode = "token-mean"
-            else:
-                self.loss_agg_mode = "token-mean" if dapo else "seq-mean-token-mean"
+        from postrl import algorithms
+
+        if self.policy_loss is None:
+            self.policy_loss = algorithms.DEFAULT_POLICY_LOSS
+        # The policy loss's paper settings win over the algorithm name's, explicit values over both.
+        loss_prefers = algorithms.policy_loss_spec(algorithms.get_policy_loss_fn(self.policy_loss)).defaults
+        for key, value in {**ALGORITHM_NAME_DEFAULTS[self.name], **loss_prefers}.items():
+            if getattr(self, key) is None:
+                setattr(self, key, value)
+        dapo = self.name == "dapo"
         if self.overlong_buffer.enable is None:
             self.overlong_buffer.enable = dapo
         if self.filter_groups.enable is None:
