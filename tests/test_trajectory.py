@@ -156,7 +156,8 @@ def _by_hand(actor: Actor, batch: Batch, old, ref, engine, mode: str, loss: str,
     """Loss terms and gradient from each whole sequence's log-probs at its model tokens only."""
     model = actor.model
     model.zero_grad(set_to_none=True)
-    pg, kl, ent = [], [], []  # per sequence: one value per model token
+    pg, kl, ent = [], [], []  # per kept sequence: one value per model token
+    ent_all_tokens = []  # actor/entropy covers every sequence, rejected or not
     for i in range(batch.size):
         logp_all, ent_all = _full_sequence(model, batch.prompt_ids[i], batch.response_ids[i])
         m = torch.tensor(batch.loss_masks[i], dtype=torch.bool)
@@ -176,9 +177,10 @@ def _by_hand(actor: Actor, batch: Batch, old, ref, engine, mode: str, loss: str,
             l = -w * A * lp
         if level == "token":
             l = l * torch.clamp(torch.exp(o - q), max=CAP)
-        elif level == "sequence":
-            l = l * float(abs(float((o - q).sum())) <= math.log(CAP))
         d = r - lp
+        ent_all_tokens.append(ent_all[m])
+        if level == "sequence" and abs(float((o - q).sum())) > math.log(CAP):
+            continue  # rejected: it leaves every loss term and the normalisers (algorithms.rollout_correction)
         pg.append(l)
         kl.append(torch.exp(d) - d - 1)
         ent.append(ent_all[m])
@@ -197,7 +199,7 @@ def _by_hand(actor: Actor, batch: Batch, old, ref, engine, mode: str, loss: str,
     pg_loss, kl_loss = agg(pg), agg(kl)
     (pg_loss + KL_COEF * kl_loss - ENTROPY_COEF * agg(ent)).backward()
     grad = torch.cat([p.grad.flatten() for p in actor.params])
-    entropy = torch.cat(ent).mean()  # actor/entropy: the mean over model tokens, whatever the mode
+    entropy = torch.cat(ent_all_tokens).mean()  # actor/entropy: the mean over model tokens, whatever the mode
     return {"actor/pg_loss": pg_loss.item(), "actor/kl_loss": kl_loss.item(), "actor/entropy": entropy.item()}, grad
 
 
