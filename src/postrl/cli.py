@@ -63,11 +63,10 @@ def _print_memory(cfg, device_gib: float | None) -> None:
 
     assumed = False
     if device_gib is None:
-        import torch
+        from postrl.runtime import accelerator
 
-        cuda = torch.cuda.is_available()
-        device_gib = torch.cuda.get_device_properties(0).total_memory / (1 << 30) if cuda else 80.0
-        assumed = not cuda
+        total = accelerator().memory_stats().get("total")  # this machine's device, none on CPU
+        device_gib, assumed = (total / (1 << 30), False) if total else (80.0, True)
     est, what = estimate_for_config(cfg, device_gib)
     lines = [what] if est is None else report(est, what, device_gib, cfg.rollout.engine, cfg.rollout.gpu_memory_utilization, assumed)
     for line in lines:
@@ -144,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-path-check", action="store_true", help="do not check that model and data paths exist")
     p.add_argument(
         "--device-memory", type=float, default=None, metavar="GIB",
-        help="memory of one device for the fit verdict of the memory estimate (default: this GPU's, else 80)",
+        help="memory of one device for the fit verdict of the memory estimate (default: this GPU's / NPU's, else 80)",
     )  # fmt: skip
     p.set_defaults(fn=cmd_check_config)
     p = sub.add_parser("eval", help="evaluate a model or checkpoint on a data set")
