@@ -7,7 +7,7 @@ An engine knows token ids, not text: it takes prompt token ids and returns compl
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -40,7 +40,6 @@ class Completion:
     token_ids: list[int]
     finished: bool
     logprobs: list[float] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @runtime_checkable
