@@ -26,11 +26,21 @@ def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", default=[], help="dotted overrides, e.g. train.total_steps=5")
 
 
+def _quiet_console(cfg) -> None:
+    """Third-party warnings and logs to the run's log file (postrl.console), said once on the terminal."""
+    from postrl.console import quiet_console
+
+    path = quiet_console(cfg.logging)
+    if path is not None and os.environ.get("RANK", "0") == "0":
+        console.print(f"third-party warnings and logs: {path} (logging.verbose=true shows them here)", highlight=False, soft_wrap=True)
+
+
 def cmd_train(args) -> int:
     from postrl.config import load_config
     from postrl.trainer import train
 
     cfg = load_config(args.config, args.overrides)
+    _quiet_console(cfg)
     if args.nproc and args.nproc > 1 or cfg.cluster.launcher != "local" or args.ray_address or "LOCAL_RANK" in os.environ:
         from postrl.launch import launch  # starts torchrun / Ray, or runs one rank under them
 
@@ -43,7 +53,9 @@ def cmd_sft(args) -> int:
     from postrl.config import load_config
     from postrl.sft import run_sft
 
-    run_sft(load_config(args.config, args.overrides), console)
+    cfg = load_config(args.config, args.overrides)
+    _quiet_console(cfg)
+    run_sft(cfg, console)
     return 0
 
 
@@ -83,7 +95,9 @@ def cmd_doctor(args) -> int:
     from postrl.config import load_config
     from postrl.doctor import diagnose, print_report
 
-    print_report(diagnose(load_config(args.config, args.overrides), args.prompts, console.print), console)
+    cfg = load_config(args.config, args.overrides)
+    _quiet_console(cfg)
+    print_report(diagnose(cfg, args.prompts, console.print), console)
     return 0
 
 

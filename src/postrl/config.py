@@ -485,6 +485,10 @@ class LoggingConfig(Section):
     dir: str = Field("runs/default", description="Run directory: metrics.jsonl, plots, checkpoints.")
     log_interval: int = Field(1, ge=1, description="Print a step line every N steps.")
     progress: bool = Field(True, description="Show a rich progress bar.")
+    verbose: bool = Field(
+        False, description="Show third-party warnings and logs (transformers, vLLM, torch, Python warnings) and "
+        "Hugging Face progress bars on the terminal; by default they go to <logging.dir>/postrl.log (postrl.console).",
+    )
 
     def missing_packages(self) -> list[str]:
         """One problem per sink whose optional package is not installed on this machine."""

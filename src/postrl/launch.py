@@ -262,6 +262,7 @@ def _ray_train_loop(loop_config: dict) -> None:
     import ray.train
 
     from postrl.config import Config
+    from postrl.console import quiet_console
 
     for key, value in loop_config.get("env", {}).items():
         os.environ.setdefault(key, value)
@@ -272,4 +273,6 @@ def _ray_train_loop(loop_config: dict) -> None:
         "RANK": str(ctx.get_world_rank()), "WORLD_SIZE": str(ctx.get_world_size()),
         "LOCAL_RANK": str(ctx.get_local_rank()), "LOCAL_WORLD_SIZE": str(ctx.get_local_world_size()),
     })  # fmt: skip
-    run_worker(Config.model_validate(loop_config["config"]))
+    cfg = Config.model_validate(loop_config["config"])
+    quiet_console(cfg.logging)
+    run_worker(cfg)
