@@ -182,12 +182,12 @@ def test_thread_policy_uses_the_cores_this_process_may_use(monkeypatch):
     assert threads_for(model)[0] == 4  # two ranks on this machine (--nproc 2): half each
     load[0] = 6.6  # other processes keep 7 of the 8 cores busy
     n, why = threads_for(model)
-    assert n == 4 and why.startswith("train.num_threads: auto, 8 usable cores / 2 processes")  # the same command, the same count
+    assert n == 4 and why == "train.num_threads auto: 8 usable cores / 2 processes"  # the same command, the same count
     n, why = threads_for(model, "load")  # one thread, not four spinning ones
-    assert n == 1 and why.startswith("train.num_threads: load, 8 usable cores / 2 processes, 1 idle (load 6.6")
+    assert n == 1 and why.startswith("train.num_threads load: 8 usable cores / 2 processes, 1 idle (load 6.6")
     assert threads_for(model, requested=3) == (3, "train.num_threads: 3")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # conftest's setting: torch's own count stays
-    assert threads_for(model, "load")[0] is None and threads_for(model)[1].startswith("OMP_NUM_THREADS=1")
+    assert threads_for(model, "load")[0] is None and threads_for(model)[1] == "OMP_NUM_THREADS=1"
     assert threads_for(model, requested=3)[0] == 3
 
 

@@ -118,7 +118,7 @@ def launch_local(config: str, overrides: list[str], nproc: int, thread_policy: s
     if "OMP_NUM_THREADS" not in env:  # the ranks share the cores: runtime.cpu_threads divides them
         threads, why = cpu_threads(nproc, thread_policy)
         env["OMP_NUM_THREADS"] = str(threads)
-        print(f"CPU intra-op threads per rank: {threads} (train.num_threads: {thread_policy}, {why})")
+        print(f"CPU intra-op threads per rank: {threads} (train.num_threads {thread_policy}: {why})")
     cmd = [sys.executable, "-m", "postrl.cli", "train", config, *overrides]
     with tempfile.TemporaryDirectory(prefix="postrl-rendezvous-") as rendezvous:
         env = distributed.one_machine_env(env, str(Path(rendezvous) / "store"))

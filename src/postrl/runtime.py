@@ -306,13 +306,12 @@ def threads_for(model: torch.nn.Module, requested: int | str | None = "auto") ->
     if isinstance(requested, int):
         return requested, f"train.num_threads: {requested}"
     if "OMP_NUM_THREADS" in os.environ:
-        return None, f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}; a number in train.num_threads overrides"
+        return None, f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"
     if any(p.device.type != "cpu" for p in model.parameters()):
         return None, "the model is on an accelerator"
     policy = requested or "auto"
     n, why = cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), policy)
-    other = "load: no more than the idle cores" if policy == "auto" else "auto: ignore the load"
-    return n, f"train.num_threads: {policy}, {why}; {other}, or a number"
+    return n, f"train.num_threads {policy}: {why}"
 
 
 def configure_threads(model: torch.nn.Module, requested: int | str | None = "auto", log=None) -> None:
