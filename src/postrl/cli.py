@@ -37,24 +37,26 @@ def _quiet_console(cfg) -> None:
 
 def cmd_train(args) -> int:
     from postrl.config import load_config
-    from postrl.trainer import train
 
     cfg = load_config(args.config, args.overrides)
-    _quiet_console(cfg)
+    _quiet_console(cfg)  # before torch is imported (postrl.console)
     if args.nproc and args.nproc > 1 or cfg.cluster.launcher != "local" or args.ray_address or "LOCAL_RANK" in os.environ:
         from postrl.launch import launch  # starts torchrun / Ray, or runs one rank under them
 
         return launch(args, cfg)
+    from postrl.trainer import train
+
     train(cfg, console)
     return 0
 
 
 def cmd_sft(args) -> int:
     from postrl.config import load_config
-    from postrl.sft import run_sft
 
     cfg = load_config(args.config, args.overrides)
-    _quiet_console(cfg)
+    _quiet_console(cfg)  # before torch is imported (postrl.console)
+    from postrl.sft import run_sft
+
     run_sft(cfg, console)
     return 0
 
@@ -93,10 +95,11 @@ def cmd_eval(args) -> int:
 
 def cmd_doctor(args) -> int:
     from postrl.config import load_config
-    from postrl.doctor import diagnose, print_report
 
     cfg = load_config(args.config, args.overrides)
-    _quiet_console(cfg)
+    _quiet_console(cfg)  # before torch is imported (postrl.console)
+    from postrl.doctor import diagnose, print_report
+
     print_report(diagnose(cfg, args.prompts, console.print), console)
     return 0
 
