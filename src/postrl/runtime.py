@@ -213,9 +213,12 @@ class Accelerator:
         if self._current():
             torch.get_device_module(self.kind).set_rng_state_all(states)
 
-    def fork_rng(self) -> contextlib.AbstractContextManager:
-        """Restore the CPU's and every device's torch RNG state on exit (torch.random.fork_rng)."""
-        devices = list(range(self.device_count())) if self._current() else []
+    def fork_rng(self, all_devices: bool = False) -> contextlib.AbstractContextManager:
+        """Restore the CPU's torch RNG state on exit, and the current device's (`all_devices`: every
+        visible device's, which creates a context on each) (torch.random.fork_rng)."""
+        devices = []
+        if self._current():
+            devices = list(range(self.device_count())) if all_devices else [torch.accelerator.current_device_index()]
         return torch.random.fork_rng(devices=devices, device_type=self.kind)
 
     def _current(self) -> bool:

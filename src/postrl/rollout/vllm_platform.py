@@ -138,9 +138,9 @@ def start_engine(vllm: Any, kwargs: dict[str, Any], cfg: RolloutConfig):
 
 @contextlib.contextmanager
 def keep_rng() -> Iterator[None]:
-    """Restore Python, NumPy and torch (CPU and the accelerator's) RNG states on exit."""
+    """Restore Python, NumPy and torch (CPU and every device's: vLLM seeds them all) RNG states on exit."""
     py_state, np_state = random.getstate(), np.random.get_state()
-    with accelerator().fork_rng():
+    with accelerator().fork_rng(all_devices=True):
         try:
             yield
         finally:
