@@ -255,10 +255,11 @@ def test_no_chat_template_in_training_plain_text_said_once(files, caplog):
 @pytest.mark.slow
 def test_vllm_remote_code_not_imported_without_trust(tmp_path, tiny_model_path):
     import postrl.rollout.vllm as vllm_mod
+    import postrl.rollout.vllm_platform as vllm_platform
 
     try:
-        vllm_mod._import_vllm()
-    except vllm_mod.VLLMUnavailable as exc:  # pragma: no cover - machines without a working vLLM
+        vllm_platform.import_vllm()
+    except vllm_platform.VLLMUnavailable as exc:  # pragma: no cover - machines without a working vLLM
         pytest.skip(f"vLLM is unavailable here: {exc}")
     from postrl.config import RolloutConfig
     from postrl.models import load_model, load_tokenizer

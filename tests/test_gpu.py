@@ -187,9 +187,10 @@ def test_vllm_sleep_and_wake_keep_seeded_generations(tiny_model_path):
     """Colocated vLLM on the GPU: sleep (level 1) during the update, wake, re-sync the same weights:
     the same seed gives the same tokens as before the sleep."""
     vllm_mod = pytest.importorskip("postrl.rollout.vllm")
+    vllm_platform = pytest.importorskip("postrl.rollout.vllm_platform")
     try:
-        vllm_mod._import_vllm()
-    except vllm_mod.VLLMUnavailable as exc:
+        vllm_platform.import_vllm()
+    except vllm_platform.VLLMUnavailable as exc:
         pytest.skip(f"vLLM is unavailable here: {exc}")
     from postrl.config import RolloutConfig
     from postrl.models import load_model, load_tokenizer

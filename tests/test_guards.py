@@ -137,12 +137,12 @@ def test_the_sync_guard_stops_a_run_whose_engine_missed_a_weight_sync(tmp_path, 
     (W + s B A), which must give the trainer's log-probs to 1e-3 in fp32. Rollout correction (TIS) runs on
     the same steps and logs its weights. The engine runs eager here (rollout.enforce_eager), so that path
     keeps a test; tests/test_vllm_engine.py runs the compiled default."""
-    import postrl.rollout.vllm as vllm_mod
+    import postrl.rollout.vllm_platform as vllm_platform
     from postrl.errors import UserError
 
     try:
-        vllm_mod._import_vllm()
-    except vllm_mod.VLLMUnavailable as exc:  # pragma: no cover - machines without a working vLLM
+        vllm_platform.import_vllm()
+    except vllm_platform.VLLMUnavailable as exc:  # pragma: no cover - machines without a working vLLM
         pytest.skip(f"vLLM is unavailable here: {exc}")
     tr = _trainer(tmp_path, PARITY, "rollout.engine=vllm", "rollout.kv_cache_space_gb=0.25", "train.lr=1e-2",
                   "train.total_steps=1", "algorithm.rollout_correction.enable=true", f"model.dtype={dtype}",

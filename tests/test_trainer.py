@@ -162,7 +162,8 @@ def test_logprobs_of_the_update_pass_equal_a_separate_no_grad_pass(tmp_path):
 
 
 def test_thread_policy_uses_the_cores_this_process_may_use(monkeypatch):
-    """Cores of the affinity set / processes on the machine, capped by the idle cores; overrides win."""
+    """auto: cores of the affinity set / processes on the machine, whatever the load; load: capped by the
+    idle cores; a number wins over OMP_NUM_THREADS, which wins over both policies."""
     import os
 
     import postrl.runtime
@@ -176,14 +177,18 @@ def test_thread_policy_uses_the_cores_this_process_may_use(monkeypatch):
     load = [0.3]
     monkeypatch.setattr(os, "getloadavg", lambda: (load[0], 0.0, 0.0))
     assert threads_for(model)[0] == 8  # alone on an idle machine: every usable core
+    assert threads_for(model, "load")[0] == 8
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert threads_for(model)[0] == 4  # two ranks on this machine (--nproc 2): half each
-    load[0] = 6.6  # other processes keep 7 of the 8 cores busy: one thread, not four spinning ones
+    load[0] = 6.6  # other processes keep 7 of the 8 cores busy
     n, why = threads_for(model)
-    assert n == 1 and "load 6.6" in why
-    assert threads_for(model, requested=3) == (3, "train.num_threads")
+    assert n == 4 and why == "train.num_threads auto: 8 usable cores / 2 processes"  # the same command, the same count
+    n, why = threads_for(model, "load")  # one thread, not four spinning ones
+    assert n == 1 and why.startswith("train.num_threads load: 8 usable cores / 2 processes, 1 idle (load 6.6")
+    assert threads_for(model, requested=3) == (3, "train.num_threads: 3")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # conftest's setting: torch's own count stays
-    assert threads_for(model) == (None, "OMP_NUM_THREADS=1")
+    assert threads_for(model, "load")[0] is None and threads_for(model)[1] == "OMP_NUM_THREADS=1"
+    assert threads_for(model, requested=3)[0] == 3
 
 
 def test_data_that_stops_the_run_mid_way_keeps_the_steps_trained_so_far(tmp_path):

@@ -12,12 +12,14 @@ import pytest
 import torch
 
 import postrl.rollout.vllm as vllm_mod  # imports without vLLM; vLLM itself is imported below
+import postrl.rollout.vllm_platform as vllm_platform
 from postrl.config import RolloutConfig
 from postrl.rollout.base import SamplingParams
+from postrl.runtime import ACCELERATORS
 
 try:
-    vllm_mod._import_vllm()
-except vllm_mod.VLLMUnavailable as exc:  # pragma: no cover - only on machines without a working vLLM
+    vllm_platform.import_vllm()
+except vllm_platform.VLLMUnavailable as exc:  # pragma: no cover - only on machines without a working vLLM
     pytest.skip(f"vLLM is unavailable here: {exc}", allow_module_level=True)
 
 from postrl.models import build_sequences, load_model, load_tokenizer, response_logprobs  # noqa: E402
@@ -184,9 +186,9 @@ def test_unavailable_reasons_are_explained(monkeypatch, tiny_model_path):
         vllm_mod.VLLMEngine(in_memory, tok, RolloutConfig())
 
     model = load_model(tiny_model_path)
-    monkeypatch.setattr(vllm_mod, "_cpu_flags", lambda: {"sse4_2", "avx"})
-    monkeypatch.setattr(vllm_mod.platform, "machine", lambda: "x86_64")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(vllm_platform, "_cpu_flags", lambda: {"sse4_2", "avx"})
+    monkeypatch.setattr(vllm_platform.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(vllm_mod, "accelerator", lambda: ACCELERATORS["cpu"])  # the CPU path, on any machine
     with pytest.raises(vllm_mod.VLLMUnavailable, match="AVX2"):
         vllm_mod.VLLMEngine(model, tok, RolloutConfig())
     monkeypatch.undo()

@@ -26,24 +26,38 @@ def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", default=[], help="dotted overrides, e.g. train.total_steps=5")
 
 
+def _quiet_console(cfg) -> None:
+    """Third-party warnings and logs to the run's log file (postrl.console), said once on the terminal."""
+    from postrl.console import quiet_console
+
+    path = quiet_console(cfg.logging)
+    if path is not None and os.environ.get("RANK", "0") == "0":
+        console.print(f"third-party warnings and logs: {path} (logging.verbose=true shows them here)", highlight=False, soft_wrap=True)
+
+
 def cmd_train(args) -> int:
     from postrl.config import load_config
-    from postrl.trainer import train
 
     cfg = load_config(args.config, args.overrides)
+    _quiet_console(cfg)  # before torch is imported (postrl.console)
     if args.nproc and args.nproc > 1 or cfg.cluster.launcher != "local" or args.ray_address or "LOCAL_RANK" in os.environ:
         from postrl.launch import launch  # starts torchrun / Ray, or runs one rank under them
 
         return launch(args, cfg)
+    from postrl.trainer import train
+
     train(cfg, console)
     return 0
 
 
 def cmd_sft(args) -> int:
     from postrl.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    _quiet_console(cfg)  # before torch is imported (postrl.console)
     from postrl.sft import run_sft
 
-    run_sft(load_config(args.config, args.overrides), console)
+    run_sft(cfg, console)
     return 0
 
 
@@ -63,11 +77,10 @@ def _print_memory(cfg, device_gib: float | None) -> None:
 
     assumed = False
     if device_gib is None:
-        import torch
+        from postrl.runtime import accelerator
 
-        cuda = torch.cuda.is_available()
-        device_gib = torch.cuda.get_device_properties(0).total_memory / (1 << 30) if cuda else 80.0
-        assumed = not cuda
+        total = accelerator().memory_stats().get("total")  # this machine's device, none on CPU
+        device_gib, assumed = (total / (1 << 30), False) if total else (80.0, True)
     est, what = estimate_for_config(cfg, device_gib)
     lines = [what] if est is None else report(est, what, device_gib, cfg.rollout.engine, cfg.rollout.gpu_memory_utilization, assumed)
     for line in lines:
@@ -82,9 +95,12 @@ def cmd_eval(args) -> int:
 
 def cmd_doctor(args) -> int:
     from postrl.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    _quiet_console(cfg)  # before torch is imported (postrl.console)
     from postrl.doctor import diagnose, print_report
 
-    print_report(diagnose(load_config(args.config, args.overrides), args.prompts, console.print), console)
+    print_report(diagnose(cfg, args.prompts, console.print), console)
     return 0
 
 
@@ -144,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-path-check", action="store_true", help="do not check that model and data paths exist")
     p.add_argument(
         "--device-memory", type=float, default=None, metavar="GIB",
-        help="memory of one device for the fit verdict of the memory estimate (default: this GPU's, else 80)",
+        help="memory of one device for the fit verdict of the memory estimate (default: this GPU's / NPU's, else 80)",
     )  # fmt: skip
     p.set_defaults(fn=cmd_check_config)
     p = sub.add_parser("eval", help="evaluate a model or checkpoint on a data set")

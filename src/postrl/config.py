@@ -13,7 +13,7 @@ from __future__ import annotations
 import difflib
 import importlib.util
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -441,12 +441,18 @@ class TrainConfig(Section):
         "forward; one device or DDP moves it in for the reference pass only. Saves its bf16 weights (2 bytes per "
         "parameter per device, divided by the world size under FSDP2) for a host-to-device copy per step.",
     )
-    num_threads: int | None = Field(
-        None, ge=1, description="CPU intra-op threads of each process (default: its usable cores / processes on the machine, "
-        "no more than the idle ones; OMP_NUM_THREADS also counts). See docs/performance.md.",
+    num_threads: Annotated[int, Field(ge=1)] | Literal["auto", "load"] = Field(
+        "auto", description="CPU intra-op threads of each process: a number; auto = its usable cores / the job's "
+        "processes on the machine; load = the same, but no more than the cores other processes leave idle (1-minute "
+        "load average at start). OMP_NUM_THREADS wins over auto and load. See docs/performance.md.",
     )
 
     # Field validators (not a model validator) so these run even when another train field is invalid.
+    @field_validator("num_threads", mode="before")
+    @classmethod
+    def _threads_null_is_auto(cls, v: Any) -> Any:
+        return "auto" if v is None else v  # null meant the default before auto / load had names
+
     @field_validator("gen_batch_size")
     @classmethod
     def _gen_at_least_global(cls, v: int | None, info) -> int | None:
@@ -557,6 +563,10 @@ class LoggingConfig(Section):
     dir: str = Field("runs/default", description="Run directory: metrics.jsonl, plots, checkpoints.")
     log_interval: int = Field(1, ge=1, description="Print a step line every N steps.")
     progress: bool = Field(True, description="Show a rich progress bar.")
+    verbose: bool = Field(
+        False, description="Show third-party warnings and logs (transformers, vLLM, torch, Python warnings) and "
+        "Hugging Face progress bars on the terminal; by default they go to <logging.dir>/postrl.log (postrl.console).",
+    )
 
     def missing_packages(self) -> list[str]:
         """One problem per sink whose optional package is not installed on this machine."""

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from postrl import lora
+from postrl.runtime import accelerator
 
 if TYPE_CHECKING:
     from postrl.runtime import Runtime
@@ -55,8 +56,7 @@ def init_process_group(timeout_s: float = 1800.0) -> bool:
     """
     if dist.is_initialized() or "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return False
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    accelerator().set_device(int(os.environ.get("LOCAL_RANK", 0)))  # a no-op on CPU
     timeout = timedelta(seconds=timeout_s)
     if RENDEZVOUS_FILE_ENV in os.environ:  # launch.launch_local: ranks meet through a file, no TCP store
         store = dist.FileStore(os.environ[RENDEZVOUS_FILE_ENV], int(os.environ["WORLD_SIZE"]))
@@ -80,8 +80,8 @@ def one_machine_env(env: dict[str, str], rendezvous_file: str) -> dict[str, str]
 
 
 def backend() -> str:
-    """gloo for CPU tensors, nccl for CUDA tensors (one group with both when GPUs are present)."""
-    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    """gloo for CPU tensors, and nccl / hccl for device tensors where GPUs / NPUs are present (one group)."""
+    return accelerator().backend
 
 
 def teardown(wait_for_peers: bool = False) -> None:
@@ -176,7 +176,7 @@ def wrap_model(
     object, with generate() and save helpers) and returns it. `ddp` returns a DistributedDataParallel
     wrapper around the unchanged model. Both average gradients over ranks: see the module docstring
     for why the actor scales its loss by world_size(). The model stays on the device it was placed
-    on (runtime.device); the device mesh follows it (CPU: gloo, CUDA: nccl).
+    on (runtime.device); the device mesh follows it (CPU: gloo, CUDA: nccl, NPU: hccl).
 
     Under FSDP2 a `compute_dtype` other than float32 becomes `MixedPrecisionPolicy(param_dtype=
     compute_dtype, reduce_dtype=float32)`: the fp32 shards are gathered as bf16 for compute and the
@@ -195,7 +195,7 @@ def wrap_model(
         if not any(p.requires_grad for p in model.parameters()):
             return model  # a frozen model (the reference) stays a plain replica
 
-        return DistributedDataParallel(model, device_ids=[here.index] if here.type == "cuda" else None)
+        return DistributedDataParallel(model, device_ids=[here.index] if here.type != "cpu" else None)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 

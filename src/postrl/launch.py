@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from postrl import distributed
 from postrl.errors import UserError
-from postrl.runtime import cpu_threads
+from postrl.runtime import Accelerator, accelerator, cpu_threads
 from postrl.trainer import train
 
 if TYPE_CHECKING:
@@ -97,10 +97,11 @@ def launch(args: Any, cfg: "Config") -> int:
         )
     nproc = getattr(args, "nproc", 0) or cfg.cluster.devices_per_node
     check_world(cfg, nproc)
-    return launch_local(args.config, list(args.overrides), nproc)
+    threads = cfg.train.num_threads
+    return launch_local(args.config, list(args.overrides), nproc, threads if isinstance(threads, str) else "auto")
 
 
-def launch_local(config: str, overrides: list[str], nproc: int) -> int:
+def launch_local(config: str, overrides: list[str], nproc: int, thread_policy: str = "auto") -> int:
     """Start `nproc` ranks of `postrl train` on this machine, bound to loopback only.
 
     torchrun's rendezvous store listens on every interface, which a job on one machine has no reason
@@ -115,9 +116,9 @@ def launch_local(config: str, overrides: list[str], nproc: int) -> int:
 
     env = dict(os.environ)
     if "OMP_NUM_THREADS" not in env:  # the ranks share the cores: runtime.cpu_threads divides them
-        threads, why = cpu_threads(nproc)
+        threads, why = cpu_threads(nproc, thread_policy)
         env["OMP_NUM_THREADS"] = str(threads)
-        print(f"CPU intra-op threads per rank: {threads} ({why})")
+        print(f"CPU intra-op threads per rank: {threads} (train.num_threads {thread_policy}: {why})")
     cmd = [sys.executable, "-m", "postrl.cli", "train", config, *overrides]
     with tempfile.TemporaryDirectory(prefix="postrl-rendezvous-") as rendezvous:
         env = distributed.one_machine_env(env, str(Path(rendezvous) / "store"))
@@ -156,25 +157,14 @@ def launch_local(config: str, overrides: list[str], nproc: int) -> int:
 def launch_ray(cfg: "Config", address: str | None) -> int:
     """Run the SPMD loop on a Ray cluster with Ray Train's TorchTrainer.
 
-    Workers = cluster.nnodes x cluster.devices_per_node, one device (GPU) or one CPU each. With an
-    address (`ray start --head` printed it; `auto` finds the local one) the driver joins that cluster;
-    without one, Ray starts a single-node cluster in this process and stops it at the end. That cluster is
-    this machine alone: its servers bind 127.0.0.1 and its workers meet through a file rather than Ray
-    Train's TCP store (ray_rendezvous.py), so nothing of the job listens beyond loopback.
+    Workers = cluster.nnodes x cluster.devices_per_node, one device (GPU / NPU, Ray's resource name of
+    the runtime's accelerator) or one CPU each. With an address (`ray start --head` printed it; `auto`
+    finds the local one) the driver joins that cluster; without one, Ray starts a single-node cluster in
+    this process and stops it at the end. That cluster is this machine alone: its servers bind 127.0.0.1
+    and its workers meet through a file rather than Ray Train's TCP store (ray_rendezvous.py), so nothing
+    of the job listens beyond loopback.
     """
-    if address is None:
-        # Ray's single-node switch (its name is historical; read when ray is imported): the node takes
-        # 127.0.0.1 as its address and its GCS, raylet and worker servers bind that, not every interface.
-        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    try:
-        import ray
-        from ray.train import RunConfig, ScalingConfig
-        from ray.train.torch import TorchConfig, TorchTrainer
-    except ImportError as exc:
-        raise UserError(
-            f"cluster.launcher is 'ray' but Ray Train cannot be imported ({exc}). Fix: pip install 'postrl[ray]' "
-            "(ray[train]), or use --nproc N for N processes on one machine."
-        ) from None
+    ray = _import_ray(one_node=address is None)
     check_world(cfg, cfg.world_size)
     env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
     started_here = not ray.is_initialized()
@@ -186,23 +176,8 @@ def launch_ray(cfg: "Config", address: str | None) -> int:
         else:
             ray.init(address=address, runtime_env={"env_vars": env})
     try:
-        gpus = ray.cluster_resources().get("GPU", 0) > 0
-        backend = "cpu:gloo,cuda:nccl" if gpus else "gloo"
-        if started_here and address is None:  # ranks meet through a file and talk over lo: no TCP store
-            from postrl.ray_rendezvous import FileRendezvousTorchConfig
-
-            torch_config = FileRendezvousTorchConfig(backend=backend)
-        else:
-            torch_config = TorchConfig(backend=backend)
-        workers = cfg.world_size
-        log_dir = Path(cfg.logging.dir).resolve()
-        trainer = TorchTrainer(
-            _ray_train_loop,
-            train_loop_config={"config": cfg.model_dump(mode="json"), "cwd": os.getcwd(), "env": env},
-            scaling_config=ScalingConfig(num_workers=workers, use_gpu=gpus, resources_per_worker={"GPU": 1} if gpus else {"CPU": 1}),
-            torch_config=torch_config,
-            run_config=RunConfig(name="postrl", storage_path=str(log_dir / "ray")),
-        )
+        acc = worker_accelerator(cfg.train.device, ray.cluster_resources())
+        trainer = _torch_trainer(cfg, env, acc, file_rendezvous=started_here and address is None)
         try:
             trainer.fit()
         except Exception as exc:  # a worker's UserError reaches the driver wrapped in Ray's errors
@@ -214,6 +189,55 @@ def launch_ray(cfg: "Config", address: str | None) -> int:
         if started_here:
             ray.shutdown()
     return 0
+
+
+def _import_ray(one_node: bool):
+    """Ray (with Ray Train), or a UserError saying how to install it."""
+    if one_node:
+        # Ray's single-node switch (its name is historical; read when ray is imported): the node takes
+        # 127.0.0.1 as its address and its GCS, raylet and worker servers bind that, not every interface.
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    try:
+        import ray
+        import ray.train.torch  # noqa: F401
+    except ImportError as exc:
+        raise UserError(
+            f"cluster.launcher is 'ray' but Ray Train cannot be imported ({exc}). Fix: pip install 'postrl[ray]' "
+            "(ray[train]), or use --nproc N for N processes on one machine."
+        ) from None
+    return ray
+
+
+def worker_accelerator(device: str, resources: dict[str, float]) -> Accelerator:
+    """The device kind of each Ray worker: train.device when it names one, else (auto) the first
+    accelerator whose resource (runtime.Accelerator.ray_resource: GPU, NPU) the cluster has, else the CPU."""
+    if device != "auto":
+        return accelerator(device)
+    kinds = (accelerator("cuda"), accelerator("npu"))
+    return next((a for a in kinds if resources.get(a.ray_resource, 0) > 0), accelerator("cpu"))
+
+
+def _torch_trainer(cfg: "Config", env: dict[str, str], acc: Accelerator, file_rendezvous: bool):
+    """Ray Train's TorchTrainer of this run: one worker per device of kind `acc`, on its process-group backend."""
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    if file_rendezvous:  # ranks meet through a file and talk over lo: no TCP store
+        from postrl.ray_rendezvous import FileRendezvousTorchConfig
+
+        torch_config = FileRendezvousTorchConfig(backend=acc.backend)
+    else:
+        torch_config = TorchConfig(backend=acc.backend)
+    scaling = ScalingConfig(
+        num_workers=cfg.world_size, use_gpu=acc.ray_resource == "GPU", resources_per_worker={acc.ray_resource: 1}
+    )
+    return TorchTrainer(
+        _ray_train_loop,
+        train_loop_config={"config": cfg.model_dump(mode="json"), "cwd": os.getcwd(), "env": env},
+        scaling_config=scaling,
+        torch_config=torch_config,
+        run_config=RunConfig(name="postrl", storage_path=str(Path(cfg.logging.dir).resolve() / "ray")),
+    )
 
 
 def _find_user_error(exc: BaseException) -> UserError | None:
@@ -238,6 +262,7 @@ def _ray_train_loop(loop_config: dict) -> None:
     import ray.train
 
     from postrl.config import Config
+    from postrl.console import quiet_console
 
     for key, value in loop_config.get("env", {}).items():
         os.environ.setdefault(key, value)
@@ -248,4 +273,6 @@ def _ray_train_loop(loop_config: dict) -> None:
         "RANK": str(ctx.get_world_rank()), "WORLD_SIZE": str(ctx.get_world_size()),
         "LOCAL_RANK": str(ctx.get_local_rank()), "LOCAL_WORLD_SIZE": str(ctx.get_local_world_size()),
     })  # fmt: skip
-    run_worker(Config.model_validate(loop_config["config"]))
+    cfg = Config.model_validate(loop_config["config"])
+    quiet_console(cfg.logging)
+    run_worker(cfg)

@@ -18,7 +18,7 @@ import torch
 from postrl import lora
 from postrl.errors import UserError
 from postrl.modality import TEXT, Modality, load_modality, modality_type
-from postrl.runtime import DTYPES
+from postrl.runtime import DTYPES, accelerator
 
 
 def resolve_model_path(path: str, tiny: dict | None = None) -> str:
@@ -129,13 +129,13 @@ class Policy:
 
 
 def attention_implementation(requested: str, device: torch.device, compute_dtype: str) -> str:
-    """model.attn_implementation with `auto` decided: flash_attention_2 for bf16 / fp16 compute on CUDA
-    where the flash-attn package is installed (verl's choice: varlen kernels, and packed rows need no
-    mask), else sdpa (flash kernels take no fp32)."""
+    """model.attn_implementation with `auto` decided: flash_attention_2 for bf16 / fp16 compute on a device
+    the flash-attn kernels run on (CUDA: `Accelerator.flash_attn`) where the flash-attn package is installed
+    (verl's choice: varlen kernels, and packed rows need no mask), else sdpa (flash kernels take no fp32)."""
     if requested != "auto":
         return requested
     half = compute_dtype != "float32"
-    if half and device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+    if half and accelerator(device.type).flash_attn and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
     return "sdpa"
 

@@ -11,8 +11,13 @@ loaded and hands the result to whoever builds models or tensors, as nanochat's `
 - Device: `train.device: auto` is `cuda:LOCAL_RANK` where CUDA is present, `npu:LOCAL_RANK` where
   torch_npu is, else `cpu`; `cpu`, `cuda` and `npu` force one (a forced accelerator that is absent is a
   user error). LOCAL_RANK comes from torchrun / Ray Train; one process drives one device.
-- Precision (`model.dtype`), verl's recipe: float32 trains and computes in fp32, bit for bit as
-  before. bfloat16 (or float16) is the COMPUTE dtype only: the trained policy keeps fp32 parameters
+- Accelerator (`accelerator(kind)`, `Runtime.accelerator`): one frozen record per device kind (cpu,
+  cuda, npu) holds what differs between them: the process-group backend (gloo / nccl / hccl), Ray's
+  resource name (GPU / NPU), vLLM's platform name, and the device calls (set_device, device count,
+  RNG state, memory statistics, cache emptying; `torch.accelerator` where it covers them). No other
+  module asks torch.cuda or torch.npu (tests/test_accelerator.py).
+- Precision (`model.dtype`), verl's recipe: float32 trains and computes in fp32 with no
+  cast anywhere. bfloat16 (or float16) is the COMPUTE dtype only: the trained policy keeps fp32 parameters
   (the master weights AdamW updates; a bf16 weight would swallow updates below 2^-8 of its value,
   and lr 1e-6 updates are far below that), gradients and optimizer moments stay fp32, and the forward
   passes compute in bf16. On one device (or DDP) `Runtime.autocast()` runs each forward under
@@ -25,13 +30,15 @@ loaded and hands the result to whoever builds models or tensors, as nanochat's `
   5-bit exponent would flush small gradients to zero.
 - Rank and world size come from torch.distributed once the process group exists (launch.py creates
   it); before that a process is rank 0 of 1.
-- CPU threads (`threads_for`, docs/performance.md): `train.num_threads`, else OMP_NUM_THREADS, else
-  the cores this process may use (`os.sched_getaffinity`) divided among the processes of this job on
-  the machine (LOCAL_WORLD_SIZE, `--nproc`), and no more than the cores other processes leave idle
-  (1-minute load average): OpenMP threads spin-wait between kernels, so a thread that has to share
-  its core with a busy process slows a step down 5-10x (measured: update 2.1 s with one thread,
-  18.9 s with two on a 2-core machine at load 6). Rollout engines run with the same count: the
-  process decides once, the engines do not.
+- CPU threads (`threads_for`, docs/performance.md), `train.num_threads`: a number wins, else
+  OMP_NUM_THREADS; else the policy it names. `auto` (the default): the cores this process may use
+  (`os.sched_getaffinity`) divided among the processes of this job on the machine (LOCAL_WORLD_SIZE,
+  `--nproc`), as torch and torchrun divide them, so the same command gets the same count. `load`: no
+  more than the cores other processes leave idle (1-minute load average, read once at start): OpenMP
+  threads spin-wait between kernels, so a thread that has to share its core with a busy process slows
+  a step down 5-10x (measured: update 2.1 s with one thread, 18.9 s with two on a 2-core machine at
+  load 6). The start line says which rule decided and why. Rollout engines run with the same count:
+  the process decides once, the engines do not.
 - RNG: `seed_everything`, and `rng_state` / `set_rng_state` for exact resume.
 - Signals: `StopOnSignal` turns SIGTERM / SIGINT into a flag the loop reads after each step.
 """
@@ -39,6 +46,7 @@ loaded and hands the result to whoever builds models or tensors, as nanochat's `
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import random
@@ -72,13 +80,14 @@ class Runtime:
         return self.rank == 0
 
     @property
-    def on_accelerator(self) -> bool:
-        return self.device.type != "cpu"
+    def accelerator(self) -> "Accelerator":
+        """The record of this process's device kind (backend, RNG, memory, cache)."""
+        return ACCELERATORS[self.device.type]
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The context of a trained model's forward pass: autocast to the compute dtype, or nothing.
 
-        Nothing in float32 (the default path stays bit-identical) and under FSDP2, whose mixed-precision
+        Nothing in float32 (no cast to make) and under FSDP2, whose mixed-precision
         policy already hands the blocks bf16 weights. Backward runs outside it (autocast's rule).
         """
         if not self.amp:
@@ -86,13 +95,12 @@ class Runtime:
         return torch.autocast(device_type=self.device.type, dtype=self.dtype)
 
     def empty_cache(self) -> None:
-        """Give the caching allocator's free blocks back to the device (CUDA); a no-op on CPU.
+        """Give the caching allocator's free blocks back to the device; a no-op on CPU.
 
         Only where another allocator needs them next (vLLM waking up) or a large model just left the
         device (the offloaded reference): elsewhere PyTorch reuses its cache faster than it can refill it.
         """
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        self.accelerator.empty_cache()
 
 
 def init_runtime(device: str = "auto", dtype: str = "float32", strategy: str = "fsdp2") -> Runtime:
@@ -118,50 +126,163 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     """`auto` | `cpu` | `cuda` | `npu` (or an explicit `cuda:N`) -> the torch.device this process uses."""
     if name.startswith(("cuda:", "npu:")):
         name, local_rank = name.split(":")[0], int(name.split(":")[1])
-    has = {"cuda": torch.cuda.is_available(), "npu": _npu_available()}
-    if name == "auto":
-        name = next((kind for kind, present in has.items() if present), "cpu")
-    if name == "cpu":
+    acc = accelerator() if name == "auto" else ACCELERATORS[name]
+    if acc.kind == "cpu":
         return torch.device("cpu")
-    if not has[name]:
+    if not acc.is_available():
         raise UserError(
-            f"train.device is '{name}' but no {name.upper()} device is visible to this process. "
+            f"train.device is '{name}' but no {acc.kind.upper()} device is visible to this process. "
             "Fix: set train.device: auto (uses an accelerator when there is one, else the CPU) or cpu, "
-            f"or run on a machine with {'CUDA GPUs' if name == 'cuda' else 'Ascend NPUs and torch_npu'}."
+            f"or run on a machine with {acc.install}."
         )
-    device = torch.device(name, local_rank)
-    getattr(torch, name).set_device(device)
+    device = torch.device(acc.kind, local_rank)
+    acc.set_device(local_rank)
     return device
 
 
-def _npu_available() -> bool:
+# ---------------------------------------------------------------------------------- accelerator
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    """Everything that differs between device kinds, asked in one place: the rest of postrl asks this
+    record (`accelerator()`), never torch.cuda / torch.npu.
+
+    The names are data (testable without the hardware); the methods act on the devices of this kind
+    through `torch.accelerator` (the current accelerator: the one a process of this kind has) and, for
+    what that does not cover (RNG, total memory), the kind's torch device module. On `cpu` every
+    method is a no-op or reports nothing.
+    """
+
+    kind: str  # torch device type: cpu | cuda | npu
+    backend: str  # torch.distributed backend: host tensors over gloo, device tensors over the vendor's library
+    ray_resource: str  # Ray's resource name of one worker's device
+    vllm_platform: str  # vLLM's platform (device) name; npu is the vllm-ascend plugin's
+    flash_attn: bool  # the flash-attn package's kernels run here (attn_implementation auto)
+    install: str  # what a machine needs for this kind (error messages)
+
+    @property
+    def is_device(self) -> bool:
+        """An accelerator rather than the host CPU."""
+        return self.kind != "cpu"
+
+    def is_available(self) -> bool:
+        if not self.is_device:
+            return True
+        if self.kind == "npu" and not _import_torch_npu():
+            return False
+        return torch.get_device_module(self.kind).is_available()
+
+    def device_count(self) -> int:
+        return torch.accelerator.device_count() if self._current() else 0
+
+    def set_device(self, index: int) -> None:
+        if self._current():
+            torch.accelerator.set_device_index(index)
+
+    def current_device(self) -> torch.device:
+        """The device this process drives (`set_device`), or the CPU."""
+        if not self._current():
+            return torch.device("cpu")
+        return torch.device(self.kind, torch.accelerator.current_device_index())
+
+    def empty_cache(self) -> None:
+        """Give the caching allocator's free blocks back to the device; a no-op on CPU."""
+        if self._current():
+            torch.accelerator.empty_cache()
+
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes of the current device: total, free, allocated and peak allocated by torch; {} on CPU."""
+        if not self._current():
+            return {}
+        free, total = torch.accelerator.get_memory_info()
+        return {
+            "total": total, "free": free,
+            "allocated": torch.accelerator.memory_allocated(), "peak": torch.accelerator.max_memory_allocated(),
+        }  # fmt: skip
+
+    def reset_peak_memory_stats(self) -> None:
+        if self._current():
+            torch.accelerator.reset_peak_memory_stats()
+
+    def rng_state(self) -> list[torch.Tensor] | None:
+        """The RNG state of every device of this kind (None on CPU: torch.get_rng_state holds it)."""
+        return torch.get_device_module(self.kind).get_rng_state_all() if self._current() else None
+
+    def set_rng_state(self, states: list[torch.Tensor]) -> None:
+        if self._current():
+            torch.get_device_module(self.kind).set_rng_state_all(states)
+
+    def fork_rng(self, all_devices: bool = False) -> contextlib.AbstractContextManager:
+        """Restore the CPU's torch RNG state on exit, and the current device's (`all_devices`: every
+        visible device's, which creates a context on each) (torch.random.fork_rng)."""
+        devices = []
+        if self._current():
+            devices = list(range(self.device_count())) if all_devices else [torch.accelerator.current_device_index()]
+        return torch.random.fork_rng(devices=devices, device_type=self.kind)
+
+    def _current(self) -> bool:
+        """This kind is the machine's accelerator: torch.accelerator's calls reach its devices."""
+        if not self.is_device or (self.kind == "npu" and not _import_torch_npu()):
+            return False
+        current = torch.accelerator.current_accelerator(check_available=True)
+        return current is not None and current.type == self.kind
+
+
+ACCELERATORS = {
+    "cpu": Accelerator("cpu", "gloo", ray_resource="CPU", vllm_platform="cpu", flash_attn=False, install="a CPU"),
+    "cuda": Accelerator(
+        "cuda", "cpu:gloo,cuda:nccl", ray_resource="GPU", vllm_platform="cuda", flash_attn=True, install="CUDA GPUs"
+    ),
+    "npu": Accelerator(
+        "npu", "cpu:gloo,npu:hccl", ray_resource="NPU", vllm_platform="npu", flash_attn=False,
+        install="Ascend NPUs and torch_npu",
+    ),
+}
+
+
+def accelerator(kind: str | None = None) -> Accelerator:
+    """The record of device kind `kind` (cpu | cuda | npu), or of this machine's accelerator when None:
+    CUDA where a GPU is visible, NPU where torch_npu sees one, else the CPU."""
+    if kind is not None:
+        return ACCELERATORS[kind]
+    return next((a for a in (ACCELERATORS["cuda"], ACCELERATORS["npu"]) if a.is_available()), ACCELERATORS["cpu"])
+
+
+@functools.cache
+def _import_torch_npu() -> bool:
+    """Import torch_npu (it registers the `npu` device with torch) when installed."""
     try:
-        import torch_npu  # noqa: F401  (registers torch.npu)
+        import torch_npu  # noqa: F401
     except ImportError:
         return False
-    return torch.npu.is_available()  # type: ignore[attr-defined]
+    return True
 
 
 # -------------------------------------------------------------------------------------- threads
 
+THREAD_POLICIES = ("auto", "load")  # train.num_threads, besides a number
 
-def cpu_threads(processes: int = 1) -> tuple[int, str]:
+
+def cpu_threads(processes: int = 1, policy: str = "auto") -> tuple[int, str]:
     """(intra-op threads for each of `processes` processes of this job on this machine, why).
 
-    The cores this process may use, split among the job's processes, capped by the cores that the
-    rest of the machine leaves idle (cores minus the rounded 1-minute load average of the other
-    processes: this one's own part is taken out; at least one).
+    `auto`: the cores this process may use, split among the job's processes (torch's and torchrun's
+    rule). `load` caps that by the cores the rest of the machine leaves idle: cores minus the rounded
+    1-minute load average of the other processes (this one's own part is taken out; at least one).
     """
+    assert policy in THREAD_POLICIES, f"unknown thread policy {policy!r}; valid: {', '.join(THREAD_POLICIES)}"
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     processes = max(1, processes)
-    load = max(0.0, os.getloadavg()[0] - _own_load()) if hasattr(os, "getloadavg") else 0.0  # other processes
     share = max(1, cores // processes)
-    idle = max(1, cores - round(load))
-    n = min(share, idle)
     why = f"{cores} usable cores" + (f" / {processes} processes" if processes > 1 else "")
+    if policy == "auto":
+        return share, why
+    load = max(0.0, os.getloadavg()[0] - _own_load()) if hasattr(os, "getloadavg") else 0.0  # other processes
+    idle = max(1, cores - round(load))
     if idle < share:
         why += f", {idle} idle (load {load:.1f}: busy threads would spin against other processes)"
-    return n, why
+    return min(share, idle), why
 
 
 def _own_load() -> float:
@@ -179,25 +300,30 @@ def _own_load() -> float:
     return cpu / elapsed * (1 - math.exp(-elapsed / 60))
 
 
-def threads_for(model: torch.nn.Module, requested: int | None = None) -> tuple[int | None, str]:
-    """(intra-op threads for this process, why); None keeps torch's own choice."""
-    if requested:
-        return requested, "train.num_threads"
+def threads_for(model: torch.nn.Module, requested: int | str | None = "auto") -> tuple[int | None, str]:
+    """(intra-op threads for this process, why); None keeps torch's own choice.
+
+    `requested` is train.num_threads: a number wins; else OMP_NUM_THREADS, when set; else, on CPU,
+    the policy it names (`auto` when None) over the job's processes on this machine (LOCAL_WORLD_SIZE).
+    """
+    if isinstance(requested, int):
+        return requested, f"train.num_threads: {requested}"
     if "OMP_NUM_THREADS" in os.environ:
         return None, f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"
     if any(p.device.type != "cpu" for p in model.parameters()):
         return None, "the model is on an accelerator"
-    return cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    policy = requested or "auto"
+    n, why = cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), policy)
+    return n, f"train.num_threads {policy}: {why}"
 
 
-def configure_threads(model: torch.nn.Module, requested: int | None = None, log=None) -> None:
+def configure_threads(model: torch.nn.Module, requested: int | str | None = "auto", log=None) -> None:
     """Apply `threads_for` to this process and say what was chosen and why."""
     n, why = threads_for(model, requested)
     if n is not None and n != torch.get_num_threads():
         torch.set_num_threads(n)
     if log is not None:
-        hint = "" if requested else "; train.num_threads overrides"
-        log(f"CPU intra-op threads: {torch.get_num_threads()} ({why}{hint})")
+        log(f"CPU intra-op threads: {torch.get_num_threads()} ({why})")
 
 
 # ------------------------------------------------------------------------------------------ RNG
@@ -210,10 +336,11 @@ def seed_everything(seed: int) -> None:
 
 
 def rng_state() -> dict:
-    """python / numpy / torch (and CUDA) RNG states of this process."""
+    """python / numpy / torch (and the accelerator's, under its kind: "cuda" / "npu") RNG states of this process."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    acc = accelerator()
+    if acc.is_device:
+        state[acc.kind] = acc.rng_state()
     return state
 
 
@@ -221,8 +348,9 @@ def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    acc = accelerator()
+    if acc.is_device and acc.kind in state:
+        acc.set_rng_state(state[acc.kind])
 
 
 # -------------------------------------------------------------------------------------- signals

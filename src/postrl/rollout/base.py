@@ -7,7 +7,7 @@ An engine knows token ids, not text: it takes prompt token ids and returns compl
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -47,7 +47,6 @@ class Completion:
     token_ids: list[int]
     finished: bool
     logprobs: list[float] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
     loss_mask: list[int] | None = None
     turn_spans: list[tuple[int, int]] | None = None
 

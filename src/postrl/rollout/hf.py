@@ -15,6 +15,7 @@ import torch
 from postrl.modality import TEXT, Modality
 from postrl.models import left_pad
 from postrl.rollout.base import Completion, SamplingParams, eos_token_ids
+from postrl.runtime import accelerator
 
 if TYPE_CHECKING:
     from postrl.runtime import Runtime
@@ -70,8 +71,8 @@ class HFEngine:
         out: list[Completion] = []
         chunk = max(1, self.max_batch_sequences // n)
         device = next(self.model.parameters()).device
-        # A seeded call leaves the run's RNG streams as they were (CUDA's too: sampling draws there on a GPU).
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), self.autocast():
+        # A seeded call leaves the run's RNG streams as they were (the device's too: sampling draws there).
+        with accelerator(device.type).fork_rng(), self.autocast():
             if params.seed is not None:
                 torch.manual_seed(params.seed)
             for start in range(0, len(prompts), chunk):
