@@ -1,4 +1,4 @@
-"""Hand-derived numbers for every formula of DESIGN.md section 4 (src/postrl/algorithms.py).
+"""Hand-derived numbers for every formula of DESIGN.md section 4 (src/postrl/algorithms/).
 
 Each expected value carries its derivation in a comment, so a failing test says which formula moved.
 Ratios are written as ratios: logp = ln r with logp_old = 0, so r = exp(logp - logp_old) exactly.

@@ -63,7 +63,7 @@ def test_builtin_losses_declare_their_preferred_defaults():
 
 
 def test_no_policy_loss_name_appears_in_config_py():
-    # The names live in algorithms.py; config.py reads names, params and preferred defaults from the registry.
+    # The names live in algorithms/; config.py reads names, params and preferred defaults from the registry.
     text = (ROOT / "src" / "postrl" / "config.py").read_text()
     for name in algorithms.POLICY_LOSSES:
         assert not re.search(rf"\b{re.escape(name)}\b", text, re.IGNORECASE), name
@@ -180,7 +180,7 @@ def test_only_the_truncating_level_keeps_every_token():
 
 
 def test_seq_mis_rejects_like_mis_and_weights_the_kept_sequences_by_their_ratio():
-    # cap 2: keep iff |sum_t (p - q)| <= ln 2 = 0.693147 (the rows of the MIS test in test_algorithms.py)
+    # cap 2: keep iff |sum_t (p - q)| <= ln 2 = 0.693147 (the rows of the MIS test in test_algorithms/)
     # row 0: 0.6 -> rho e^0.6 = 1.822119 kept, weight rho; rows 1, 2: +-0.8 rejected; row 3: -0.3 -> 0.740818
     diff_BT = t([[0.3, 0.3], [0.5, 0.3], [-0.5, -0.3], [-0.3, 5.0]])
     mask_BT = t([[1, 1], [1, 1], [1, 1], [1, 0]])

@@ -151,7 +151,7 @@ def _registered_name(kind: str, value: str, registry: str, user_fn: bool = False
     """`value` if postrl.algorithms registers it in `registry`; else a ValueError with the valid names
     (and, with `user_fn`, the 'package.module:function' alternative).
 
-    The names live only in algorithms.py; it is imported here, not at module import, so that loading
+    The names live only in algorithms/; it is imported here, not at module import, so that loading
     this module does not import torch.
     """
     from postrl import algorithms
@@ -213,7 +213,7 @@ class FilterGroupsConfig(Section):
 
 
 # What `algorithm.name` sets when a key is left unset. A policy loss's own preferences (declared with its
-# registration in algorithms.py) win over these, and an explicit setting over both.
+# registration in algorithms/) win over these, and an explicit setting over both.
 ALGORITHM_NAME_DEFAULTS: dict[str, dict[str, Any]] = {
     "grpo": {"clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "loss_agg_mode": "seq-mean-token-mean"},
     "dapo": {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "loss_agg_mode": "token-mean"},  # clip-higher, token-level loss

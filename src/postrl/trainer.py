@@ -6,7 +6,7 @@
     -> weight sync to the rollout engine -> metrics, validation, checkpoint                  here
 
 The trainer builds the pieces once (runtime, policy, reference, data, rewards, engine, actor) and
-then only composes them; formulas live in algorithms.py, files in checkpoint.py.
+then only composes them; formulas live in algorithms/, files in checkpoint.py.
 """
 
 from __future__ import annotations
