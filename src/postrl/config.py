@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import logging
 from pathlib import Path
 from typing import Any, Literal
 
@@ -110,10 +111,21 @@ class DataConfig(Section):
         "image count) instead of stopping with an error that names the row.",
     )
     max_prompt_length: int = Field(512, ge=1, description="Prompts longer than this (tokens) are dropped.")
+    prompt_template: str | None = Field(
+        None,
+        description="User prompt template: a file of named templates (JSON, as MindSpeed's templates.json: a list of "
+        "{name, format_user: {slots: ['...{{content}}...']}} or a mapping name -> '...{content}...') with '#name', or "
+        "an inline string with {content}. The user message's text is put into it before the chat template renders.",
+    )
     filter_overlong_prompts: bool = Field(True, description="Drop overlong prompts (else: error).")
     shuffle: bool = Field(True, description="Shuffle the training prompts every epoch.")
     seed: int = Field(0, description="Seed of the shuffle.")
     builtin: BuiltinTaskConfig = Field(default_factory=BuiltinTaskConfig, description="Built-in task knobs.")
+
+    @field_validator("train_files", "val_files", mode="before")
+    @classmethod
+    def _one_file(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v  # verl writes data.train_files=$HOME/data/train.parquet
     shapes: ShapesTaskConfig = Field(default_factory=ShapesTaskConfig, description="Built-in visual task knobs.")
 
 
@@ -136,6 +148,9 @@ class RolloutConfig(Section):
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism.")
     kv_cache_space_gb: float = Field(1.0, gt=0, description="vLLM on CPU: KV cache size (VLLM_CPU_KVCACHE_SPACE).")
     max_num_seqs: int = Field(256, ge=1, description="vLLM: sequences in flight.")
+    max_num_batched_tokens: int | None = Field(
+        None, ge=1, description="vLLM: tokens one scheduler step may process (prefill chunk size); default vLLM's."
+    )
     enable_sleep_mode: bool = Field(True, description="vLLM on GPU: sleep the engine during the policy update.")
     enforce_eager: bool = Field(
         False,
@@ -340,6 +355,14 @@ class TrainConfig(Section):
         1024, ge=1, description="Tokens per fp32 log-softmax chunk: [tokens, vocab] is never held in fp32 at once."
     )
     max_token_len_per_device: int = Field(4096, ge=1, description="Token budget of a micro-batch (dynamic bsz).")
+    log_prob_micro_batch_size: int | None = Field(
+        None, ge=1, description="Sequences per forward of the old / reference log-prob passes, which keep no activations "
+        "for backward and so can be larger (verl's log_prob_micro_batch_size_per_gpu; default micro_batch_size).",
+    )
+    log_prob_max_token_len: int | None = Field(
+        None, ge=1, description="Token budget of a log-prob micro-batch with use_dynamic_bsz (verl's "
+        "log_prob_max_token_len_per_gpu; default max_token_len_per_device).",
+    )
     epochs_per_batch: int = Field(1, ge=1, description="PPO epochs over each batch.")
     lr: float = Field(1e-6, gt=0, description="Peak learning rate (AdamW).")
     warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
@@ -349,6 +372,10 @@ class TrainConfig(Section):
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
     total_steps: int = Field(100, ge=1, description="Training steps (one batch of global_batch_size groups each).")
+    total_epochs: int | None = Field(
+        None, ge=1, description="Passes over the training prompts (verl's trainer.total_epochs): when set, total_steps "
+        "becomes total_epochs x (kept prompts // global_batch_size), counted once the prompts are loaded.",
+    )
     seed: int = Field(42, description="Seed of everything random in the run.")
     deterministic: bool = Field(False, description="Deterministic algorithms (the guides' use_deter_comp).")
     device: Literal["auto", "cpu", "cuda", "npu"] = Field(
@@ -397,6 +424,10 @@ class TrainConfig(Section):
             self.gen_batch_size = self.global_batch_size
         if self.mini_batch_size is None:
             self.mini_batch_size = self.global_batch_size
+        if self.log_prob_micro_batch_size is None:
+            self.log_prob_micro_batch_size = self.micro_batch_size
+        if self.log_prob_max_token_len is None:
+            self.log_prob_max_token_len = self.max_token_len_per_device
         return self
 
 
@@ -416,7 +447,10 @@ class SFTConfig(Section):
 # ---------------------------------------------------------------------------------------- checkpoint
 class CheckpointConfig(Section):
     dir: str | None = Field(None, description="Checkpoint directory (default <logging.dir>/checkpoints).")
-    save_freq: int = Field(0, ge=0, description="Save every N steps; 0 = only at the end.")
+    save_freq: int = Field(
+        0, ge=-1, description="Save every N steps; 0 = only at the end; -1 = never (as verl's trainer.save_freq=-1: "
+        "no checkpoint at all, so the run cannot be resumed).",
+    )
     save_final: bool = Field(True, description="Save a checkpoint after the last step.")
     resume: str = Field("auto", description="auto (latest in dir, if any) | none | <checkpoint path>.")
     finetune: bool = Field(False, description="Load weights only; start a fresh run from them.")
@@ -479,6 +513,12 @@ class LoggingConfig(Section):
     dir: str = Field("runs/default", description="Run directory: metrics.jsonl, plots, checkpoints.")
     log_interval: int = Field(1, ge=1, description="Print a step line every N steps.")
     progress: bool = Field(True, description="Show a rich progress bar.")
+    metric_names: Literal["postrl", "mindspeed", "verl"] = Field(
+        "postrl",
+        description="Names the sinks write: postrl (DESIGN.md), mindspeed (MindSpeed-RL / -MM dashboards: grad_norm, "
+        "dapo/lr, timing/non_overlap_*) or verl (timing_s/*, critic/score/*, perf/*). Every name and its formula: "
+        "docs/metrics.md. The console line keeps postrl's names.",
+    )
 
     def missing_packages(self) -> list[str]:
         """One problem per sink whose optional package is not installed on this machine."""
@@ -517,6 +557,8 @@ class Config(Section):
     @model_validator(mode="after")
     def _derive(self) -> "Config":
         self.algorithm._derive()
+        if self.checkpoint.save_freq < 0:  # never: no periodic and no final checkpoint
+            self.checkpoint.save_freq, self.checkpoint.save_final = 0, False
         if self.checkpoint.dir is None:
             self.checkpoint.dir = str(Path(self.logging.dir) / "checkpoints")
         if self.eval.files is None:
@@ -642,6 +684,21 @@ def read_yaml_mapping(path: str | Path, example: str, keys: str) -> dict:
     return tree
 
 
+def _split_guides_overrides(overrides: list[str]) -> tuple[list[tuple[str, Any]], list[str]]:
+    """verl-style overrides (`actor_rollout_ref.rollout.n=8`, `data.train_batch_size=4`) translated through
+    postrl.guides' table, and the postrl overrides left as they are. A verl key with no postrl counterpart
+    is reported as a warning with what postrl offers instead, so a guide's command line still runs."""
+    from postrl.guides import convert_verl, split_overrides
+
+    verl, native = split_overrides(overrides)
+    if not verl:
+        return [], native
+    conv = convert_verl(verl)
+    for u in conv.unmapped:
+        logging.getLogger("postrl.config").warning("override %s=%r not applied: %s", u.source, u.value, u.instead)
+    return list(conv.flat().items()), native
+
+
 def load_config(path: str | Path | None, overrides: list[str] | None = None, check_paths: bool = True) -> Config:
     """Load a YAML file, apply dotted overrides, validate; optionally check this machine
     (`environment_problems`: input paths exist, the logging sinks' packages are installed)."""
@@ -649,7 +706,10 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, che
     source = str(path) if path else "command line"
     if path is not None:
         tree = read_yaml_mapping(path, example="configs/tiny_dapo.yaml", keys="sections (model:, data:, ...)")
-    for key, value in parse_overrides(overrides or []):
+    verl, native = _split_guides_overrides(overrides or [])
+    for key, value in verl:
+        _set_dotted(tree, key, value)
+    for key, value in parse_overrides(native):
         _set_dotted(tree, key, value)
     cfg = build_config(tree, source)
     if check_paths:

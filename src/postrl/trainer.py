@@ -60,14 +60,17 @@ class Trainer:
         configure_threads(self.model, cfg.train.num_threads, self.log)
         if lora.is_lora(self.model):
             self.log(lora.summary(self.model))
+        self.train_examples, summary = load_prompts(cfg.data.train_files, self.tokenizer, cfg.data, modality=self.policy.modality)
+        bad = f", {summary['dropped_bad']} malformed image rows skipped" if summary.get("dropped_bad") else ""
+        self.log(f"train prompts: {summary['kept']} ({summary['dropped_overlong']} dropped as overlong{bad})")
+        if cfg.train.total_epochs and "total_steps" not in cfg.train.model_fields_set:  # before the LR schedule is built
+            cfg.train.total_steps = max(1, cfg.train.total_epochs * (len(self.train_examples) // cfg.train.global_batch_size))
+            self.log(f"train.total_epochs {cfg.train.total_epochs}: {cfg.train.total_steps} steps")
         self.ref_model = self._reference_model() if cfg.algorithm.kl.coef > 0 else None
         # FSDP2 shards self.model in place (before the optimizer sees its parameters); DDP wraps it.
         train_model = distributed.wrap_model(self.model, cfg.train.strategy, compute_dtype=rt.dtype)
         self.actor = Actor(cfg, self.policy, train_model, rt, self.log)
 
-        self.train_examples, summary = load_prompts(cfg.data.train_files, self.tokenizer, cfg.data, modality=self.policy.modality)
-        bad = f", {summary['dropped_bad']} malformed image rows skipped" if summary.get("dropped_bad") else ""
-        self.log(f"train prompts: {summary['kept']} ({summary['dropped_overlong']} dropped as overlong{bad})")
         self.val_sets = load_val_sets(cfg.eval.files or [], self.tokenizer, cfg.data, cfg.eval.max_prompts, self.policy.modality)
         self.sampler = PromptSampler(len(self.train_examples), cfg.data.shuffle, cfg.data.seed)
         self.reward_fn = RewardFunction(cfg.reward)

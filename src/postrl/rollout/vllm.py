@@ -137,6 +137,8 @@ class VLLMEngine:
         # Compiled unless rollout.enforce_eager: CUDA graphs survive reload_weights (it copies into the captured
         # tensors), and so does the compiled CPU model (tests/test_vllm_engine.py syncs an updated model into it).
         kwargs.update(enforce_eager=cfg.enforce_eager)
+        if cfg.max_num_batched_tokens is not None:  # the guides' prefill chunk; else vLLM's own default
+            kwargs.update(max_num_batched_tokens=cfg.max_num_batched_tokens)
         if self.on_gpu:
             kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization, enable_sleep_mode=cfg.enable_sleep_mode)
         else:
