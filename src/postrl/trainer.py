@@ -86,7 +86,10 @@ class Trainer:
                 "(it samples with the trainer's own model, so there is no gap to correct): no correction is applied.[/yellow]"
             )
         self.experience = Experience(cfg, self.engine, self.tokenizer, self.reward_fn, self.train_examples, self.sampler)
-        self.logger = MetricsLogger(cfg.logging.dir, cfg.logging.sinks, cfg.model_dump(mode="json"), enabled=rt.is_main)
+        self.logger = MetricsLogger(
+            cfg.logging.dir, cfg.logging.sinks, cfg.model_dump(mode="json"), enabled=rt.is_main,
+            metric_names=cfg.logging.metric_names, algo=self.algo_name,
+        )  # fmt: skip
         self.step = 0
         self.timer = Timer()
         self._closed = False
@@ -126,9 +129,15 @@ class Trainer:
         if self.ref_model is self.model:
             with lora.disabled(self.model):
                 yield self.model
-        else:
-            with distributed.on_device(self.ref_model, self.runtime):
+        else:  # timed apart: the reference's trips to and from host memory (train.ref_offload)
+            placed = distributed.on_device(self.ref_model, self.runtime)
+            with self.timer("ref_onload"):
+                placed.__enter__()
+            try:
                 yield self.ref_model
+            finally:
+                with self.timer("ref_offload"):
+                    placed.__exit__(None, None, None)
 
     # ----------------------------------------------------------------------------------- the loop
     def fit(self) -> dict[str, float]:
