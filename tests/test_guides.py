@@ -133,3 +133,12 @@ def test_render_lists_unmapped_keys():
     text = render_yaml(conv, "cmd")
     assert "n_samples_per_prompt: 8  # from actor_rollout_ref.rollout.n" in text
     assert "#   actor_rollout_ref.actor.ulysses_sequence_parallel_size = 4: sequence parallelism" in text
+
+
+def test_docs_list_every_key_of_the_tables():
+    from postrl.guides import MINDSPEED, MINDSPEED_PREFIXES, VERL, VERL_PREFIXES
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "guides.md").read_text()
+    missing = [k for k in [*VERL, *MINDSPEED] if f"| `{k}` |" not in doc]
+    missing += [p for p in [*VERL_PREFIXES, *MINDSPEED_PREFIXES] if f"| `{p}*` |" not in doc]
+    assert missing == []
