@@ -30,6 +30,7 @@ from postrl.experience import Batch, Experience, batch_metrics
 from postrl.metrics import MetricsLogger, Timer, plot_run, read_jsonl, step_line, throughput, val_line
 from postrl.models import cast_weights, load_model, load_policy
 from postrl.rewards import RewardFunction
+from postrl.rewards.math import answer_format_problem
 from postrl.rollout import make_engine
 from postrl.runtime import StopOnSignal, configure_threads, init_runtime, rng_state, seed_everything, set_rng_state
 
@@ -63,6 +64,9 @@ class Trainer:
         self.train_examples, summary = load_prompts(cfg.data.train_files, self.tokenizer, cfg.data, modality=self.policy.modality)
         bad = f", {summary['dropped_bad']} malformed image rows skipped" if summary.get("dropped_bad") else ""
         self.log(f"train prompts: {summary['kept']} ({summary['dropped_overlong']} dropped as overlong{bad})")
+        head = [self.tokenizer.decode(e.prompt_ids) for e in self.train_examples[:32]]
+        if (problem := answer_format_problem(head, [v.name for v in cfg.reward.verifiers])) is not None:
+            self.log(f"[yellow]{problem}[/yellow]")  # e.g. DAPO-Math-17k's "Answer:" prompts with math_17k_acc
         if cfg.train.total_epochs and "total_steps" not in cfg.train.model_fields_set:  # before the LR schedule is built
             cfg.train.total_steps = max(1, cfg.train.total_epochs * (len(self.train_examples) // cfg.train.global_batch_size))
             self.log(f"train.total_epochs {cfg.train.total_epochs}: {cfg.train.total_steps} steps")
