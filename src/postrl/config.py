@@ -684,13 +684,18 @@ def read_yaml_mapping(path: str | Path, example: str, keys: str) -> dict:
     return tree
 
 
+def _is_config_key(dotted: str) -> bool:
+    loc = tuple(dotted.split("."))
+    return _section_at(Config, loc[:-1]) is not None and loc[-1] in _section_at(Config, loc[:-1]).model_fields
+
+
 def _split_guides_overrides(overrides: list[str]) -> tuple[list[tuple[str, Any]], list[str]]:
     """verl-style overrides (`actor_rollout_ref.rollout.n=8`, `data.train_batch_size=4`) translated through
     postrl.guides' table, and the postrl overrides left as they are. A verl key with no postrl counterpart
     is reported as a warning with what postrl offers instead, so a guide's command line still runs."""
     from postrl.guides import convert_verl, split_overrides
 
-    verl, native = split_overrides(overrides)
+    verl, native = split_overrides(overrides, _is_config_key)
     if not verl:
         return [], native
     conv = convert_verl(verl)

@@ -528,11 +528,30 @@ def _derive(conv: Conversion, targets: dict) -> None:
 
 
 def _build_tree(conv: Conversion) -> None:
-    from postrl.config import _set_dotted
-
     conv.tree = {}
     for key, value in conv.flat().items():
-        _set_dotted(conv.tree, key, value)
+        node = conv.tree
+        *parents, leaf = key.split(".")
+        for k in parents:
+            node = node.setdefault(k, {})
+        node[leaf] = value
+
+
+def _parse(items: list[str]) -> list[tuple[str, Any]]:
+    """`key=value` pairs, values read as YAML (so True is a bool, 0.28 a float, [a,b] a list)."""
+    pairs, bad = [], []
+    for item in items:
+        key, sep, raw = item.lstrip("+").partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            bad.append(f"'{item}' is not of the form key=value. Fix: write it like actor_rollout_ref.rollout.n=8.")
+            continue
+        try:
+            pairs.append((key, yaml.safe_load(raw) if raw != "" else ""))
+        except yaml.YAMLError:
+            pairs.append((key, raw))
+    if bad:
+        raise UserError(*bad, title="bad verl overrides")
+    return pairs
 
 
 def _unmapped_to_mapped(conv: Conversion, source: str, targets: dict, note: str) -> None:
@@ -546,9 +565,7 @@ def _unmapped_to_mapped(conv: Conversion, source: str, targets: dict, note: str)
 
 def convert_verl(overrides: list[str] | dict[str, Any]) -> Conversion:
     """A verl override list (`key=value` items, Hydra's `+` / `++` prefixes allowed) in postrl's names."""
-    from postrl.config import parse_overrides
-
-    pairs = list(overrides.items()) if isinstance(overrides, dict) else parse_overrides([o.lstrip("+") for o in overrides])
+    pairs = list(overrides.items()) if isinstance(overrides, dict) else _parse(overrides)
     conv = Conversion("verl")
     given = dict(pairs)
     for key, value in pairs:
@@ -669,30 +686,15 @@ def convert_file(path: str | Path) -> Conversion:
     return convert_verl(items)
 
 
-def split_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
+def split_overrides(overrides: list[str], is_postrl_key: Callable[[str], bool]) -> tuple[list[str], list[str]]:
     """(verl-style overrides, postrl overrides) of a command line: a key under a verl-only head, or a
     key the verl table names that is not a postrl key (data.train_batch_size, algorithm.use_kl_in_reward)."""
     verl, native = [], []
     for item in overrides:
         key = item.split("=", 1)[0].lstrip("+")
-        is_verl = key.startswith(VERL_HEADS) or (key in VERL and not _is_postrl_key(key))
+        is_verl = key.startswith(VERL_HEADS) or (key in VERL and not is_postrl_key(key))
         (verl if is_verl else native).append(item)
     return verl, native
-
-
-def _is_postrl_key(dotted: str) -> bool:
-    from pydantic import BaseModel
-
-    from postrl.config import Config
-
-    cls: Any = Config
-    for part in dotted.split("."):
-        fields = getattr(cls, "model_fields", None)
-        if fields is None or part not in fields:
-            return False
-        ann = fields[part].annotation
-        cls = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
-    return True
 
 
 # ------------------------------------------------------------------------------------------- output
