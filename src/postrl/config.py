@@ -111,12 +111,6 @@ class DataConfig(Section):
         "image count) instead of stopping with an error that names the row.",
     )
     max_prompt_length: int = Field(512, ge=1, description="Prompts longer than this (tokens) are dropped.")
-    prompt_template: str | None = Field(
-        None,
-        description="User prompt template: a file of named templates (JSON, as MindSpeed's templates.json: a list of "
-        "{name, format_user: {slots: ['...{{content}}...']}} or a mapping name -> '...{content}...') with '#name', or "
-        "an inline string with {content}. The user message's text is put into it before the chat template renders.",
-    )
     filter_overlong_prompts: bool = Field(True, description="Drop overlong prompts (else: error).")
     shuffle: bool = Field(True, description="Shuffle the training prompts every epoch.")
     seed: int = Field(0, description="Seed of the shuffle.")
