@@ -378,6 +378,12 @@ class TrainConfig(Section):
     strategy: Literal["fsdp2", "ddp"] = Field(
         "fsdp2", description="Data parallelism with more than one process: fsdp2 (sharded) or ddp (replicated)."
     )
+    reshard_after_forward: bool = Field(
+        True,
+        description="FSDP2: free each block's gathered parameters after its forward and gather them again for backward "
+        "(verl's fsdp_config.reshard_after_forward). False keeps them gathered from forward to backward: one all-gather "
+        "fewer per block and step, for the memory of the whole unsharded policy during the update.",
+    )
     ref_offload: bool = Field(
         False,
         description="Keep the KL reference model in host memory: FSDP2 copies each block to the device for its "
@@ -532,6 +538,12 @@ class ClusterConfig(Section):
     nnodes: int = Field(1, ge=1, description="Nodes (NNODES).")
     devices_per_node: int = Field(1, ge=1, description="Processes per node (NPUS_PER_NODE / GPUs).")
     ray_address: str | None = Field(None, description="Ray cluster address (ray start --head ...).")
+    collective_timeout_s: float = Field(
+        1800.0, gt=0, description="How long a collective (all-reduce, all-gather, barrier) may wait for the other ranks "
+        "before the run fails with a timeout: the process group's timeout for nccl, hccl and gloo alike (the role of "
+        "the guides' HCCL_CONNECT_TIMEOUT / HCCL_EXEC_TIMEOUT). Raise it when one rank can lag far behind (long "
+        "rollouts, slow verifiers, checkpoint writes to slow storage).",
+    )
 
 
 class Config(Section):

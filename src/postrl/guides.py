@@ -32,6 +32,7 @@ PLACEMENT = "Ray placement of separate workers: postrl colocates every role (rol
 ASCEND = "an Ascend / MindSpeed runtime switch; on Ascend postrl runs torch_npu through torch.distributed (train.device: npu)"
 GAE = "a GAE / critic setting: postrl's estimators are critic-free (grpo, drgrpo, rloo, reinforce_plus_plus...)"
 LOGGING = "logging detail; postrl logs its metrics to logging.sinks (logging.metric_names picks the guide's names)"
+WRAP = "postrl shards one FSDP2 unit per transformer block (the model's _no_split_modules, as verl's default transformer-layer policy); a size-based wrap policy is not offered"
 DATA = "postrl trains on parquet / JSONL in the verl schema: run `postrl preprocess` (e.g. `postrl preprocess math_17k`) and set data.train_files"
 
 
@@ -223,6 +224,10 @@ VERL: dict[str, Rule] = {
     "actor_rollout_ref.actor.fsdp_config.offload_policy": drop("CPU offload policy: not supported for the actor"),
     "actor_rollout_ref.actor.fsdp_config.fsdp_size": drop("FSDP2 shards over the whole world (no hybrid-shard group size)"),
     "actor_rollout_ref.actor.fsdp_config.forward_prefetch": drop("FSDP2 prefetches by default"),
+    "actor_rollout_ref.actor.fsdp_config.reshard_after_forward": to("train.reshard_after_forward"),
+    "actor_rollout_ref.actor.fsdp_config.wrap_policy.min_num_params": drop(WRAP),
+    "actor_rollout_ref.ref.fsdp_config.reshard_after_forward": drop("the reference runs forward only: its blocks are always freed after their forward"),
+    "actor_rollout_ref.ref.fsdp_config.wrap_policy.min_num_params": drop(WRAP),
     "actor_rollout_ref.rollout.name": via(_engine, "postrl's engines: vllm, hf"),
     "actor_rollout_ref.rollout.mode": drop("postrl's rollout is synchronous and colocated"),
     "actor_rollout_ref.rollout.n": to("rollout.n_samples_per_prompt"),

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 _FORWARDED_ENV = (
     "PYTHONPATH", "POSTRL_CACHE", "VLLM_ENABLE_V1_MULTIPROCESSING", "TOKENIZERS_PARALLELISM",
     "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "HCCL_SOCKET_IFNAME", "HF_HOME", "HF_HUB_OFFLINE",
+    "LD_PRELOAD", "MALLOC_CONF",  # jemalloc (`LD_PRELOAD=libjemalloc.so.2`), as the guides run their workers (docs/distributed.md)
 )  # fmt: skip
 
 
@@ -67,7 +68,7 @@ def adopt_world(cfg: "Config") -> None:
 
 def run_worker(cfg: "Config", console: Any = None) -> dict[str, float]:
     """One rank: join the process group, train, leave it (a group made by Ray Train is left to Ray)."""
-    created = distributed.init_process_group()
+    created = distributed.init_process_group(cfg.cluster.collective_timeout_s)
     finished = False
     try:
         adopt_world(cfg)
@@ -191,9 +192,9 @@ def launch_ray(cfg: "Config", address: str | None) -> int:
         if started_here and address is None:  # ranks meet through a file and talk over lo: no TCP store
             from postrl.ray_rendezvous import FileRendezvousTorchConfig
 
-            torch_config = FileRendezvousTorchConfig(backend=backend)
+            torch_config = FileRendezvousTorchConfig(backend=backend, timeout_s=int(cfg.cluster.collective_timeout_s))
         else:
-            torch_config = TorchConfig(backend=backend)
+            torch_config = TorchConfig(backend=backend, timeout_s=int(cfg.cluster.collective_timeout_s))
         workers = cfg.world_size
         log_dir = Path(cfg.logging.dir).resolve()
         trainer = TorchTrainer(

@@ -72,7 +72,9 @@ class Trainer:
             self.log(f"train.total_epochs {cfg.train.total_epochs}: {cfg.train.total_steps} steps")
         self.ref_model = self._reference_model() if cfg.algorithm.kl.coef > 0 else None
         # FSDP2 shards self.model in place (before the optimizer sees its parameters); DDP wraps it.
-        train_model = distributed.wrap_model(self.model, cfg.train.strategy, compute_dtype=rt.dtype)
+        train_model = distributed.wrap_model(
+            self.model, cfg.train.strategy, compute_dtype=rt.dtype, reshard_after_forward=cfg.train.reshard_after_forward
+        )
         self.actor = Actor(cfg, self.policy, train_model, rt, self.log)
 
         self.val_sets = load_val_sets(cfg.eval.files or [], self.tokenizer, cfg.data, cfg.eval.max_prompts, self.policy.modality)
