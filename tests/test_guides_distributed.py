@@ -75,3 +75,29 @@ def test_collective_timeout_and_reshard_after_forward(tmp_path):
     assert r0["True"] is True and r0["False"] is False and r1["True"] is True and r1["False"] is False
     assert r0["barrier"] != "returned" and "timed out" in r0["barrier"].lower(), r0["barrier"]
     print(f"a barrier rank 1 never joined failed after {r0['waited_s']:.1f} s (timeout 4 s)")
+
+
+def _storage_worker(rank: int, out_dir: str) -> None:
+    from postrl import distributed
+    from postrl.storage import unshared_dir_problem
+
+    out = Path(out_dir)
+    # Two "nodes" of one rank each (LOCAL_WORLD_SIZE 1), as torchrun --nnodes 2 --nproc-per-node 1 describes them.
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
+    os.environ[distributed.RENDEZVOUS_FILE_ENV] = str(out / "store")
+    assert distributed.init_process_group(timeout_s=60.0)
+    shared = unshared_dir_problem(out / "shared")
+    private = unshared_dir_problem(out / f"node{rank}")  # each node its own disk: what no_shared_storage means
+    (out / f"storage{rank}.json").write_text(json.dumps({"shared": shared, "private": private}))
+    distributed.teardown(wait_for_peers=True)
+
+
+def test_a_checkpoint_dir_the_nodes_do_not_share_is_refused_at_start(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_storage_worker, args=(str(tmp_path),), nprocs=2, start_method="spawn", join=True)
+    for r in range(2):
+        got = json.loads((tmp_path / f"storage{r}.json").read_text())
+        assert got["shared"] is None
+        assert "is not shared by the nodes: node 0" in got["private"] and "Fix: point checkpoint.dir" in got["private"]
+    assert list((tmp_path / "shared" / ".postrl_shared_check").iterdir()) == []  # the marks are cleaned up

@@ -342,7 +342,7 @@ MINDSPEED: dict[str, Rule] = {
     "dtype": via(lambda v: {"model.dtype": v} if v in ("bfloat16", "float16", "float32") else None),
     "use_flash_attn": via(lambda v: {} , "model.attn_implementation: auto picks flash attention on GPUs where it is installed"),
     "distributed_backend": drop("postrl picks the backend per device: nccl (cuda), hccl (npu), gloo (cpu)"),
-    "no_shared_storage": drop("postrl needs checkpoint.dir on storage every node sees; a multi-node run checks it at start"),
+    "no_shared_storage": drop("postrl needs checkpoint.dir on storage every node sees (each node keeping its own ranks' files is not offered); a multi-node run whose nodes do not share it stops at start with the fix (storage.py)"),
     "dataset_additional_keys": drop("postrl reads the ground truth from data.answer_key (reward_model.ground_truth of the verl schema)"),
     "micro_batch_size": to("train.micro_batch_size"),
     "lr": to("train.lr"),

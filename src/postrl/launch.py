@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from postrl import distributed
 from postrl.errors import UserError
 from postrl.runtime import cpu_threads
+from postrl.storage import unshared_dir_problem
 from postrl.trainer import train
 
 if TYPE_CHECKING:
@@ -73,6 +74,8 @@ def run_worker(cfg: "Config", console: Any = None) -> dict[str, float]:
     try:
         adopt_world(cfg)
         check_world(cfg, distributed.world_size())
+        if (problem := unshared_dir_problem(cfg.checkpoint.dir)) is not None:  # nodes must share it (storage.py)
+            raise UserError(problem, title="checkpoint.dir is not on shared storage")
         metrics = train(cfg, console)
         finished = True
         return metrics
