@@ -100,11 +100,12 @@ def test_verl_overrides_in_load_config(caplog):
         "actor_rollout_ref.actor.clip_ratio_high=0.28", "algorithm.filter_groups.enable=true",
         "reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=8", "data.max_response_length=16",
         "actor_rollout_ref.actor.fsdp_config.param_offload=true", "trainer.save_freq=-1", "data.train_files=builtin:arithmetic:train",
+        "algorithm.kl_ctrl.kl_coef=0.0", "algorithm.use_kl_in_reward=False",
     ], check_paths=False)  # fmt: skip
     assert (cfg.train.global_batch_size, cfg.rollout.n_samples_per_prompt, cfg.algorithm.clip_ratio_high) == (4, 3, 0.28)
     assert (cfg.algorithm.filter_groups.enable, cfg.algorithm.overlong_buffer.len, cfg.rollout.max_tokens) == (True, 8, 16)
     assert (cfg.checkpoint.save_freq, cfg.checkpoint.save_final, cfg.data.train_files) == (0, False, ["builtin:arithmetic:train"])
-    assert "fsdp_config.param_offload" in caplog.text  # not applied, and said so
+    assert "fsdp_config.param_offload" in caplog.text and "kl_ctrl.kl_coef" in caplog.text  # not applied, and said so
 
 
 def test_verl_overrides_train_the_tiny_model(tmp_path):

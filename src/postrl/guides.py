@@ -697,7 +697,8 @@ def split_overrides(overrides: list[str], is_postrl_key: Callable[[str], bool]) 
     verl, native = [], []
     for item in overrides:
         key = item.split("=", 1)[0].lstrip("+")
-        is_verl = key.startswith(VERL_HEADS) or (key in VERL and not is_postrl_key(key))
+        known = key in VERL or key.startswith(tuple(VERL_PREFIXES))
+        is_verl = key.startswith(VERL_HEADS) or (known and not is_postrl_key(key))
         (verl if is_verl else native).append(item)
     return verl, native
 
