@@ -76,7 +76,7 @@ def test_verl_dapo_values():
     cfg = build_config(convert_file(INPUTS / "verl_dapo_qwen25_32b.sh").tree)
     a, t = cfg.algorithm, cfg.train
     assert (a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c, a.kl.coef, a.loss_agg_mode) == (0.2, 0.28, 10.0, 0.0, "token-mean")
-    assert (t.global_batch_size, t.gen_batch_size, t.mini_batch_size, t.total_steps, t.total_epochs) == (512, 1536, 32, 400, 1)
+    assert (t.global_batch_size, t.gen_batch_size, t.mini_batch_size, t.total_steps, t.total_epochs) == (512, 1536, 32, 400, None)
     assert (t.max_token_len_per_device, t.log_prob_max_token_len, cfg.rollout.max_num_batched_tokens) == (22528, 45056, 22528)
     assert (cfg.checkpoint.save_freq, cfg.checkpoint.save_final) == (0, False)  # save_freq=-1: never
     assert (cfg.cluster.nnodes, cfg.cluster.devices_per_node, cfg.logging.dir) == (16, 8, "runs/DAPO-Qwen2.5-32B")
@@ -143,3 +143,11 @@ def test_docs_list_every_key_of_the_tables():
     missing = [k for k in [*VERL, *MINDSPEED] if f"| `{k}` |" not in doc]
     missing += [p for p in [*VERL_PREFIXES, *MINDSPEED_PREFIXES] if f"| `{p}*` |" not in doc]
     assert missing == []
+
+
+def test_total_epochs_counts_steps_from_the_prompts(tmp_path):
+    """verl's trainer.total_epochs: 1 epoch of 8 prompts at 4 per step is 2 steps."""
+    args = [o for o in tiny_overrides(tmp_path) if not o.startswith(("train.total_steps", "data.builtin.train_size"))]
+    assert main(["train", "configs/tiny_grpo.yaml", *args, "data.builtin.train_size=8", "trainer.total_epochs=1", "eval.freq=0"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]  # the YAML's train.total_steps (20) is replaced

@@ -367,8 +367,8 @@ class TrainConfig(Section):
     grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
     total_steps: int = Field(100, ge=1, description="Training steps (one batch of global_batch_size groups each).")
     total_epochs: int | None = Field(
-        None, ge=1, description="Passes over the training prompts (verl's trainer.total_epochs): when set, total_steps "
-        "becomes total_epochs x (kept prompts // global_batch_size), counted once the prompts are loaded.",
+        None, ge=1, description="Passes over the training prompts (verl's trainer.total_epochs): when set, it replaces "
+        "total_steps with total_epochs x (kept prompts // global_batch_size), counted once the prompts are loaded.",
     )
     seed: int = Field(42, description="Seed of everything random in the run.")
     deterministic: bool = Field(False, description="Deterministic algorithms (the guides' use_deter_comp).")

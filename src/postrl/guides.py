@@ -585,6 +585,10 @@ def convert_verl(overrides: list[str] | dict[str, Any]) -> Conversion:
         if m.source == "actor_rollout_ref.actor.kl_loss_coef" and "actor_rollout_ref.actor.use_kl_loss" in given and not _bool(given["actor_rollout_ref.actor.use_kl_loss"]):
             m.targets = {}
             m.note = "ignored: use_kl_loss is false"
+    if "trainer.total_training_steps" in given:  # verl: total_training_steps wins over total_epochs
+        for m in conv.mapped:
+            if m.source == "trainer.total_epochs":
+                m.targets, m.note = {}, "ignored: trainer.total_training_steps is given and wins, as in verl"
     ratio = given.get("actor_rollout_ref.actor.optim.lr_warmup_steps_ratio")
     if ratio is not None and "train.total_steps" in flat and int(given.get("actor_rollout_ref.actor.optim.lr_warmup_steps", -1)) < 0:
         _unmapped_to_mapped(conv, "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio",

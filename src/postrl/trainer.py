@@ -67,7 +67,7 @@ class Trainer:
         head = [self.tokenizer.decode(e.prompt_ids) for e in self.train_examples[:32]]
         if (problem := answer_format_problem(head, [v.name for v in cfg.reward.verifiers])) is not None:
             self.log(f"[yellow]{problem}[/yellow]")  # e.g. DAPO-Math-17k's "Answer:" prompts with math_17k_acc
-        if cfg.train.total_epochs and "total_steps" not in cfg.train.model_fields_set:  # before the LR schedule is built
+        if cfg.train.total_epochs:  # before the LR schedule is built
             cfg.train.total_steps = max(1, cfg.train.total_epochs * (len(self.train_examples) // cfg.train.global_batch_size))
             self.log(f"train.total_epochs {cfg.train.total_epochs}: {cfg.train.total_steps} steps")
         self.ref_model = self._reference_model() if cfg.algorithm.kl.coef > 0 else None
