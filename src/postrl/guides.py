@@ -340,7 +340,7 @@ MINDSPEED: dict[str, Rule] = {
     "bf16": via(_if_true("model.dtype", "bfloat16")),
     "fp16": via(_if_true("model.dtype", "float16")),
     "dtype": via(lambda v: {"model.dtype": v} if v in ("bfloat16", "float16", "float32") else None),
-    "use_flash_attn": via(lambda v: {} , "model.attn_implementation: auto picks flash attention on GPUs where it is installed"),
+    "use_flash_attn": via(lambda v: {}, "model.attn_implementation: auto picks flash attention on GPUs where it is installed"),
     "distributed_backend": drop("postrl picks the backend per device: nccl (cuda), hccl (npu), gloo (cpu)"),
     "no_shared_storage": drop("postrl needs checkpoint.dir on storage every node sees (each node keeping its own ranks' files is not offered); a multi-node run whose nodes do not share it stops at start with the fix (storage.py)"),
     "dataset_additional_keys": drop("postrl reads the ground truth from data.answer_key (reward_model.ground_truth of the verl schema)"),
@@ -522,14 +522,6 @@ def _apply(conv: Conversion, table: dict[str, Rule], prefixes: dict[str, str], k
         conv.unmapped.append(Unmapped(source, value, f"the value {value!r} has no postrl counterpart: {rule.note}"))
     else:
         conv.mapped.append(Mapped(source, value, targets, rule.note))
-
-
-def _derive(conv: Conversion, targets: dict) -> None:
-    """Keys whose value needs another key: added as mapped records of their own source."""
-    for m in conv.mapped:
-        m.targets.update({k: v for k, v in targets.pop(m.source, {}).items()})
-    for source, extra in targets.items():
-        conv.mapped.append(Mapped(source, None, extra, "derived"))
 
 
 def _build_tree(conv: Conversion) -> None:
