@@ -116,21 +116,26 @@ class Actor:
             multi_modal=mm if any(mm) else None,
         )
 
-    def micro_batches(self, rows: range | list[int], packed: Packed) -> Iterator[tuple[list[int], dict[str, Any]]]:
-        """Slices of `rows` of micro_batch_size (or by token budget), trimmed to their own padding.
+    def micro_batches(
+        self, rows: range | list[int], packed: Packed, log_prob_pass: bool = False
+    ) -> Iterator[tuple[list[int], dict[str, Any]]]:
+        """Slices of `rows` of micro_batch_size (or by token budget), trimmed to their own padding; a no-grad
+        log-prob pass uses its own, usually larger, size and budget (train.log_prob_*).
 
-        The token budget (train.max_token_len_per_device) counts every token of a row, tool results of a
-        trajectory included: it bounds activation memory, and the forward computes (and stores for the
-        backward) every token it attends to, whether or not the loss reads it. The width kept is the
-        longest real response (attention mask), not the longest run of model tokens (loss mask).
+        The token budget counts every token of a row, tool results of a trajectory included: it bounds
+        activation memory, and the forward computes (and stores for the backward) every token it attends
+        to, whether or not the loss reads it. The width kept is the longest real response (attention
+        mask), not the longest run of model tokens (loss mask).
         """
         rows = list(rows)
         t = self.cfg.train
+        size = t.log_prob_micro_batch_size if log_prob_pass else t.micro_batch_size
+        budget = t.log_prob_max_token_len if log_prob_pass else t.max_token_len_per_device
         if t.use_dynamic_bsz:
-            groups = token_budget_micro_batches([packed.lengths[i] for i in rows], t.max_token_len_per_device)
+            groups = token_budget_micro_batches([packed.lengths[i] for i in rows], budget)
             chunks = [[rows[j] for j in g] for g in groups]
         else:
-            chunks = [rows[i : i + t.micro_batch_size] for i in range(0, len(rows), t.micro_batch_size)]
+            chunks = [rows[i : i + size] for i in range(0, len(rows), size)]
         x = packed.tensors
         P = x["input_ids"].shape[1] - x["response_mask"].shape[1]
         for idx in chunks:
@@ -157,7 +162,7 @@ class Actor:
     def compute_logprobs(self, model: torch.nn.Module, packed: Packed) -> torch.Tensor:
         """Log-probs [B, T] of every row's response under `model` (the policy or the reference)."""
         out = torch.zeros_like(packed.tensors["response_mask"], dtype=torch.float32)
-        for idx, mb in self.micro_batches(range(packed.size), packed):
+        for idx, mb in self.micro_batches(range(packed.size), packed, log_prob_pass=True):
             T = mb["response_mask"].shape[1]
             with self.runtime.autocast():  # bf16 compute, fp32 log-probs (runtime.py: precision)
                 logp, _ = response_logprobs(

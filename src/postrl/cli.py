@@ -1,4 +1,4 @@
-"""Command line: postrl train | sft | eval | doctor | preprocess | verify | export | check-config | report | tiny-model.
+"""Command line: postrl train | sft | eval | doctor | preprocess | verify | export | check-config | convert-config | report | tiny-model.
 
 Every command takes a YAML config and dotted overrides (`algorithm.clip_ratio_high=0.3`). A problem
 the user can fix is printed as one short paragraph per problem, without a traceback, and the
@@ -137,6 +137,27 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_convert_config(args) -> int:
+    """A MindSpeed-RL YAML or a verl override list -> a postrl YAML (postrl.guides; docs/guides.md)."""
+    from pathlib import Path
+
+    from postrl.config import build_config
+    from postrl.guides import convert_file, convert_verl, render_yaml
+
+    if args.source == "-" or "=" in args.source:  # verl overrides on the command line
+        conv, source = convert_verl([args.source, *args.overrides] if args.source != "-" else args.overrides), "the command line"
+    else:
+        conv, source = convert_file(args.source), args.source
+    text = render_yaml(conv, source)
+    build_config(conv.tree, f"{source} converted")  # a conversion that does not validate is a bug or a bad value: say so now
+    if args.out:
+        Path(args.out).write_text(text)
+        console.print(f"wrote {args.out}: {len(conv.mapped)} keys mapped, {len(conv.unmapped)} not mapped (listed at its end)")
+    else:
+        console.print(text, markup=False, highlight=False, soft_wrap=True)
+    return 0
+
+
 def cmd_tiny_model(args) -> int:
     from postrl.builtin.tiny import build_tiny_model
 
@@ -187,6 +208,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir")
     p.add_argument("--algo", default="dapo")
     p.set_defaults(fn=cmd_report)
+    p = sub.add_parser("convert-config", help="a MindSpeed-RL YAML or verl overrides -> a postrl YAML")
+    p.add_argument("source", help="MindSpeed-RL YAML, a file of verl key=value overrides, or the first override itself")
+    p.add_argument("overrides", nargs="*", default=[], help="more verl overrides (key=value)")
+    p.add_argument("-o", "--out", default=None, help="write the postrl YAML here (default: print it)")
+    p.set_defaults(fn=cmd_convert_config)
     p = sub.add_parser("tiny-model", help="build (or find in the cache) the tiny Qwen2 model")
     p.add_argument("--out", default=None)
     p.set_defaults(fn=cmd_tiny_model)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import logging
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -114,6 +115,11 @@ class DataConfig(Section):
     shuffle: bool = Field(True, description="Shuffle the training prompts every epoch.")
     seed: int = Field(0, description="Seed of the shuffle.")
     builtin: BuiltinTaskConfig = Field(default_factory=BuiltinTaskConfig, description="Built-in task knobs.")
+
+    @field_validator("train_files", "val_files", mode="before")
+    @classmethod
+    def _one_file(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v  # verl writes data.train_files=$HOME/data/train.parquet
     shapes: ShapesTaskConfig = Field(default_factory=ShapesTaskConfig, description="Built-in visual task knobs.")
 
 
@@ -136,6 +142,9 @@ class RolloutConfig(Section):
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism.")
     kv_cache_space_gb: float = Field(1.0, gt=0, description="vLLM on CPU: KV cache size (VLLM_CPU_KVCACHE_SPACE).")
     max_num_seqs: int = Field(256, ge=1, description="vLLM: sequences in flight.")
+    max_num_batched_tokens: int | None = Field(
+        None, ge=1, description="vLLM: tokens one scheduler step may process (prefill chunk size); default vLLM's."
+    )
     enable_sleep_mode: bool = Field(True, description="vLLM on GPU: sleep the engine during the policy update.")
     enforce_eager: bool = Field(
         False,
@@ -418,6 +427,14 @@ class TrainConfig(Section):
         1024, ge=1, description="Tokens per fp32 log-softmax chunk: [tokens, vocab] is never held in fp32 at once."
     )
     max_token_len_per_device: int = Field(4096, ge=1, description="Token budget of a micro-batch (dynamic bsz).")
+    log_prob_micro_batch_size: int | None = Field(
+        None, ge=1, description="Sequences per forward of the old / reference log-prob passes, which keep no activations "
+        "for backward and so can be larger (verl's log_prob_micro_batch_size_per_gpu; default micro_batch_size).",
+    )
+    log_prob_max_token_len: int | None = Field(
+        None, ge=1, description="Token budget of a log-prob micro-batch with use_dynamic_bsz (verl's "
+        "log_prob_max_token_len_per_gpu; default max_token_len_per_device).",
+    )
     epochs_per_batch: int = Field(1, ge=1, description="PPO epochs over each batch.")
     lr: float = Field(1e-6, gt=0, description="Peak learning rate (AdamW).")
     warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
@@ -427,6 +444,10 @@ class TrainConfig(Section):
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
     total_steps: int = Field(100, ge=1, description="Training steps (one batch of global_batch_size groups each).")
+    total_epochs: int | None = Field(
+        None, ge=1, description="Passes over the training prompts (verl's trainer.total_epochs): when set, it replaces "
+        "total_steps with total_epochs x (kept prompts // global_batch_size), counted once the prompts are loaded.",
+    )
     seed: int = Field(42, description="Seed of everything random in the run.")
     deterministic: bool = Field(False, description="Deterministic algorithms (the guides' use_deter_comp).")
     device: Literal["auto", "cpu", "cuda", "npu"] = Field(
@@ -434,6 +455,12 @@ class TrainConfig(Section):
     )
     strategy: Literal["fsdp2", "ddp"] = Field(
         "fsdp2", description="Data parallelism with more than one process: fsdp2 (sharded) or ddp (replicated)."
+    )
+    reshard_after_forward: bool = Field(
+        True,
+        description="FSDP2: free each block's gathered parameters after its forward and gather them again for backward "
+        "(verl's fsdp_config.reshard_after_forward). False keeps them gathered from forward to backward: one all-gather "
+        "fewer per block and step, for the memory of the whole unsharded policy during the update.",
     )
     ref_offload: bool = Field(
         False,
@@ -481,6 +508,10 @@ class TrainConfig(Section):
             self.gen_batch_size = self.global_batch_size
         if self.mini_batch_size is None:
             self.mini_batch_size = self.global_batch_size
+        if self.log_prob_micro_batch_size is None:
+            self.log_prob_micro_batch_size = self.micro_batch_size
+        if self.log_prob_max_token_len is None:
+            self.log_prob_max_token_len = self.max_token_len_per_device
         return self
 
 
@@ -500,7 +531,10 @@ class SFTConfig(Section):
 # ---------------------------------------------------------------------------------------- checkpoint
 class CheckpointConfig(Section):
     dir: str | None = Field(None, description="Checkpoint directory (default <logging.dir>/checkpoints).")
-    save_freq: int = Field(0, ge=0, description="Save every N steps; 0 = only at the end.")
+    save_freq: int = Field(
+        0, ge=-1, description="Save every N steps; 0 = only at the end; -1 = never (as verl's trainer.save_freq=-1: "
+        "no checkpoint at all, so the run cannot be resumed).",
+    )
     save_final: bool = Field(True, description="Save a checkpoint after the last step.")
     resume: str = Field("auto", description="auto (latest in dir, if any) | none | <checkpoint path>.")
     finetune: bool = Field(False, description="Load weights only; start a fresh run from them.")
@@ -567,6 +601,12 @@ class LoggingConfig(Section):
         False, description="Show third-party warnings and logs (transformers, vLLM, torch, Python warnings) and "
         "Hugging Face progress bars on the terminal; by default they go to <logging.dir>/postrl.log (postrl.console).",
     )
+    metric_names: Literal["postrl", "mindspeed", "verl"] = Field(
+        "postrl",
+        description="Names the sinks write: postrl (docs/metrics.md), mindspeed (MindSpeed-RL / -MM dashboards: grad_norm, "
+        "dapo/lr, timing/non_overlap_*) or verl (timing_s/*, critic/score/*, perf/*). Every name and its formula: "
+        "docs/metrics.md. The console line keeps postrl's names.",
+    )
 
     def missing_packages(self) -> list[str]:
         """One problem per sink whose optional package is not installed on this machine."""
@@ -586,6 +626,12 @@ class ClusterConfig(Section):
     nnodes: int = Field(1, ge=1, description="Nodes (NNODES).")
     devices_per_node: int = Field(1, ge=1, description="Processes per node (NPUS_PER_NODE / GPUs).")
     ray_address: str | None = Field(None, description="Ray cluster address (ray start --head ...).")
+    collective_timeout_s: float = Field(
+        1800.0, gt=0, description="How long a collective (all-reduce, all-gather, barrier) may wait for the other ranks "
+        "before the run fails with a timeout: the process group's timeout for nccl, hccl and gloo alike (the role of "
+        "the guides' HCCL_CONNECT_TIMEOUT / HCCL_EXEC_TIMEOUT). Raise it when one rank can lag far behind (long "
+        "rollouts, slow verifiers, checkpoint writes to slow storage).",
+    )
 
 
 class Config(Section):
@@ -605,6 +651,8 @@ class Config(Section):
     @model_validator(mode="after")
     def _derive(self) -> "Config":
         self.algorithm._derive()
+        if self.checkpoint.save_freq < 0:  # never: no periodic and no final checkpoint
+            self.checkpoint.save_freq, self.checkpoint.save_final = 0, False
         if self.checkpoint.dir is None:
             self.checkpoint.dir = str(Path(self.logging.dir) / "checkpoints")
         if self.eval.files is None:
@@ -730,6 +778,26 @@ def read_yaml_mapping(path: str | Path, example: str, keys: str) -> dict:
     return tree
 
 
+def _is_config_key(dotted: str) -> bool:
+    loc = tuple(dotted.split("."))
+    return _section_at(Config, loc[:-1]) is not None and loc[-1] in _section_at(Config, loc[:-1]).model_fields
+
+
+def _split_guides_overrides(overrides: list[str]) -> tuple[list[tuple[str, Any]], list[str]]:
+    """verl-style overrides (`actor_rollout_ref.rollout.n=8`, `data.train_batch_size=4`) translated through
+    postrl.guides' table, and the postrl overrides left as they are. A verl key with no postrl counterpart
+    is reported as a warning with what postrl offers instead, so a guide's command line still runs."""
+    from postrl.guides import convert_verl, split_overrides
+
+    verl, native = split_overrides(overrides, _is_config_key)
+    if not verl:
+        return [], native
+    conv = convert_verl(verl)
+    for u in conv.unmapped:
+        logging.getLogger("postrl.config").warning("override %s=%r not applied: %s", u.source, u.value, u.instead)
+    return list(conv.flat().items()), native
+
+
 def load_config(path: str | Path | None, overrides: list[str] | None = None, check_paths: bool = True) -> Config:
     """Load a YAML file, apply dotted overrides, validate; optionally check this machine
     (`environment_problems`: input paths exist, the logging sinks' packages are installed)."""
@@ -737,7 +805,10 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, che
     source = str(path) if path else "command line"
     if path is not None:
         tree = read_yaml_mapping(path, example="configs/tiny_dapo.yaml", keys="sections (model:, data:, ...)")
-    for key, value in parse_overrides(overrides or []):
+    verl, native = _split_guides_overrides(overrides or [])
+    for key, value in verl:
+        _set_dotted(tree, key, value)
+    for key, value in parse_overrides(native):
         _set_dotted(tree, key, value)
     cfg = build_config(tree, source)
     if check_paths:

@@ -169,6 +169,7 @@ def wrap_model(
     compute_dtype: torch.dtype = torch.float32,
     offload: bool = False,
     device: torch.device | None = None,
+    reshard_after_forward: bool = True,
 ) -> torch.nn.Module:
     """The module the update's forward/backward goes through (the model itself on one process).
 
@@ -184,6 +185,8 @@ def wrap_model(
     frozen model placed on the CPU, e.g. the reference with train.ref_offload) shards it with
     `CPUOffloadPolicy`: its shards stay in host memory and each block is copied to `device` for its
     forward. DDP and single-process runs use autocast instead (runtime.autocast) and ignore both.
+    `reshard_after_forward` (train.reshard_after_forward) is FSDP2's: False keeps each block gathered
+    from its forward to its backward.
     """
     assert strategy in STRATEGIES, f"unknown strategy {strategy!r}; valid: {', '.join(STRATEGIES)}"
     if not is_distributed():
@@ -208,7 +211,7 @@ def wrap_model(
     block_names = set(getattr(model, "_no_split_modules", None) or [])
     blocks = [m for m in model.modules() if type(m).__name__ in block_names]
     for block in blocks:  # one FSDP unit per transformer block: only one block is gathered at a time
-        fully_shard(block, **kwargs)
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
     fully_shard(model, **kwargs)
     return model
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from postrl import distributed
 from postrl.errors import UserError
 from postrl.runtime import Accelerator, accelerator, cpu_threads
+from postrl.storage import unshared_dir_problem
 from postrl.trainer import train
 
 if TYPE_CHECKING:
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
 _FORWARDED_ENV = (
     "PYTHONPATH", "POSTRL_CACHE", "VLLM_ENABLE_V1_MULTIPROCESSING", "TOKENIZERS_PARALLELISM",
     "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "HCCL_SOCKET_IFNAME", "HF_HOME", "HF_HUB_OFFLINE",
+    "LD_PRELOAD", "MALLOC_CONF",  # jemalloc (`LD_PRELOAD=libjemalloc.so.2`), as the guides run their workers (docs/distributed.md)
 )  # fmt: skip
 
 
@@ -67,11 +69,13 @@ def adopt_world(cfg: "Config") -> None:
 
 def run_worker(cfg: "Config", console: Any = None) -> dict[str, float]:
     """One rank: join the process group, train, leave it (a group made by Ray Train is left to Ray)."""
-    created = distributed.init_process_group()
+    created = distributed.init_process_group(cfg.cluster.collective_timeout_s)
     finished = False
     try:
         adopt_world(cfg)
         check_world(cfg, distributed.world_size())
+        if (problem := unshared_dir_problem(cfg.checkpoint.dir)) is not None:  # nodes must share it (storage.py)
+            raise UserError(problem, title="checkpoint.dir is not on shared storage")
         metrics = train(cfg, console)
         finished = True
         return metrics
@@ -225,9 +229,9 @@ def _torch_trainer(cfg: "Config", env: dict[str, str], acc: Accelerator, file_re
     if file_rendezvous:  # ranks meet through a file and talk over lo: no TCP store
         from postrl.ray_rendezvous import FileRendezvousTorchConfig
 
-        torch_config = FileRendezvousTorchConfig(backend=acc.backend)
+        torch_config = FileRendezvousTorchConfig(backend=acc.backend, timeout_s=int(cfg.cluster.collective_timeout_s))
     else:
-        torch_config = TorchConfig(backend=acc.backend)
+        torch_config = TorchConfig(backend=acc.backend, timeout_s=int(cfg.cluster.collective_timeout_s))
     scaling = ScalingConfig(
         num_workers=cfg.world_size, use_gpu=acc.ray_resource == "GPU", resources_per_worker={acc.ray_resource: 1}
     )

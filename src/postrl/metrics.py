@@ -3,6 +3,7 @@
 Names follow the guides (DESIGN.md section 5) so dashboards carry over:
 timing/*, actor/*, <algo>/rewards/*, <algo>/score/*, response_length/*, prompt_length/*,
 dapo/num_gen_batches, dapo/kept_groups_ratio, e2e_tps, update_tps, vllm_tps (rollout_tps), val/<ds>/*.
+`logging.metric_names: mindspeed | verl` renames them at the sinks (`rename_metrics`; docs/metrics.md).
 """
 
 from __future__ import annotations
@@ -17,9 +18,74 @@ from typing import Iterator
 log = logging.getLogger("postrl.metrics")
 
 TIMING_KEYS = (
-    "all", "rollout", "reward", "old_log_p", "reference_model", "adv", "update",
+    "all", "rollout", "reward", "old_log_p", "reference_model", "ref_onload", "ref_offload", "adv", "update",
     "resharding_to_infer", "resharding_to_train", "save", "eval",
 )  # fmt: skip
+
+# ------------------------------------------------------------------------------ the guides' names
+# logging.metric_names: the loop computes postrl's names; the sinks write the guide's (docs/metrics.md).
+# postrl name -> the names written instead ("{algo}" is algorithm.name). Names not listed pass unchanged.
+# MindSpeed keeps postrl's names (they are MindSpeed-RL's) and adds MindSpeed-MM's; verl replaces them.
+GUIDE_NAMES: dict[str, dict[str, tuple[str, ...]]] = {
+    "mindspeed": {
+        "actor/grad_norm": ("actor/grad_norm", "grad_norm"),
+        "actor/lr": ("actor/lr", "{algo}/lr"),
+        "timing/reward": ("timing/reward", "timing/rule_reward", "timing/non_overlap_rule_reward"),
+        # postrl runs the phases one after another, so none overlaps another: non-overlap time = phase time.
+        "timing/reference_model": ("timing/reference_model", "timing/non_overlap_reference_model"),
+        "timing/adv": ("timing/adv", "timing/non_overlap_adv"),
+        "timing/resharding_to_infer": ("timing/resharding_to_infer", "timing/reshard_to_infer"),
+        "timing/resharding_to_train": ("timing/resharding_to_train", "timing/reshard_to_train"),
+    },
+    "verl": {
+        "timing/rollout": ("timing_s/gen",),
+        "timing/reward": ("timing_s/reward",),
+        "timing/old_log_p": ("timing_s/old_log_prob",),
+        "timing/reference_model": ("timing_s/ref",),
+        "timing/adv": ("timing_s/adv",),
+        "timing/update": ("timing_s/update_actor",),
+        "timing/resharding_to_infer": ("timing_s/update_weights",),
+        "timing/save": ("timing_s/save_checkpoint",),
+        "timing/eval": ("timing_s/testing",),
+        "timing/all": ("timing_s/step", "perf/time_per_step"),
+        "{algo}/score/mean": ("critic/score/mean",),
+        "{algo}/score/max": ("critic/score/max",),
+        "{algo}/score/min": ("critic/score/min",),
+        "{algo}/rewards/mean": ("critic/rewards/mean",),
+        "{algo}/rewards/max": ("critic/rewards/max",),
+        "{algo}/rewards/min": ("critic/rewards/min",),
+        "total_tokens": ("perf/total_num_tokens",),
+        "e2e_tps": ("perf/throughput", "e2e_tps"),
+    },
+}
+
+
+def guide_names(names: str, algo: str) -> dict[str, tuple[str, ...]]:
+    """The renaming of one logging.metric_names mode, with the algorithm's prefix filled in."""
+    return {k.format(algo=algo): tuple(n.format(algo=algo) for n in v) for k, v in GUIDE_NAMES.get(names, {}).items()}
+
+
+def rename_metrics(metrics: dict[str, float], names: str, algo: str) -> dict[str, float]:
+    """postrl's metrics under the names of logging.metric_names (postrl: unchanged)."""
+    if names == "postrl":
+        return metrics
+    table = guide_names(names, algo)
+    out: dict[str, float] = {}
+    for k, v in metrics.items():
+        for name in table.get(k, (k,)):
+            out[name] = v
+    return out
+
+
+def lookup(row: dict, name: str, algo: str, default: float | None = None) -> float | None:
+    """A postrl metric from a metrics.jsonl row written under any logging.metric_names."""
+    if name in row:
+        return row[name]
+    for mode in GUIDE_NAMES:
+        for alias in guide_names(mode, algo).get(name, ()):
+            if alias in row:
+                return row[alias]
+    return default
 
 
 class Timer:
@@ -57,6 +123,7 @@ def throughput(
 
     rollout_tps = per(timing["timing/rollout"])
     return {
+        "total_tokens": tokens * world_size,  # prompt + response tokens of the step's batch, all ranks
         "e2e_tps": per(timing["timing/all"]),
         "update_tps": per(timing["timing/update"]),
         f"{engine}_tps": rollout_tps,
@@ -74,8 +141,12 @@ def summary_stats(prefix: str, values: list[float]) -> dict[str, float]:
 class MetricsLogger:
     """Writes one JSON object per step to <dir>/metrics.jsonl and optional external sinks."""
 
-    def __init__(self, log_dir: str | Path, sinks: list[str], config_dict: dict | None = None, enabled: bool = True):
+    def __init__(
+        self, log_dir: str | Path, sinks: list[str], config_dict: dict | None = None, enabled: bool = True,
+        metric_names: str = "postrl", algo: str = "grpo",
+    ):  # fmt: skip
         self.dir = Path(log_dir)
+        self.metric_names, self.algo = metric_names, algo
         self.enabled = enabled
         self.sinks = sinks
         self._jsonl = None
@@ -105,6 +176,7 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
             return
+        metrics = rename_metrics(metrics, self.metric_names, self.algo)
         if self._jsonl:
             self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
             self._jsonl.flush()
@@ -183,7 +255,9 @@ def plot_run(metrics_path: str | Path, out_png: str | Path, algo: str) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in read_jsonl(metrics_path)]
+    # Rows in postrl's names, whatever logging.metric_names the run wrote them under.
+    wanted = (f"{algo}/rewards/mean", f"{algo}/acc/mean", "response_length/mean")
+    rows = [{**r, **{k: lookup(r, k, algo) for k in wanted if lookup(r, k, algo) is not None}} for r in read_jsonl(metrics_path)]
     train = [r for r in rows if f"{algo}/rewards/mean" in r]
     val = [(r["step"], k, v) for r in rows for k, v in r.items() if k.startswith("val/") and k.endswith("acc_mean@1")]
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))

@@ -30,6 +30,7 @@ from postrl.experience import Batch, Experience, batch_metrics
 from postrl.metrics import MetricsLogger, Timer, plot_run, read_jsonl, step_line, throughput, val_line
 from postrl.models import cast_weights, load_model, load_policy
 from postrl.rewards import RewardFunction
+from postrl.rewards.math import answer_format_problem
 from postrl.rollout import make_engine
 from postrl.runtime import StopOnSignal, configure_threads, init_runtime, rng_state, seed_everything, set_rng_state
 
@@ -60,14 +61,22 @@ class Trainer:
         configure_threads(self.model, cfg.train.num_threads, self.log)
         if lora.is_lora(self.model):
             self.log(lora.summary(self.model))
-        self.ref_model = self._reference_model() if cfg.algorithm.kl.coef > 0 else None
-        # FSDP2 shards self.model in place (before the optimizer sees its parameters); DDP wraps it.
-        train_model = distributed.wrap_model(self.model, cfg.train.strategy, compute_dtype=rt.dtype)
-        self.actor = Actor(cfg, self.policy, train_model, rt, self.log)
-
         self.train_examples, summary = load_prompts(cfg.data.train_files, self.tokenizer, cfg.data, modality=self.policy.modality)
         bad = f", {summary['dropped_bad']} malformed image rows skipped" if summary.get("dropped_bad") else ""
         self.log(f"train prompts: {summary['kept']} ({summary['dropped_overlong']} dropped as overlong{bad})")
+        head = [self.tokenizer.decode(e.prompt_ids) for e in self.train_examples[:32]]
+        if (problem := answer_format_problem(head, [v.name for v in cfg.reward.verifiers])) is not None:
+            self.log(f"[yellow]{problem}[/yellow]")  # e.g. DAPO-Math-17k's "Answer:" prompts with math_17k_acc
+        if cfg.train.total_epochs:  # before the LR schedule is built
+            cfg.train.total_steps = max(1, cfg.train.total_epochs * (len(self.train_examples) // cfg.train.global_batch_size))
+            self.log(f"train.total_epochs {cfg.train.total_epochs}: {cfg.train.total_steps} steps")
+        self.ref_model = self._reference_model() if cfg.algorithm.kl.coef > 0 else None
+        # FSDP2 shards self.model in place (before the optimizer sees its parameters); DDP wraps it.
+        train_model = distributed.wrap_model(
+            self.model, cfg.train.strategy, compute_dtype=rt.dtype, reshard_after_forward=cfg.train.reshard_after_forward
+        )
+        self.actor = Actor(cfg, self.policy, train_model, rt, self.log)
+
         self.val_sets = load_val_sets(cfg.eval.files or [], self.tokenizer, cfg.data, cfg.eval.max_prompts, self.policy.modality)
         self.sampler = PromptSampler(len(self.train_examples), cfg.data.shuffle, cfg.data.seed)
         self.reward_fn = RewardFunction(cfg.reward)
@@ -83,7 +92,10 @@ class Trainer:
                 "(it samples with the trainer's own model, so there is no gap to correct): no correction is applied.[/yellow]"
             )
         self.experience = Experience(cfg, self.engine, self.tokenizer, self.reward_fn, self.train_examples, self.sampler)
-        self.logger = MetricsLogger(cfg.logging.dir, cfg.logging.sinks, cfg.model_dump(mode="json"), enabled=rt.is_main)
+        self.logger = MetricsLogger(
+            cfg.logging.dir, cfg.logging.sinks, cfg.model_dump(mode="json"), enabled=rt.is_main,
+            metric_names=cfg.logging.metric_names, algo=self.algo_name,
+        )  # fmt: skip
         self.step = 0
         self.timer = Timer()
         self._closed = False
@@ -123,9 +135,15 @@ class Trainer:
         if self.ref_model is self.model:
             with lora.disabled(self.model):
                 yield self.model
-        else:
-            with distributed.on_device(self.ref_model, self.runtime):
+        else:  # timed apart: the reference's trips to and from host memory (train.ref_offload)
+            placed = distributed.on_device(self.ref_model, self.runtime)
+            with self.timer("ref_onload"):
+                placed.__enter__()
+            try:
                 yield self.ref_model
+            finally:
+                with self.timer("ref_offload"):
+                    placed.__exit__(None, None, None)
 
     # ----------------------------------------------------------------------------------- the loop
     def fit(self) -> dict[str, float]:

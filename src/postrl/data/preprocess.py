@@ -56,6 +56,9 @@ class PreprocessConfig(BaseModel):
     )
     tokenizer_type: str | None = Field(None, description="Accepted for compatibility with the guides; ignored.")
     prompt_type: str = Field("empty", description="Chat template: empty, qwen, qwen_r1, qwen_math_r1, qwen3, llama3.")
+    prompt_type_path: str | None = Field(
+        None, description="A JSON file of templates as MindSpeed-RL's configs/model/templates.json; prompt_type names one of its entries.",
+    )
     seq_length: int | None = Field(None, ge=1, description="Drop prompts longer than this many tokens (needs a tokenizer).")
     workers: int = Field(1, ge=1, description="Parallel worker processes.")
     log_interval: int = Field(1000, ge=1, description="Print progress every N rows.")
@@ -153,6 +156,7 @@ class Settings:
     handler_name: str
     map_keys: dict[str, str]
     prompt_type: str
+    prompt_type_path: str | None
     instruction: str
     system_prompt: str | None
     data_source: str
@@ -176,7 +180,7 @@ class RowProcessor:
     def __init__(self, s: Settings):
         self.s = s
         self.spec = get_handler(s.handler_name)
-        self.template = get_template(s.prompt_type)
+        self.template = get_template(s.prompt_type, s.prompt_type_path)
         self.tokenizer = load_tokenizer(s.tokenizer_path) if s.tokenizer_path else None
 
     def count_tokens(self, messages: list[dict[str, str]]) -> int:
@@ -333,7 +337,8 @@ def run_preprocess(cfg: PreprocessConfig, config_dir: Path = Path("."), out=sys.
     """Run the whole preprocessing; returns the summary dict (also written next to the parquet)."""
     t0 = time.perf_counter()
     spec = get_handler(cfg.handler_name)
-    template = get_template(cfg.prompt_type)
+    templates_file = _resolve(cfg.prompt_type_path, config_dir) if cfg.prompt_type_path else None
+    template = get_template(cfg.prompt_type, templates_file)
     if cfg.seq_length is not None and not cfg.tokenizer_name_or_path:
         raise UserError("seq_length needs tokenizer_name_or_path to count prompt tokens. Fix: set both, or neither.")
     inputs = [cfg.input] if isinstance(cfg.input, str) else cfg.input
@@ -347,6 +352,7 @@ def run_preprocess(cfg: PreprocessConfig, config_dir: Path = Path("."), out=sys.
         handler_name=cfg.handler_name,
         map_keys=map_keys,
         prompt_type=cfg.prompt_type,
+        prompt_type_path=templates_file,
         instruction=instruction,
         system_prompt=cfg.system_prompt,
         data_source=cfg.data_source or "",
@@ -461,8 +467,28 @@ def _print_summary(report: dict, problems: list[str], summary_path: str, out) ->
     print(f"wrote {report['output']} and {summary_path} in {report['seconds']:.1f} s", file=out)
 
 
+# The guides' short names (`bash examples/data/preprocess_data.sh math_17k`) -> shipped YAMLs.
+SHIPPED = Path(__file__).resolve().parents[3] / "configs" / "datasets"
+
+
+def resolve_config(name: str) -> str:
+    """A YAML path as given, or a short name (math_17k, dapo_math_17k, deepscaler, gsm8k, math, geo3k,
+    geo3k_test) of configs/datasets/<name>.yaml, here or in postrl's source checkout."""
+    if Path(name).exists() or name.endswith((".yaml", ".yml")) or "/" in name:
+        return name
+    for base in (Path("configs") / "datasets", SHIPPED):
+        if (base / f"{name}.yaml").is_file():
+            return str(base / f"{name}.yaml")
+    known = sorted(p.stem for p in SHIPPED.glob("*.yaml")) if SHIPPED.is_dir() else []
+    raise UserError(
+        f"'{name}' is neither a YAML file nor the short name of a shipped dataset config"
+        + (f" ({', '.join(known)})" if known else "") + ". Fix: pass a path, or one of those names."
+    )
+
+
 def main_preprocess(config_path: str) -> int:
-    """Entry point of `postrl preprocess CONFIG.yaml`; raises UserError for bad config or input."""
+    """Entry point of `postrl preprocess CONFIG.yaml | NAME`; raises UserError for bad config or input."""
+    config_path = resolve_config(config_path)
     cfg = load_preprocess_config(config_path)
     run_preprocess(cfg, Path(config_path).resolve().parent)
     return 0

@@ -14,8 +14,10 @@ template; a tokenizer without one falls back to plain text, and says so once (`h
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from postrl.errors import UserError
@@ -95,8 +97,44 @@ TEMPLATES: dict[str, ChatTemplate] = {
 }
 
 
-def get_template(name: str | None) -> ChatTemplate:
-    """The template named `name` (None means "empty"); a UserError lists the valid names."""
+def load_templates_file(path: str | Path) -> dict[str, ChatTemplate]:
+    """Templates from a JSON file in MindSpeed-RL's templates.json format: a list of entries with `name`,
+    `format_user` / `format_system` / `format_assistant` / `format_prefix` ({"slots": [...]}, the text
+    around `{{content}}`) and `default_system`. Special-token slots (["bos_token"]) are left out: the
+    tokenizer's chat template adds them at training time."""
+    try:
+        entries = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"prompt_type_path '{path}' is not a readable JSON file ({exc}). Fix: point it at a templates.json.") from None
+    if isinstance(entries, dict):
+        entries = [{"name": k, **v} for k, v in entries.items()]
+
+    def slots(entry: dict, key: str) -> str:
+        parts = (entry.get(key) or {}).get("slots", [])
+        text = "".join(p for p in parts if isinstance(p, str))
+        return text.replace("{", "{{").replace("}", "}}").replace("{{{{content}}}}", "{content}")
+
+    out = {}
+    for e in entries:
+        if not isinstance(e, dict) or "name" not in e:
+            raise UserError(f"{path}: every template needs a 'name' (got {str(e)[:80]}). Fix: correct the file.")
+        system = e.get("default_system")
+        out[e["name"]] = ChatTemplate(
+            e["name"], default_system=system or None, instructs=bool(system and ("boxed" in system or "answer" in system.lower())),
+            prefix=slots(e, "format_prefix"), system_format=slots(e, "format_system") or "{content}",
+            user_format=slots(e, "format_user") or "{content}", assistant_format=slots(e, "format_assistant") or "{content}",
+        )  # fmt: skip
+    return out
+
+
+def get_template(name: str | None, path: str | Path | None = None) -> ChatTemplate:
+    """The template named `name` (None means "empty"), from `path` (a templates.json) when given;
+    a UserError lists the valid names."""
+    if path is not None:
+        found = load_templates_file(path)
+        if name not in found:
+            raise UserError(f"prompt_type '{name}' is not in {path}. Its templates: {', '.join(found)}. Fix: name one of them.")
+        return found[name]
     key = "empty" if name in (None, "") else str(name)
     if key not in TEMPLATES:
         raise UserError(

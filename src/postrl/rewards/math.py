@@ -68,3 +68,29 @@ def dapo_accuracy(completion: str, ground_truth: str, row: dict) -> VerifierResu
     answer = extract_dapo_answer(completion)
     ok = answer is not None and minerva_normalize(answer) == minerva_normalize(ground_truth[:10_000])
     return VerifierResult(1.0 if ok else -1.0, {"acc": float(ok)})
+
+
+# ------------------------------------------------------------------- prompts vs the verifier's reading
+BOXED_ONLY = frozenset({"math_17k_acc", "boxed_acc", "base_acc", "geo3k"})  # read nothing but \boxed{}
+_ASKS_ANSWER_LINE = re.compile(r"Answer:\s*\$?Answer|after \"Answer:\"|form Answer:", re.IGNORECASE)
+
+
+def answer_format_problem(prompt_texts: list[str], verifier_names: list[str]) -> str | None:
+    """A warning when the prompts ask for an `Answer:` line but every verifier reads only \\boxed{}.
+
+    DAPO-Math-17k's prompts end with "Answer: $Answer"; a model that obeys writes no box, and a
+    boxed-only reader (math_17k_acc, as MindSpeed-RL's) scores every such completion 0, so nothing
+    is learned until the model boxes by chance. Checked on the prompts' text before training.
+    """
+    if not prompt_texts or not set(verifier_names) <= BOXED_ONLY:
+        return None
+    asking = [p for p in prompt_texts if _ASKS_ANSWER_LINE.search(p) and "boxed" not in p]
+    if len(asking) * 2 < len(prompt_texts):
+        return None
+    return (
+        f"{len(asking)} of {len(prompt_texts)} training prompts ask for the answer on an 'Answer:' line (DAPO-Math-17k's "
+        f"format), but reward.verifiers ({', '.join(verifier_names)}) read only the last \\boxed{{}}: a completion that "
+        "obeys the prompt scores 0, as it does under MindSpeed-RL's math_17k_acc. Fix: use acc_for_dapo (reads the "
+        "Answer: line) or math_verify, or preprocess with `postrl preprocess math_17k`, whose prompts also ask for "
+        "\\boxed{}."
+    )

@@ -96,6 +96,8 @@ def engine_kwargs(
     )
     if acc.is_device:
         kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization, enable_sleep_mode=cfg.enable_sleep_mode)
+        if cfg.max_num_batched_tokens is not None:  # the guides' prefill chunk; else vLLM's own default
+            kwargs.update(max_num_batched_tokens=cfg.max_num_batched_tokens)
     else:
         longest = max_model_len or getattr(model.config, "max_position_embeddings", None) or 32768
         kwargs.update(_cpu_kwargs(cfg, int(longest)))
