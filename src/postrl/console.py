@@ -64,7 +64,10 @@ def quiet_console(logging_cfg: Any) -> Path | None:
         handler.postrl_console = True
         root.addHandler(handler)
     root.setLevel(logging.WARNING)
-    logging.captureWarnings(True)  # warnings.warn -> the "py.warnings" logger -> the file
+    # warnings.warn -> the "py.warnings" logger -> the file. Off first: captureWarnings(True) does nothing when
+    # it ran before, even if something (pytest, warnings.catch_warnings) has since put showwarning back.
+    logging.captureWarnings(False)
+    logging.captureWarnings(True)
     _route_transformers()
     return path
 
