@@ -340,6 +340,14 @@ class TrainConfig(Section):
         1024, ge=1, description="Tokens per fp32 log-softmax chunk: [tokens, vocab] is never held in fp32 at once."
     )
     max_token_len_per_device: int = Field(4096, ge=1, description="Token budget of a micro-batch (dynamic bsz).")
+    sequence_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="Ulysses sequence parallelism (verl's ulysses_sequence_parallel_size): each micro-batch's tokens are "
+        "split across this many ranks, attention exchanges heads by all-to-all, so a 30k-token response fits; "
+        "with use_dynamic_bsz a micro-batch holds sequence_parallel_size x max_token_len_per_device tokens, each rank "
+        "max_token_len_per_device of them. Must divide the world size and the model's attention heads (docs/gpu.md).",
+    )
     epochs_per_batch: int = Field(1, ge=1, description="PPO epochs over each batch.")
     lr: float = Field(1e-6, gt=0, description="Peak learning rate (AdamW).")
     warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
@@ -540,6 +548,12 @@ class Config(Section):
                 f"algorithm.overlong_buffer.len ({ob.len}) must be smaller than rollout.max_tokens "
                 f"({self.rollout.max_tokens}): the penalty starts at max_tokens - len. "
                 "Fix: shorten the buffer or raise rollout.max_tokens."
+            )
+        sp = self.train.sequence_parallel_size
+        if sp > 1 and self.world_size % sp:
+            problems.append(
+                f"train.sequence_parallel_size ({sp}) must divide the world size ({self.world_size} devices): each "
+                "sequence-parallel group is that many ranks. Fix: choose a divisor, or change cluster.devices_per_node / nnodes."
             )
         if problems:
             raise ValueError("\n".join(problems))
