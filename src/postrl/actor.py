@@ -20,6 +20,7 @@ Where it departs from a textbook reading:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from typing import Any, Iterator
 import torch
 
 from postrl import algorithms as algo
-from postrl import distributed
+from postrl import distributed, moe
 from postrl.experience import Batch
 from postrl.models import Policy, build_sequences, response_logprobs
 from postrl.partition import rank_rows, token_budget_micro_batches
@@ -74,6 +75,9 @@ class Actor:
         self.on_policy = t.mini_batch_size == t.global_batch_size and t.epochs_per_batch == 1
         self.policy_loss = algo.get_policy_loss_fn(cfg.algorithm.policy_loss)
         self._logprob_options = dict(remove_padding=t.use_remove_padding, chunk_tokens=t.logprob_chunk_tokens)
+        # MoE: the routers' load-balancing loss and per-expert load of each update forward (postrl.moe)
+        self.router = moe.RouterTrace(model) if moe.is_moe(model) else None
+        self.router_aux_coef = moe.aux_loss_coef(cfg.model.router_aux_loss_coef, model)
 
     # --------------------------------------------------------------------------------- tensors
     def pack(self, batch: Batch, adv_B: torch.Tensor) -> Packed:
@@ -190,7 +194,8 @@ class Actor:
         """Forward, loss and backward of one micro-batch; returns its (pg, kl) loss shares."""
         a = self.cfg.algorithm
         mask = mb["response_mask"]
-        with self.runtime.autocast():  # the forward only: losses below and backward run outside, in fp32
+        router = self.router or contextlib.nullcontext()
+        with self.runtime.autocast(), router:  # the forward only: losses below and backward run outside, in fp32
             logp, entropy = response_logprobs(
                 self.train_model, mb["input_ids"], mb["attention_mask"], mb["position_ids"], mask.shape[1],
                 self.cfg.rollout.temperature, with_entropy=True, multi_modal=mb.get("multi_modal"), modality=self.modality,
@@ -212,6 +217,10 @@ class Actor:
         loss = pg
         if a.entropy_coef:
             loss = loss - a.entropy_coef * algo.aggregate_loss(entropy, mask, **agg)
+        if self.router is not None:  # MoE: Switch Transformer's load-balancing loss, per micro-batch
+            aux, moe_stats = self.router.stats()
+            loss = loss + self.router_aux_coef * aux
+            stats = {**stats, **moe_stats}
         kl_value = 0.0
         if use_ref:
             kl = algo.aggregate_loss(algo.kl_penalty(logp, mb["ref_logp"], a.kl.estimator), mask, **agg)

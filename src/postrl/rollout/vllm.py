@@ -35,6 +35,7 @@ import torch
 from postrl import distributed
 from postrl.config import RolloutConfig
 from postrl.modality import TEXT, Modality
+from postrl.moe import is_moe
 from postrl.rollout.base import Completion, SamplingParams, eos_token_ids
 from postrl.rollout.vllm_platform import (
     MAX_TEMPERATURE,
@@ -43,6 +44,7 @@ from postrl.rollout.vllm_platform import (
     engine_dtype,
     engine_kwargs,
     keep_rng,
+    repack_cpu_moe,
     start_engine,
 )
 from postrl.runtime import accelerator
@@ -104,6 +106,7 @@ class VLLMEngine:
         # Generation runs with the process's thread count (runtime.configure_threads decided it once).
         self.rollout_threads = torch.get_num_threads()
         self._sampling_cls = vllm.SamplingParams
+        self.moe = is_moe(model)
         self.sync_weights(model)
 
     # ------------------------------------------------------------------------------ generation
@@ -189,6 +192,8 @@ class VLLMEngine:
         if "weights" in self._asleep:
             self.wake_up(tags=["weights"])
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": _hf_weights(model, self.dtype)})
+        if self.moe and not self.accelerator.is_device:
+            self.llm.collective_rpc(repack_cpu_moe)  # vLLM 0.32 leaves CPU expert weights unpacked after a reload
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
 
     @torch.no_grad()
