@@ -218,3 +218,18 @@ def test_sequence_parallel_must_divide_the_world_size():
     root = Path(__file__).resolve().parents[1]
     with pytest.raises(UserError, match=r"train.sequence_parallel_size \(3\) must divide the world size \(8 devices\)"):
         load_config(str(root / "configs/qwen25_7b_dapo_32k.yaml"), ["train.sequence_parallel_size=3"], check_paths=False)
+
+
+def test_expert_parallelism_is_the_engines_tensor_parallel_group(capsys):
+    from postrl.config import load_config
+    from postrl.errors import UserError
+
+    root = Path(__file__).resolve().parents[1]
+    recipe = str(root / "configs/qwen3_vl_30b_a3b_dapo.yaml")
+    assert load_config(recipe, [], check_paths=False).rollout.expert_parallel_size == 8
+    with pytest.raises(UserError, match=r"rollout.expert_parallel_size \(4\) must equal rollout.tensor_parallel_size \(8\)"):
+        load_config(recipe, ["rollout.expert_parallel_size=4"], check_paths=False)
+    # Until the trainer splits sequences, `train` refuses sequence parallelism with what to do (check-config estimates it).
+    overrides = ["model.path=builtin:tiny-qwen2", "cluster.devices_per_node=2", "train.sequence_parallel_size=2"]
+    assert main(["train", str(root / "configs/tiny_dapo.yaml"), *overrides]) != 0
+    assert "the trainer does not split sequences" in " ".join(capsys.readouterr().out.split())
