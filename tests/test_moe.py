@@ -129,3 +129,24 @@ def test_three_dapo_steps_with_the_vllm_engine_log_the_routers(moe_path, tmp_pat
         # E x sum_k sum_e (1/E x 1/E) = K = 2; all on one pair of experts would give up to E = 8.
         assert 0 < r["moe/load_min"] <= 1 / 8 <= r["moe/load_max"] < 1
         assert 1.5 < r["moe/aux_loss"] < 8
+
+
+def test_two_dapo_steps_of_a_tiny_qwen3_vl_moe_log_the_routers(tmp_path, capsys):
+    """A random tiny Qwen3-VL-MoE (4 experts, 2 per token) on the shapes task: the routers sit in the text
+    model, behind the vision tower, and are traced the same way. HF rollout: vLLM's VL code needs torchvision,
+    which this CPU install lacks (docs/vision.md)."""
+    from test_vision import _family_dir
+
+    from postrl.cli import main
+
+    path = _family_dir("qwen3_vl_moe", tmp_path / "vlmoe")
+    code = main([
+        "train", "configs/tiny_vl_dapo.yaml", f"model.path={path}", "rollout.engine=hf", "train.total_steps=2",
+        "train.global_batch_size=2", "train.gen_batch_size=2", "rollout.n_samples_per_prompt=2", "rollout.max_tokens=8",
+        "algorithm.filter_groups.enable=false", "eval.before_train=false", "eval.freq=0", f"logging.dir={tmp_path / 'run'}",
+        "checkpoint.keep_best=null", "checkpoint.save_freq=0", "data.shapes.train_size=16", "data.shapes.val_size=4",
+    ])  # fmt: skip
+    assert code == 0, capsys.readouterr().out[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "moe/aux_loss" in r]
+    assert len(steps) == 2 and all(0 < r["moe/load_min"] <= 1 / 4 <= r["moe/load_max"] <= 1 for r in steps)
