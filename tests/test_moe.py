@@ -97,13 +97,27 @@ def test_vllm_engine_takes_the_trained_moe_weights(moe_path):
         engine.sync_weights(model)
         synced = (torch.tensor(engine.probe_logprobs(probe)) - trainer()).abs().max()
         assert stale > 0.1 and synced < 1e-4, (float(stale), float(synced))
+        # The engine's routing of the probe (its routers' top-2, captured in vLLM's forward) is the trainer's.
+        trace = moe.RouterTrace(model)
+        with torch.no_grad(), trace:
+            model(input_ids=ids)
+        engine_LNK = engine.probe_routing(probe, top_k=2)
+        assert engine_LNK.shape == (2, len(probe), 2)
+        assert moe.routing_mismatch(engine_LNK, trace.stacked()[1]) == 0.0
+        # A router the engine has not received: the mismatch shows it (the weights differ, so do choices).
+        with torch.no_grad():
+            trace.routers[0].weight.mul_(-1.0)
+            with trace:
+                model(input_ids=ids)
+        assert moe.routing_mismatch(engine.probe_routing(probe, top_k=2), trace.stacked()[1]) > 0.2
     finally:
         engine.close()
 
 
 def test_three_dapo_steps_with_the_vllm_engine_log_the_routers(moe_path, tmp_path, capsys):
     """builtin:tiny-qwen3-moe, DAPO, vLLM rollout: the sync guard checks every step (it would stop the run),
-    the start-up line says why router replay is off, and moe/* metrics are logged each step."""
+    the start-up line says why router replay is off, and moe/* metrics (load, aux loss, the routing mismatch
+    on the sync guard's probe) are logged each step."""
     import postrl.rollout.vllm_platform as vllm_platform
     from postrl.cli import main
 
@@ -125,6 +139,7 @@ def test_three_dapo_steps_with_the_vllm_engine_log_the_routers(moe_path, tmp_pat
     steps = [r for r in rows if "moe/aux_loss" in r]
     assert len(steps) == 3
     for r in steps:
+        assert r["moe/routing_mismatch"] == 0.0  # fp32 on both sides: the same experts for every probe token
         # 8 experts, top-2: a balanced router gives each 1/8 of the slots and an aux loss of
         # E x sum_k sum_e (1/E x 1/E) = K = 2; all on one pair of experts would give up to E = 8.
         assert 0 < r["moe/load_min"] <= 1 / 8 <= r["moe/load_max"] < 1

@@ -11,10 +11,12 @@ in dense models, and each has a number here:
 - train-inference routing mismatch: the engine and the trainer compute the router in different
   kernels and precisions, so near-ties pick different experts and the same token is computed by a
   different network (Megatron-LM #4168, NeMo-RL #4243 report collapses from it). `routing_mismatch`
-  measures it (share of tokens whose top-k sets differ) and `RouterTrace(replay_LNK=...)` removes it
-  by running the trainer's forward on the engine's experts (verl, NeMo-RL, slime: router replay).
-  Both need the engine's routing, which vLLM 0.32 returns (enable_return_routed_experts) only with its
-  Model Runner V2 (Triton, GPU); on CPU it cannot, and the run says so at start (REPLAY_UNAVAILABLE).
+  measures it (share of tokens whose top-k sets differ): the sync guard compares vLLM's routing of its
+  probe sequence (VLLMEngine.probe_routing, hooks on vLLM's gates) with the trainer's after every sync
+  (moe/routing_mismatch). `RouterTrace` with `replay_LNK` removes it by running the trainer's forward
+  on the engine's experts (verl, NeMo-RL, slime: router replay); that needs the engine's routing of
+  every sampled token, which vLLM 0.32 returns (enable_return_routed_experts) only with its Model
+  Runner V2 (Triton, GPU), so replay is off and the run says so at start (REPLAY_UNAVAILABLE).
 - weight sync: vLLM 0.32 on CPU leaves the fused expert weights unpacked after a reload
   (rollout/vllm_platform.repack_cpu_moe packs them again; without it the sync guard stops the run).
 """
@@ -29,7 +31,7 @@ import torch
 REPLAY_UNAVAILABLE = (
     "MoE: router replay off: vLLM 0.32 returns the experts it routed to (enable_return_routed_experts) only with its "
     "Model Runner V2, which needs Triton (GPU), and postrl does not feed them to the trainer yet; the trainer routes "
-    "each token itself (moe/aux_loss, moe/load_max, moe/load_min show the routers; docs/gpu.md)"
+    "each token itself (moe/routing_mismatch on the sync probe, moe/aux_loss, moe/load_max, moe/load_min; docs/gpu.md)"
 )
 
 

@@ -160,6 +160,33 @@ def repack_cpu_moe(worker: Any) -> int:
     return packed
 
 
+_ROUTER_CAPTURE: dict[str, Any] = {}  # per worker process: the hooks and the captured router logits
+
+
+def start_router_capture(worker: Any) -> int:
+    """Hook every MoE router (`GateLinear`) of the worker's model to record its logits (`collective_rpc`);
+    returns the number of routers hooked."""
+    from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+
+    logits: list[torch.Tensor] = []
+
+    def hook(module: Any, args: Any, out: Any) -> None:
+        logits.append((out[0] if isinstance(out, tuple) else out).detach().float().cpu())
+
+    gates = [m for m in worker.model_runner.get_model().modules() if isinstance(m, GateLinear)]
+    _ROUTER_CAPTURE.update(logits=logits, handles=[g.register_forward_hook(hook) for g in gates], layers=len(gates))
+    return len(gates)
+
+
+def stop_router_capture(worker: Any) -> list[torch.Tensor]:
+    """Remove the hooks; the router logits [N, E] of each router call since `start_router_capture`, in call order."""
+    for h in _ROUTER_CAPTURE.get("handles", []):
+        h.remove()
+    logits = _ROUTER_CAPTURE.get("logits", [])
+    _ROUTER_CAPTURE.clear()
+    return logits
+
+
 @contextlib.contextmanager
 def keep_rng() -> Iterator[None]:
     """Restore Python, NumPy and torch (CPU and every device's: vLLM seeds them all) RNG states on exit."""
