@@ -4,9 +4,9 @@
 the config is known (before torch, transformers or vLLM are imported). Unless `logging.verbose`:
 
 - Python warnings (deprecations, `torch.set_num_threads` advice, ...) and every library logger
-  (transformers, vLLM, torch, huggingface_hub, Ray) go to `<logging.dir>/postrl.log` (rank r > 0 of a
+  (transformers, vLLM, torch, huggingface_hub) go to `<logging.dir>/postrl.log` (rank r > 0 of a
   multi-process job: `postrl.rank<r>.log`). The terminal keeps records of postrl's own loggers at
-  WARNING and above, and anyone's at ERROR and above; exceptions and UserErrors print as before.
+  WARNING and above, and anyone's at ERROR and above; exceptions and UserErrors print to the terminal.
 - vLLM logs through Python's logging (`VLLM_CONFIGURE_LOGGING=0`) instead of its own stdout handler,
   and transformers' handler gives way to the same file.
 - Progress bars of Hugging Face loading and saving ("Loading weights", "Writing model shards") are
