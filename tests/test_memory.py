@@ -207,6 +207,9 @@ def test_check_config_estimates_the_7b_recipe_at_32k_tokens_with_sequence_parall
     assert "Ulysses sequence parallel 4" in out
     assert _row(out, "activations (8,192 tokens / micro-batch / rank)") == round(3_439_329_280 / GiB, 2) == 3.20
     assert _row(out, "log-prob logits (7,680") == round(6_539_968_512 / GiB, 2) == 6.09
+    # Qwen2.5-7B's 28 heads do not split over 8 ranks: the estimate says so and lists what does.
+    eight = _check_config(capsys, "qwen25_7b_dapo_32k.yaml", "train.sequence_parallel_size=8")
+    assert "does not divide its 28 attention heads" in eight and "Fix: choose one of [2, 4]" in eight
     alone = _check_config(capsys, "qwen25_7b_dapo_32k.yaml", "train.sequence_parallel_size=1", "train.max_token_len_per_device=32768")
     assert _row(alone, "log-prob logits (30,720") == round((4 * 4_671_406_080 + 1_868_562_432) / GiB, 2) == 19.14
 

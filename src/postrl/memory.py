@@ -316,6 +316,13 @@ def estimate_for_config(cfg, device_gib: float) -> tuple[Estimate | None, str]:
         )  # fmt: skip
         return None, f"no memory estimate for {cfg.model.path}: {why}"
     t, d, r, m = cfg.train, cfg.data, cfg.rollout, cfg.model
+    if shape.heads % t.sequence_parallel_size:
+        divisors = [u for u in range(2, shape.heads + 1) if shape.heads % u == 0 and cfg.world_size % u == 0]
+        return None, (
+            f"no memory estimate for {m.path}: train.sequence_parallel_size ({t.sequence_parallel_size}) does not divide its "
+            f"{shape.heads} attention heads, and Ulysses attention gives each rank of the group a whole share of them. "
+            f"Fix: choose one of {divisors or [1]}."
+        )
     adapters = shape.adapter_params(m.lora_rank, m.target_modules) if m.lora_rank else 0
     # a KL reference of its own: with LoRA the reference is the base (adapters off), unless ref_model_path names one
     separate_ref = cfg.algorithm.kl.coef > 0 and (not m.lora_rank or bool(cfg.checkpoint.ref_model_path))
