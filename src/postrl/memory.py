@@ -387,7 +387,6 @@ def report(
         lines.append(
             "  Fix: more devices with train.strategy: fsdp2 (cluster.devices_per_node / nnodes), "
             "model.gradient_checkpointing: true, a smaller train.max_token_len_per_device or micro_batch_size, "
-            "train.ref_offload: true, a lower rollout.gpu_memory_utilization, LoRA adapters (model.lora_rank: 64), "
-            "or train.sequence_parallel_size (2, 4, 8) for long sequences."
+            "train.ref_offload: true, a lower rollout.gpu_memory_utilization, or LoRA adapters (model.lora_rank: 64)."
         )
     return lines
