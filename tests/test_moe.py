@@ -165,3 +165,17 @@ def test_two_dapo_steps_of_a_tiny_qwen3_vl_moe_log_the_routers(tmp_path, capsys)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "moe/aux_loss" in r]
     assert len(steps) == 2 and all(0 < r["moe/load_min"] <= 1 / 4 <= r["moe/load_max"] <= 1 for r in steps)
+
+
+def test_the_load_balancing_loss_trains_the_router_under_gradient_checkpointing(moe_path):
+    """The recorded router logits escape the checkpointed layers: backward still reaches the router weights."""
+    model = load_model(moe_path)
+    model.gradient_checkpointing_enable()
+    model.train()
+    trace = moe.RouterTrace(model)
+    with trace:
+        model(input_ids=torch.tensor([[5, 17, 23, 42, 8, 99, 3, 61]]))
+    aux, stats = trace.stats()
+    aux.backward()
+    assert stats["moe/aux_loss"] == pytest.approx(float(aux))
+    assert all(float(r.weight.grad.abs().sum()) > 0 for r in trace.routers)
