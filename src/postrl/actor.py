@@ -21,6 +21,7 @@ Where it departs from a textbook reading:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import warnings
@@ -30,7 +31,7 @@ from typing import Any, Iterator
 import torch
 
 from postrl import algorithms as algo
-from postrl import distributed
+from postrl import distributed, moe
 from postrl.experience import Batch
 from postrl.models import Policy, build_sequences, response_logprobs
 from postrl.partition import rank_rows, token_budget_micro_batches
@@ -90,6 +91,9 @@ class Actor:
         self.kl_penalty = functools.partial(algo.kl_penalty, estimator=a.kl.estimator)
         self._agg = dict(mode=a.loss_agg_mode, max_response_len=cfg.rollout.max_tokens)
         self._logprob_options = dict(remove_padding=t.use_remove_padding, chunk_tokens=t.logprob_chunk_tokens)
+        # MoE: the routers' load-balancing loss and per-expert load of each update forward (postrl.moe)
+        self.router = moe.RouterTrace(model) if moe.is_moe(model) else None
+        self.router_aux_coef = moe.aux_loss_coef(cfg.model.router_aux_loss_coef, model)
 
     # --------------------------------------------------------------------------------- tensors
     def pack(self, batch: Batch, adv_B: torch.Tensor) -> Packed:
@@ -225,6 +229,10 @@ class Actor:
         loss = pg = agg(pg_BT)
         if a.entropy_coef:
             loss = loss - a.entropy_coef * agg(entropy)
+        if self.router is not None:  # MoE: Switch Transformer's load-balancing loss, per micro-batch
+            aux, moe_stats = self.router.stats()
+            loss = loss + self.router_aux_coef * aux
+            stats = {**stats, **moe_stats}
         kl_value = 0.0
         if use_ref:
             kl = agg(self.kl_penalty(logp, mb["ref_logp"]))
@@ -247,7 +255,8 @@ class Actor:
 
     def _forward(self, mb: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropy [B, T] of a micro-batch's responses, with gradients, under the trained model."""
-        with self.runtime.autocast():  # the forward only: losses and backward run outside, in fp32
+        router = self.router or contextlib.nullcontext()  # MoE: records the routing for the aux loss and metrics
+        with self.runtime.autocast(), router:  # the forward only: losses and backward run outside, in fp32
             return response_logprobs(
                 self.train_model, mb["input_ids"], mb["attention_mask"], mb["position_ids"], mb["response_mask"].shape[1],
                 self.cfg.rollout.temperature, with_entropy=True, multi_modal=mb.get("multi_modal"), modality=self.modality,

@@ -32,7 +32,8 @@ class ModelConfig(Section):
     path: str = Field(
         description="Hugging Face model directory or hub id (e.g. Qwen/Qwen2.5-7B-Instruct, "
         "Qwen/Qwen2.5-VL-7B-Instruct), or 'builtin:tiny-qwen2' / 'builtin:tiny-qwen2.5-vl' for the built-in "
-        "tiny text / vision-language model (built locally and cached)."
+        "tiny text / vision-language model (built locally and cached), 'builtin:tiny-qwen3-moe' for a tiny "
+        "mixture-of-experts model."
     )
     tokenizer_path: str | None = Field(None, description="Tokenizer/processor location; defaults to `path`.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
@@ -53,6 +54,13 @@ class ModelConfig(Section):
         "train.use_remove_padding packs a micro-batch into one row for the varlen kernels (docs/performance.md).",
     )
     freeze_vision_tower: bool = Field(True, description="VLMs: keep the vision encoder frozen during RL.")
+    router_aux_loss_coef: float | None = Field(
+        None,
+        ge=0,
+        description="MoE models (Qwen3-MoE, Qwen3-VL-MoE): weight of the routers' load-balancing loss added to the "
+        "policy loss (Switch Transformer's, as transformers computes it); null: the model's config.json value "
+        "(Qwen3-MoE: 0.001); 0: off. The loss and the per-expert load are logged as moe/* either way.",
+    )
     lora_rank: int = Field(
         0,
         ge=0,
@@ -140,6 +148,14 @@ class RolloutConfig(Section):
     top_k: int = Field(-1, description="Top-k sampling; -1 disables.")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM on GPU: fraction of memory it may use.")
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism.")
+    expert_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="MoE models: vLLM expert parallelism (verl's rollout.expert_parallel_size). vLLM spreads the experts "
+        "over the engine's tensor-parallel ranks instead of slicing each one (enable_expert_parallel), so it must be 1 "
+        "or equal to tensor_parallel_size (each colocated engine is one tensor-parallel group; rollout data "
+        "parallelism is the engines side by side).",
+    )
     kv_cache_space_gb: float = Field(1.0, gt=0, description="vLLM on CPU: KV cache size (VLLM_CPU_KVCACHE_SPACE).")
     max_num_seqs: int = Field(256, ge=1, description="vLLM: sequences in flight.")
     max_num_batched_tokens: int | None = Field(
@@ -435,6 +451,14 @@ class TrainConfig(Section):
         None, ge=1, description="Token budget of a log-prob micro-batch with use_dynamic_bsz (verl's "
         "log_prob_max_token_len_per_gpu; default max_token_len_per_device).",
     )
+    sequence_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="Ulysses sequence parallelism (verl's ulysses_sequence_parallel_size): each micro-batch's tokens are "
+        "split across this many ranks, attention exchanges heads by all-to-all, so a 30k-token response fits; "
+        "with use_dynamic_bsz a micro-batch holds sequence_parallel_size x max_token_len_per_device tokens, each rank "
+        "max_token_len_per_device of them. Must divide the world size and the model's attention heads (docs/gpu.md).",
+    )
     epochs_per_batch: int = Field(1, ge=1, description="PPO epochs over each batch.")
     lr: float = Field(1e-6, gt=0, description="Peak learning rate (AdamW).")
     warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
@@ -666,6 +690,19 @@ class Config(Section):
                 f"algorithm.overlong_buffer.len ({ob.len}) must be smaller than rollout.max_tokens "
                 f"({self.rollout.max_tokens}): the penalty starts at max_tokens - len. "
                 "Fix: shorten the buffer or raise rollout.max_tokens."
+            )
+        ep, tp = self.rollout.expert_parallel_size, self.rollout.tensor_parallel_size
+        if ep > 1 and ep != tp:
+            problems.append(
+                f"rollout.expert_parallel_size ({ep}) must equal rollout.tensor_parallel_size ({tp}): vLLM's expert-parallel "
+                "group is the engine's tensor-parallel ranks (tensor x data parallel within one engine; postrl's colocated "
+                f"engines are one tensor-parallel group each). Fix: set rollout.expert_parallel_size: {tp}, or 1."
+            )
+        sp = self.train.sequence_parallel_size
+        if sp > 1 and self.world_size % sp:
+            problems.append(
+                f"train.sequence_parallel_size ({sp}) must divide the world size ({self.world_size} devices): each "
+                "sequence-parallel group is that many ranks. Fix: choose a divisor, or change cluster.devices_per_node / nnodes."
             )
         if problems:
             raise ValueError("\n".join(problems))

@@ -221,7 +221,8 @@ class Trainer:
             with self.timer("resharding_to_infer"):
                 self.engine.sync_weights(self.model)
                 if not self.train_examples[0].multi_modal:  # the probe is a text prompt
-                    self.guards.check_sync(self.engine, self.model, self.train_examples[0].prompt_ids, self.runtime.autocast())
+                    probe = self.train_examples[0].prompt_ids
+                    update_stats.update(self.guards.check_sync(self.engine, self.model, probe, self.runtime.autocast()))
         return self._step_metrics(batch, gen_stats, update_stats)
 
     def _collect(self):
