@@ -21,6 +21,7 @@ so the trainer reads them like any user data set.
 from __future__ import annotations
 
 import random
+import re
 from pathlib import Path
 
 from postrl.builtin import cache
@@ -120,3 +121,65 @@ def tokenizer_corpus(n: int = 4000, seed: int = 0) -> list[str]:
         texts.append(p["question"])
         texts.append(p["solution"])
     return texts
+
+
+# ------------------------------------------------------------------------- preference pairs (RM)
+_START = re.compile(r"^\w+ has (\d+) ")
+_STEP = re.compile(r"\b(buys|finds|gets|wins|gives away|loses|sells|uses) (\d+)\b")
+_SUBTRACT = {"gives away", "loses", "sells", "uses"}
+
+
+def worked_steps(question: str) -> list[tuple[int, str, int, int]]:
+    """(before, op, x, after) of each step of a problem, read back from its text."""
+    total = int(_START.match(question).group(1))
+    steps = []
+    for verb, x in _STEP.findall(question):
+        op, x = ("-" if verb in _SUBTRACT else "+"), int(x)
+        after = total - x if op == "-" else total + x
+        steps.append((total, op, x, after))
+        total = after
+    return steps
+
+
+def _worked(steps: list[tuple[int, str, int, int]], boxed: int) -> str:
+    return " ".join(f"{a}{op}{x}={b}." for a, op, x, b in steps) + f" \\boxed{{{boxed}}}"
+
+
+def _wrong_step(steps: list[tuple[int, str, int, int]], rng: random.Random) -> str:
+    """A worked solution with one step's result off by k, carried through to the box (a slip)."""
+    j, k = rng.randrange(len(steps)), rng.choice([-2, -1, 1, 2])
+    out, shift = [], 0
+    for i, (a, op, x, b) in enumerate(steps):
+        a, b = a + shift, b + shift
+        if i == j:
+            b += k
+            shift = k
+        out.append((a, op, x, b))
+    return _worked(out, out[-1][3])
+
+
+def preference_pair(row: dict, rng: random.Random) -> dict:
+    """A TRL-style pair for one arithmetic row: chosen, the correct worked solution; rejected, a wrong answer.
+
+    Wrong answers, as the mixed teacher and a sloppy solver make them: the hasty bare answer (the total
+    before the last step), a bare answer off by 1-3, a worked solution whose box is off by 1-3, and a
+    worked solution with one slip carried through.
+    """
+    question = row["prompt"][-1]["content"]
+    steps = worked_steps(question)
+    answer = steps[-1][3]
+    off = answer + rng.choice([k for k in (-3, -2, -1, 1, 2, 3) if answer + k >= 0])
+    kind = rng.choice(["hasty", "off_by_k", "worked_wrong_box", "worked_slip"])
+    rejected = {
+        "hasty": f"\\boxed{{{steps[-1][0]}}}",
+        "off_by_k": f"\\boxed{{{off}}}",
+        "worked_wrong_box": _worked(steps, off),
+        "worked_slip": _wrong_step(steps, rng),
+    }[kind]
+    return {"prompt": row["prompt"], "chosen": _worked(steps, answer), "rejected": rejected, "kind": kind}
+
+
+def preference_pairs(rows: list[dict], seed: int = 0) -> list[dict]:
+    """One pair per row (`preference_pair`); train pairs from train rows, held-out pairs from val rows."""
+    rng = random.Random(seed)
+    return [preference_pair(row, rng) for row in rows]
