@@ -146,12 +146,12 @@ def test_judge_with_a_real_tiny_model_scores_unparsed_judgements_the_fail_value(
     assert out.scores == [1 - 0.5, 1 - 0.5, 1 - 0.5, 0 - 0.5]  # judges are not normalised
 
 
-def test_two_steps_with_an_rm_then_resume(rm_path, tmp_path):
+def test_two_steps_with_an_rm_and_a_rule_then_resume(rm_path, tmp_path):
     from postrl.metrics import read_jsonl
     from postrl.trainer import Trainer
 
     over = tiny_overrides(
-        tmp_path, f"reward.reward_model.path={rm_path}", "reward.verifiers=[{name: math_17k_acc, weight: 0}]",
+        tmp_path, f"reward.reward_model.path={rm_path}", "reward.verifiers=[acc_for_dapo]",
         "algorithm.filter_groups.metric=rm_score", "train.total_steps=2", "checkpoint.save_final=true",
     )  # fmt: skip
     trainer = Trainer(load_config(CONFIGS / "tiny_dapo.yaml", over))
@@ -161,7 +161,12 @@ def test_two_steps_with_an_rm_then_resume(rm_path, tmp_path):
     for key in ("dapo/score/mean", "dapo/rewards/mean", "dapo/rm_score/mean", "dapo/rule_score/mean", "dapo/rm_rule_max/mean"):
         assert key in rows[0], key
     assert rows[0]["dapo/score/mean"] == pytest.approx(rows[0]["dapo/rm_score/mean"])  # score: the RM's own
-    assert rows[0]["dapo/rule_score/mean"] == 0.0  # the rule is logged, not rewarded
+    assert rows[0]["dapo/rule_score/mean"] == -1.0  # the random model is never right: DAPO's rule gives -1
+    r = rows[0]
+    assert r["dapo/rm_rule_min/mean"] <= -1.0 <= r["dapo/rm_rule_max/mean"]
+    # per sample max + min = RM reward + rule reward, so the means add up the same way
+    both = r["dapo/rm_rule_max/mean"] + r["dapo/rm_rule_min/mean"]
+    assert both == pytest.approx(r["dapo/rm_score_reward/mean"] + r["dapo/rule_score/mean"], abs=1e-6)
     resumed = Trainer(load_config(CONFIGS / "tiny_dapo.yaml", [*over, "train.total_steps=3"]))
     assert resumed.step == 2
     resumed.fit()
@@ -175,7 +180,7 @@ def test_two_steps_with_a_judge(tmp_path):
 
     over = tiny_overrides(
         tmp_path, "reward.judge.path=builtin:tiny-qwen2", "reward.judge.max_tokens=4", "train.total_steps=2",
-        "algorithm.filter_groups.enable=false",
+        "algorithm.filter_groups.enable=false", "train.gen_batch_size=4",
     )  # fmt: skip
     trainer = Trainer(load_config(CONFIGS / "tiny_dapo.yaml", over))
     trainer.fit()
