@@ -30,7 +30,7 @@ from postrl.experience import Batch, Experience, batch_metrics
 from postrl.metrics import MetricsLogger, Timer, plot_run, read_jsonl, step_line, throughput, val_line
 from postrl.models import cast_weights, load_model, load_policy
 from postrl.rewards import RewardFunction
-from postrl.rewards.reward_model import load_model_rewards
+from postrl.rewards.model_rewards import load_model_rewards
 from postrl.rollout import make_engine
 from postrl.runtime import StopOnSignal, configure_threads, init_runtime, rng_state, seed_everything, set_rng_state
 
@@ -71,7 +71,7 @@ class Trainer:
         self.log(f"train prompts: {summary['kept']} ({summary['dropped_overlong']} dropped as overlong{bad})")
         self.val_sets = load_val_sets(cfg.eval.files or [], self.tokenizer, cfg.data, cfg.eval.max_prompts, self.policy.modality)
         self.sampler = PromptSampler(len(self.train_examples), cfg.data.shuffle, cfg.data.seed)
-        models = load_model_rewards(cfg.reward, rt.device, cfg.data.prompt_key, cfg.model.dtype)  # RM / judge, if any
+        models = load_model_rewards(cfg, rt.device)  # reward model / judge, if any
         self.reward_fn = RewardFunction(cfg.reward, models=models)
         engine = make_engine(
             cfg.rollout, self.model, self.tokenizer, log=self.log,

@@ -47,8 +47,8 @@ class Judge:
     name = "judge_score"
     normalize = False
 
-    def __init__(self, cfg: Any, device: torch.device, prompt_key: str = "prompt"):
-        from postrl.config import RolloutConfig
+    def __init__(self, cfg: Any, device: torch.device, prompt_key: str = "prompt", rollout_cfg: Any = None):
+        """`rollout_cfg`: the engine's settings (postrl.config.RolloutConfig); None: the HF engine."""
         from postrl.models import load_model, load_tokenizer, resolve_model_path
         from postrl.rollout import make_engine
 
@@ -57,7 +57,12 @@ class Judge:
         path = resolve_model_path(cfg.path)
         self.tokenizer = load_tokenizer(path)
         model = load_model(path).to(device).eval().requires_grad_(False)
-        self.engine = make_engine(RolloutConfig(engine=cfg.engine), model, self.tokenizer, log=log.info)
+        if rollout_cfg is None:
+            from postrl.rollout.hf import HFEngine
+
+            self.engine = HFEngine(model, self.tokenizer)
+        else:
+            self.engine = make_engine(rollout_cfg, model, self.tokenizer, log=log.info)
         self.unparsed_total = 0
         self._warned = False
 

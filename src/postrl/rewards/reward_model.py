@@ -169,18 +169,3 @@ class RewardModel:
 
     def close(self) -> None:
         self.model = None
-
-
-def load_model_rewards(reward_cfg: Any, device: torch.device, prompt_key: str = "prompt", dtype: str = "float32") -> list:
-    """The scorers `reward.reward_model` and `reward.judge` ask for (none: a rule-only reward)."""
-    from postrl.runtime import DTYPES
-
-    scorers: list = []
-    rm = reward_cfg.reward_model
-    if rm is not None:
-        scorers.append(RewardModel(rm, device, prompt_key, DTYPES[rm.dtype or dtype]))
-    if getattr(reward_cfg, "judge", None) is not None:
-        from postrl.rewards.judge import Judge
-
-        scorers.append(Judge(reward_cfg.judge, device, prompt_key))
-    return scorers
