@@ -250,6 +250,13 @@ class RewardFunction:
 
     def __call__(self, completions: list[str], ground_truths: list[str], rows: list[dict]) -> RewardOutput:
         """Rule verdicts (tiered, time-limited), their weighted sum, then the model rewards by weight."""
+        return self._score(completions, ground_truths, rows, self.models)
+
+    def score_rules(self, completions: list[str], ground_truths: list[str], rows: list[dict]) -> RewardOutput:
+        """The rule verifiers alone: validation's rule-checked accuracy, whatever model rewards train."""
+        return self._score(completions, ground_truths, rows, [])
+
+    def _score(self, completions: list, ground_truths: list, rows: list, models: list) -> RewardOutput:
         texts, truths, rows = _coerce_inputs(completions, ground_truths, rows)
         results, failed, timed_out = self._verdicts(texts, truths, rows)
         for v, (name, weight, _) in enumerate(self.verifiers):
@@ -260,17 +267,9 @@ class RewardFunction:
         self.timeouts_total += count["timeout"]
         self.calls_total += len(texts) * len(self.verifiers)
         out = RewardOutput(scores, metrics, count["timeout"], count["error"], timed_out, count["invalid"])
-        if self.models:
-            self._add_model_rewards(out, texts, truths, rows)
+        if models:
+            self._add_model_rewards(out, models, texts, truths, rows)
         return out
-
-    def score_rules(self, completions: list[str], ground_truths: list[str], rows: list[dict]) -> RewardOutput:
-        """The rule verifiers alone: validation's rule-checked accuracy, whatever model rewards train."""
-        models, self.models = self.models, []
-        try:
-            return self(completions, ground_truths, rows)
-        finally:
-            self.models = models
 
     def _verdicts(self, texts: list[str], truths: list[str], rows: list[dict]):
         """results[v][i] (verifier v on completion i), failed[v][kind] (messages), timed_out[i]."""
@@ -343,7 +342,7 @@ class RewardFunction:
         ]
         return scores, metrics
 
-    def _add_model_rewards(self, out: RewardOutput, texts: list[str], truths: list[str], rows: list[dict]) -> None:
+    def _add_model_rewards(self, out: RewardOutput, models: list, texts: list[str], truths: list[str], rows: list[dict]) -> None:
         """Add weight x (normalised) model score to each completion's rule sum; log the guides' metrics.
 
         Per completion: rule_score (the rules' weighted sum), <scorer.name> (raw score, e.g. rm_score),
@@ -355,7 +354,7 @@ class RewardFunction:
         rule = list(out.scores)
         out.metrics["rule_score"] = rule
         model_total = [0.0] * len(texts)
-        for scorer in self.models:
+        for scorer in models:
             result = scorer.score(texts, truths, rows)
             raw = result.scores
             reward = normalized(raw, *global_mean_std(raw)) if scorer.normalize else list(raw)
@@ -365,7 +364,7 @@ class RewardFunction:
             for i, r in enumerate(reward):
                 model_total[i] += scorer.weight * r
         out.scores = [r + m for r, m in zip(rule, model_total)]
-        model_reward = [sum(out.metrics[f"{s.name}_reward"][i] for s in self.models) for i in range(len(texts))]
+        model_reward = [sum(out.metrics[f"{s.name}_reward"][i] for s in models) for i in range(len(texts))]
         out.metrics["rm_rule_max"] = [max(m, r) for m, r in zip(model_reward, rule)]
         out.metrics["rm_rule_min"] = [min(m, r) for m, r in zip(model_reward, rule)]
 
