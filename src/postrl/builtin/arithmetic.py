@@ -145,37 +145,19 @@ def _worked(steps: list[tuple[int, str, int, int]], boxed: int) -> str:
     return " ".join(f"{a}{op}{x}={b}." for a, op, x, b in steps) + f" \\boxed{{{boxed}}}"
 
 
-def _wrong_step(steps: list[tuple[int, str, int, int]], rng: random.Random) -> str:
-    """A worked solution with one step's result off by k, carried through to the box (a slip)."""
-    j, k = rng.randrange(len(steps)), rng.choice([-2, -1, 1, 2])
-    out, shift = [], 0
-    for i, (a, op, x, b) in enumerate(steps):
-        a, b = a + shift, b + shift
-        if i == j:
-            b += k
-            shift = k
-        out.append((a, op, x, b))
-    return _worked(out, out[-1][3])
-
-
 def preference_pair(row: dict, rng: random.Random) -> dict:
     """A TRL-style pair for one arithmetic row: chosen, the correct worked solution; rejected, a wrong answer.
 
-    Wrong answers, as the mixed teacher and a sloppy solver make them: the hasty bare answer (the total
-    before the last step), a bare answer off by 1-3, a worked solution whose box is off by 1-3, and a
-    worked solution with one slip carried through.
+    Wrong answers as the mixed SFT teacher writes them: the hasty bare answer (the total before the
+    last step), or a bare answer off by 1-3. (Worked solutions with a slip, or a box that disagrees
+    with the last step, were tried too: in 150 steps the tiny RM ranked them at chance, 37-56%.)
     """
     question = row["prompt"][-1]["content"]
     steps = worked_steps(question)
     answer = steps[-1][3]
     off = answer + rng.choice([k for k in (-3, -2, -1, 1, 2, 3) if answer + k >= 0])
-    kind = rng.choice(["hasty", "off_by_k", "worked_wrong_box", "worked_slip"])
-    rejected = {
-        "hasty": f"\\boxed{{{steps[-1][0]}}}",
-        "off_by_k": f"\\boxed{{{off}}}",
-        "worked_wrong_box": _worked(steps, off),
-        "worked_slip": _wrong_step(steps, rng),
-    }[kind]
+    kind = rng.choice(["hasty", "off_by_k"])
+    rejected = f"\\boxed{{{steps[-1][0] if kind == 'hasty' else off}}}"
     return {"prompt": row["prompt"], "chosen": _worked(steps, answer), "rejected": rejected, "kind": kind}
 
 
