@@ -188,3 +188,34 @@ def test_two_steps_with_a_judge(tmp_path):
     assert [r["training/step"] for r in rows] == [1, 2]
     assert rows[0]["reward/judge_unparsed"] == 16  # 4 prompts x 4 samples, none parsed (the judge is random)
     assert rows[0]["dapo/judge_score/mean"] == 0.0
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> str:
+    import json
+
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_postrl_rm_trains_pairwise_and_pointwise_files_into_a_loadable_rm(tmp_path):
+    from postrl.rm import run_rm
+
+    q = ROWS[0]["prompt"]
+    pairs = [{"prompt": q, "chosen": [{"role": "assistant", "content": "3+2=5. \\boxed{5}"}], "rejected": "\\boxed{4}"}] * 4
+    labelled = [{"prompt": "Tom has 3 apples. He buys 2 more. How many now?", "response": r, "label": y}
+                for r, y in [("\\boxed{5}", 1), ("\\boxed{4}", 0)] * 2]  # fmt: skip
+    files = {"pairwise": _write_jsonl(tmp_path / "pairs.jsonl", pairs), "pointwise": _write_jsonl(tmp_path / "labels.jsonl", labelled)}
+    for objective, f in files.items():
+        out = tmp_path / objective
+        cfg = load_config(CONFIGS / "tiny_rm.yaml", [
+            "model.path=builtin:tiny-qwen2", f"rm.train_files=[{f}]", f"rm.val_files=[{f}]", "rm.steps=3", "rm.batch_size=4",
+            "rm.lr=1e-3", "rm.warmup_steps=0", f"rm.output_dir={out}", "logging.progress=false",
+        ])  # fmt: skip
+        result = run_rm(cfg)
+        assert 0.0 <= result["rm/val_accuracy"] <= 1.0 and result["rm/loss"] > 0
+        model, _ = load_reward_model(str(out / "model"))
+        assert model.config.num_labels == 1
+    with pytest.raises(UserError, match="pairs or labelled responses"):
+        bad = _write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "x", "answer": "y"}])
+        run_rm(load_config(CONFIGS / "tiny_rm.yaml", ["model.path=builtin:tiny-qwen2", f"rm.train_files=[{bad}]",
+                                                      f"rm.output_dir={tmp_path}/bad"]))  # fmt: skip
