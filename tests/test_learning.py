@@ -136,3 +136,31 @@ def test_dapo_with_the_rm_as_only_reward_lifts_rule_checked_accuracy_by_15_point
     assert all(r["dapo/rule_score/mean"] == 0.0 for r in rows)  # the rule is logged, never rewarded
     val = _held_out(tmp_path / "rl")
     assert len(val) == 2 and val[-1] - val[0] >= 0.15, val
+
+
+@pytest.mark.slow
+def test_judge_scores_a_real_models_judgements_and_counts_the_unparsed(sft_model):
+    """The SFT model as judge: asked the question ({prompt}), it answers \\boxed{n} (measured: 5, 1, 0 and 11
+    for these four). The pattern takes two-digit answers only, so some judgements parse and some score the
+    fail value; the counts and scores follow the judge's own text."""
+    import re
+
+    import torch
+
+    from postrl.config import JudgeConfig, RewardConfig
+    from postrl.rewards import RewardFunction
+    from postrl.rewards.judge import Judge
+
+    questions = ["Tom has 3 apples. He buys 2 more. How many now?", "Eva has 9 books. She loses 4. She finds 2 more. How many now?",
+                 "hello there", "Sam has 4 cards. He wins 8 more. He loses 6. How many now?"]  # fmt: skip
+    rows = [{"prompt": [{"role": "user", "content": q}]} for q in questions]
+    cfg = JudgeConfig(path=str(sft_model), prompt_template="{prompt}", score_pattern=r"\\boxed\{(\d\d)\}", max_tokens=24, fail_score=-1.0)
+    judge = Judge(cfg, torch.device("cpu"))
+    texts = judge.judgements(["x"] * 4, ["5"] * 4, rows)
+    found = [re.search(r"\\boxed\{(\d\d)\}", t) for t in texts]
+    expected = [float(m.group(1)) if m else -1.0 for m in found]
+    with RewardFunction(RewardConfig(verifiers=["math_17k_acc"]), models=[judge]) as fn:
+        out = fn(["x"] * 4, ["5"] * 4, rows)
+    assert out.metrics["judge_score"] == expected
+    assert out.failures["reward/judge_unparsed"] == sum(m is None for m in found)
+    assert 0 < sum(m is None for m in found) < 4, texts  # both kinds occur
