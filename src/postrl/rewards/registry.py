@@ -117,10 +117,9 @@ FAIL_ALL_MIN_CALLS = 4  # ... when the batch gave it at least this many calls
 class RewardOutput:
     """Scores of a batch of completions.
 
-    `scores[i]` is the weighted sum over verifiers (plus the model rewards by weight); `metrics[name][i]` holds
-    per-completion values:
-    `acc` (from the first accuracy verifier that reports it; dynamic sampling filters on it) and, for
-    each verifier, its own score under the verifier's name; with model rewards also rule_score,
+    `scores[i]` is the weighted sum over verifiers (plus the model rewards by weight);
+    `metrics[name][i]` holds per-completion values: `acc` (from the first accuracy verifier that
+    reports it; dynamic sampling filters on it) and, for each verifier, its own score under the verifier's name; with model rewards also rule_score,
     rm_score / judge_score (raw), their *_reward (as summed) and rm_rule_max / rm_rule_min (see
     `RewardFunction._add_model_rewards`). `timeouts`, `errors` and `invalid` count
     verifier calls that hit the time limit, raised, or returned no finite number (all score the
