@@ -393,14 +393,84 @@ class VerifierSpec(Section):
     weight: float = Field(1.0, description="Weight in the summed reward.")
 
 
+class RewardModelConfig(Section):
+    path: str = Field(
+        description="A Hugging Face sequence-classification model with one logit (the public reward models' format, "
+        "e.g. Skywork-Reward), or the output of `postrl rm`. It scores prompt + response rendered with its own "
+        "tokenizer and chat template."
+    )
+    weight: float = Field(1.0, description="Weight of the (normalised) RM score in the summed reward.")
+    normalize: bool = Field(
+        True,
+        description="Use (score - mean) / std over the generation batch (all ranks) as the RM reward, so its scale "
+        "matches the rule rewards'. The raw score is logged as rm_score (<algo>/score when an RM is on).",
+    )
+    micro_batch_size: int = Field(16, ge=1, description="Sequences per RM forward pass.")
+    max_length: int = Field(1024, ge=8, description="Longer prompt + response are cut from the left (the response end is kept).")
+    device: str = Field("auto", description="auto: the run's device; or cpu / cuda:N (an RM on a device of its own).")
+    offload: bool = Field(False, description="Keep the RM in host memory between scoring calls (moved to the device to score).")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(None, description="RM weights' dtype (default model.dtype).")
+
+
+class JudgeConfig(Section):
+    path: str = Field(description="A causal LM (Hugging Face directory or hub id) that judges each response.")
+    prompt_template: str = Field(
+        "Question: {prompt}\nAnswer: {response}\nRate the answer from 0 to 10. Score:",
+        description="The judge's prompt, sent as a user message; {prompt}, {response} and {ground_truth} are filled in.",
+    )
+    score_pattern: str = Field(
+        r"(-?\d+(?:\.\d+)?)",
+        description="A regex with one group: its first match in the judgement is the score (a float).",
+    )
+    max_tokens: int = Field(16, ge=1, description="Tokens the judge may write.")
+    weight: float = Field(1.0, description="Weight of the judge's score in the summed reward.")
+    fail_score: float = Field(0.0, description="Score of a judgement the pattern does not match (counted in reward/judge_unparsed).")
+    engine: Literal["auto", "hf", "vllm"] = Field("hf", description="Rollout engine that runs the judge (greedy).")
+
+    @field_validator("score_pattern")
+    @classmethod
+    def _one_group(cls, v: str) -> str:
+        import re
+
+        try:
+            groups = re.compile(v).groups
+        except re.error as exc:
+            raise ValueError(f"reward.judge.score_pattern '{v}' is not a regex ({exc}). Fix: escape it.") from None
+        if groups != 1:
+            raise ValueError(
+                f"reward.judge.score_pattern '{v}' has {groups} groups; it needs exactly one, holding the score. "
+                r"Fix: e.g. 'Score: (\d+)' (use (?:...) for other groups)."
+            )
+        return v
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _known_fields(cls, v: str) -> str:
+        try:
+            v.format(prompt="", response="", ground_truth="")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(
+                f"reward.judge.prompt_template cannot be filled in ({type(exc).__name__}: {exc}); it may name only "
+                "{prompt}, {response} and {ground_truth}. Fix: write other braces doubled, {{ and }}."
+            ) from None
+        return v
+
+
 class RewardConfig(Section):
     verifiers: list[VerifierSpec] = Field(
         default_factory=lambda: [VerifierSpec(name="math_17k_acc")],
         min_length=1,
-        description="Verifiers and weights (verifier_function / verifier_weight of the guides).",
+        description="Verifiers and weights (verifier_function / verifier_weight of the guides). They also give the "
+        "rule-checked accuracy of validation; weight 0 logs a verifier without rewarding it (an RM-only reward).",
     )
     timeout_s: float = Field(5.0, gt=0, description="Per-call time limit of an answer-equivalence check.")
     workers: int = Field(2, ge=1, description="Worker processes for verification.")
+    reward_model: RewardModelConfig | None = Field(
+        None, description="A reward model added to the rule verifiers by weight (training rewards only; docs/rewards.md)."
+    )
+    judge: JudgeConfig | None = Field(
+        None, description="An LLM judge (generative RM) added to the rule verifiers by weight (training rewards only)."
+    )
 
     @field_validator("verifiers", mode="before")
     @classmethod
@@ -552,6 +622,33 @@ class SFTConfig(Section):
     eval_prompts: int = Field(200, ge=0, description="Greedy held-out accuracy on this many val prompts at the end.")
 
 
+# ---------------------------------------------------------------------------------------------- rm
+class RMTrainConfig(Section):
+    """`postrl rm`: a reward model trained from preference pairs or labelled outcomes (docs/rewards.md)."""
+
+    train_files: list[str] = Field(
+        default_factory=lambda: ["builtin:arithmetic_pairs:train"],
+        description="Parquet / JSONL with prompt + chosen + rejected (pairs, Bradley-Terry) or prompt + response + "
+        "label (pointwise); builtin:arithmetic_pairs:train is the built-in task's pairs (data.builtin's knobs).",
+    )
+    val_files: list[str] = Field(
+        default_factory=lambda: ["builtin:arithmetic_pairs:val"], description="Held-out pairs: pairwise accuracy at the end."
+    )
+    objective: Literal["auto", "pairwise", "pointwise"] = Field(
+        "auto", description="pairwise (-log sigmoid(r_chosen - r_rejected)), pointwise (BCE on label), auto: by the columns."
+    )
+    output_dir: str = Field("runs/rm", description="Where the reward model is saved (HF format, in model/).")
+    steps: int = Field(300, ge=1, description="Optimizer steps.")
+    batch_size: int = Field(32, ge=1, description="Pairs (or labelled responses) per step.")
+    lr: float = Field(1e-4, gt=0, description="Peak learning rate.")
+    warmup_steps: int = Field(20, ge=0, description="Linear warmup steps.")
+    lr_schedule: Literal["constant", "cosine"] = Field("cosine", description="LR after warmup.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    max_length: int = Field(256, ge=8, description="Prompt + response tokens; longer ones are cut from the left.")
+    seed: int = Field(0, description="Seed.")
+    eval_pairs: int = Field(500, ge=0, description="Held-out pairs scored at the end (0: none).")
+
+
 # ---------------------------------------------------------------------------------------- checkpoint
 class CheckpointConfig(Section):
     dir: str | None = Field(None, description="Checkpoint directory (default <logging.dir>/checkpoints).")
@@ -666,6 +763,7 @@ class Config(Section):
     reward: RewardConfig = Field(default_factory=RewardConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
+    rm: RMTrainConfig = Field(default_factory=RMTrainConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)

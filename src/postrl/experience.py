@@ -152,7 +152,7 @@ class Experience:
             out = self.reward_fn(texts, [e.ground_truth for e in owners], [e.row for e in owners])
             self.failures["reward/calls"] += len(texts) * len(cfg.reward.verifiers)  # one call per verifier
             for key, n in out.failures.items():
-                self.failures[key] += n
+                self.failures[key] = self.failures.get(key, 0) + n  # plus model rewards' counts (judge_unparsed)
             scores = list(out.scores)
             rewards = scores
             ob = cfg.algorithm.overlong_buffer
@@ -208,6 +208,8 @@ def batch_metrics(batch: Batch, prefix: str, group_size: int) -> dict[str, float
     or tokens the policy did not sample.
     """
     m = {**summary_stats(f"{prefix}/rewards", batch.rewards), **summary_stats(f"{prefix}/score", batch.scores)}
+    if "rm_score" in batch.verifier_metrics[0]:  # the guides: score is the reward model's own when one is on
+        m.update(summary_stats(f"{prefix}/score", batch.metric("rm_score")))
     for key in batch.verifier_metrics[0]:
         m[f"{prefix}/{key}/mean"] = sum(batch.metric(key)) / batch.size
     m.update(summary_stats("response_length", [float(n) for n in batch.model_tokens]))

@@ -31,6 +31,7 @@ from postrl.metrics import MetricsLogger, Timer, plot_run, read_jsonl, step_line
 from postrl.models import cast_weights, load_model, load_policy
 from postrl.rewards import RewardFunction
 from postrl.rewards.math import answer_format_problem
+from postrl.rewards.model_rewards import load_model_rewards
 from postrl.rollout import make_engine
 from postrl.runtime import StopOnSignal, configure_threads, init_runtime, rng_state, seed_everything, set_rng_state
 
@@ -79,7 +80,8 @@ class Trainer:
 
         self.val_sets = load_val_sets(cfg.eval.files or [], self.tokenizer, cfg.data, cfg.eval.max_prompts, self.policy.modality)
         self.sampler = PromptSampler(len(self.train_examples), cfg.data.shuffle, cfg.data.seed)
-        self.reward_fn = RewardFunction(cfg.reward)
+        models = load_model_rewards(cfg, rt.device)  # reward model / judge, if any
+        self.reward_fn = RewardFunction(cfg.reward, models=models)
         engine = make_engine(
             cfg.rollout, self.model, self.tokenizer, log=self.log,
             max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_tokens, seed=cfg.train.seed,
@@ -332,7 +334,7 @@ class Trainer:
         start = time.perf_counter()
         out = {}
         for name, examples in self.val_sets.items():
-            out.update(evaluate(self.engine, self.tokenizer, self.reward_fn, examples, self.cfg.eval, name, self.cfg.train.seed))
+            out.update(evaluate(self.engine, self.tokenizer, self.reward_fn.score_rules, examples, self.cfg.eval, name, self.cfg.train.seed))
         out["timing/eval"] = time.perf_counter() - start
         self._track_best(out)
         return out
