@@ -181,8 +181,6 @@ class RewardFunction:
                     "module level to get the time limit.",
                     name,
                 )
-        self.timeouts_total = 0
-        self.calls_total = 0
 
     @property
     def pool(self) -> "VerifierPool":
@@ -303,8 +301,6 @@ class RewardFunction:
             for a, f, s in zip(acc, fallback_acc, scores)
         ]
         count = {kind: sum(len(f.get(kind, [])) for f in failed) for kind in FAILURE_METRICS}
-        self.timeouts_total += count["timeout"]
-        self.calls_total += n * len(self.verifiers)
         return RewardOutput(scores, metrics, count["timeout"], count["error"], timed_out, count["invalid"])
 
     def close(self) -> None:
