@@ -49,15 +49,17 @@ def model_config(path: str) -> dict:
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):
-    """The tokenizer of `path`, left-padding, with a pad token (EOS when it has none)."""
+    """The tokenizer of `path`, left-padding, with a pad token (EOS when it has none); the policy's and
+    `postrl preprocess`'s."""
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as exc:
+        tok = AutoTokenizer.from_pretrained(str(Path(path).expanduser()), trust_remote_code=trust_remote_code)
+    except Exception as exc:  # noqa: BLE001 - transformers, tokenizers and sentencepiece each raise their own types
         raise UserError(
-            f"cannot load a tokenizer from '{path}' ({exc}). The directory needs tokenizer.json or "
-            "tokenizer_config.json. Fix: set model.tokenizer_path, or point model.path at a full model directory."
+            f"cannot load a tokenizer from '{path}' ({type(exc).__name__}: {exc}). The directory needs tokenizer.json "
+            "or tokenizer_config.json. Fix: point model.tokenizer_path (`postrl preprocess`: tokenizer_name_or_path) "
+            "at a directory that has them, or model.path at a full model directory."
         ) from None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
