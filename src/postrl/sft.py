@@ -133,12 +133,12 @@ class _Progress:
             TextColumn("[bold]SFT"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]:.4f}"),
             TimeElapsedColumn(), TimeRemainingColumn(), console=console, disable=not (bar and console.is_terminal),
         )  # fmt: skip
+        self.task = self.bar.add_task("sft", total=total, loss=float("nan"))
         self.lines = self.bar.disable
         self.start = time.perf_counter()
 
     def __enter__(self) -> "_Progress":
         self.bar.__enter__()
-        self.task = self.bar.add_task("sft", total=self.total, loss=float("nan"))
         return self
 
     def __exit__(self, *exc: Any) -> None:
