@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -36,6 +35,7 @@ from postrl.experience import Batch
 from postrl.models import Policy, build_sequences, response_logprobs
 from postrl.partition import rank_rows, token_budget_micro_batches
 from postrl.runtime import Runtime
+from postrl.schedule import lr_lambda
 
 LOGPROB_KEYS = ("old_logp", "ref_logp", "engine_logp")  # [B, T] tensors sliced with each micro-batch
 
@@ -341,16 +341,3 @@ class _WeightedSums:
         out = {k: total[f"{k}\0{0}"] / max(total[f"{k}\0{1}"], 1e-12) for k in self.sums}
         return out | {k: distributed.all_reduce_max(self.maxima[k]) for k in sorted(self.maxima)}
 
-
-def lr_lambda(warmup_steps: int, total_steps: int, schedule: str, min_ratio: float):
-    """Linear warmup to 1, then constant or cosine down to min_ratio (as a LambdaLR factor)."""
-
-    def f(step: int) -> float:
-        if warmup_steps and step < warmup_steps:
-            return (step + 1) / warmup_steps
-        if schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return f

@@ -200,8 +200,6 @@ class RewardFunction:
                     "module level to get the time limit.",
                     name,
                 )
-        self.timeouts_total = 0
-        self.calls_total = 0
 
     @property
     def pool(self) -> "VerifierPool":
@@ -264,8 +262,6 @@ class RewardFunction:
                 self._check_not_all_failing(name, len(texts), failed[v])
         scores, metrics = self._combine(results)
         count = {kind: sum(len(f.get(kind, [])) for f in failed) for kind in FAILURE_METRICS}
-        self.timeouts_total += count["timeout"]
-        self.calls_total += len(texts) * len(self.verifiers)
         out = RewardOutput(scores, metrics, count["timeout"], count["error"], timed_out, count["invalid"])
         if models:
             self._add_model_rewards(out, models, texts, truths, rows)
