@@ -79,7 +79,7 @@ def run_sft(cfg: Config, console: Any = None) -> dict[str, float]:
     model.train()
     pairs = []
     for f in cfg.data.train_files:
-        rows = read_rows(f, cfg.data.builtin.model_dump(), cfg.data.shapes.model_dump())
+        rows = read_rows(f, cfg.data.builtin.model_dump(), cfg.data.shapes.model_dump(), cfg.data.tool_arithmetic.model_dump())
         pairs += build_examples(rows, tokenizer, cfg, f, policy.modality)
     console.print(f"SFT on {len(pairs)} examples from {', '.join(cfg.data.train_files)} (model {policy.path})")
     params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters; a frozen vision tower stays out

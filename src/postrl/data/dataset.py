@@ -35,12 +35,14 @@ def multi_modal_of(examples: list[PromptExample]) -> list[dict | None] | None:
     return [e.multi_modal for e in examples] if any(e.multi_modal for e in examples) else None
 
 
-def read_rows(path: str, builtin_knobs: dict | None = None, shapes_knobs: dict | None = None) -> list[dict]:
+def read_rows(
+    path: str, builtin_knobs: dict | None = None, shapes_knobs: dict | None = None, tool_knobs: dict | None = None
+) -> list[dict]:
     """All rows of one data file (parquet, jsonl, json list) or built-in split."""
     if path.startswith("builtin:"):
         from postrl.builtin.tasks import task_file
 
-        path = str(task_file(path, {"arithmetic": builtin_knobs, "shapes": shapes_knobs}))
+        path = str(task_file(path, {"arithmetic": builtin_knobs, "shapes": shapes_knobs, "tool_arithmetic": tool_knobs}))
     try:
         from postrl.data.readers import read_records  # full readers (row-numbered errors)
 
@@ -98,7 +100,7 @@ def load_prompts(
     dropped, total, bad = 0, 0, 0
     knobs = data_cfg.builtin.model_dump()
     for f in files:
-        rows = read_rows(f, knobs, data_cfg.shapes.model_dump())
+        rows = read_rows(f, knobs, data_cfg.shapes.model_dump(), data_cfg.tool_arithmetic.model_dump())
         name = _dataset_name(f)
         for i, row in enumerate(rows):
             if max_rows is not None and i >= max_rows:

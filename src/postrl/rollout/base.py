@@ -25,6 +25,7 @@ class SamplingParams:
     n: int = 1
     seed: int | None = None  # seeds the whole call; the same seed gives the same completions
     greedy: bool = False  # temperature 0: argmax decoding, n must be 1
+    stop_token_ids: tuple[int, ...] = ()  # extra ids that end a completion like EOS, kept in it (agents: </tool_call>)
 
 
 @dataclass
@@ -41,6 +42,8 @@ class Completion:
     finished: bool
     logprobs: list[float] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    loss_mask: list[int] | None = None  # TEMP until branch traj: 1 = sampled by the policy; None = all sampled
+    turn_spans: list[tuple[int, int]] | None = None  # TEMP until branch traj
 
 
 @runtime_checkable
