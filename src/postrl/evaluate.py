@@ -107,14 +107,14 @@ def report_ks(n: int) -> list[int]:
 
 def evaluate(engine, tokenizer, reward_fn, examples: list, eval_cfg, name: str, seed: int = 0) -> dict[str, float]:
     """acc_mean@n and pass@k of the engine's completions on `examples` (see the module docstring)."""
-    from postrl.data.dataset import multi_modal_of
+    from postrl.agents.loop import generate_for, model_text, model_tokens
     from postrl.rollout import SamplingParams
 
     greedy = eval_cfg.temperature == 0
     n = 1 if greedy else eval_cfg.n_samples
     params = SamplingParams(temperature=eval_cfg.temperature or 1.0, max_tokens=eval_cfg.max_tokens, n=n, seed=seed, greedy=greedy)
-    completions = engine.generate([e.prompt_ids for e in examples], params, multi_modal=multi_modal_of(examples))
-    texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+    completions = generate_for(engine, examples, params)  # the agent loop too, when rollout.multi_turn is on
+    texts = [model_text(tokenizer, c) for c in completions]  # what the policy wrote, not the tools' output
     owners = [examples[c.prompt_index] for c in completions]
     res = reward_fn(texts, [e.ground_truth for e in owners], [e.row for e in owners])
     acc = res.metrics["acc"]
@@ -125,7 +125,10 @@ def evaluate(engine, tokenizer, reward_fn, examples: list, eval_cfg, name: str, 
     for k in report_ks(n):
         out[f"val/{name}/pass@{k}"] = sum(pass_at_k(n, c, k) for c in correct) / len(correct)
     out[f"val/{name}/score_mean"] = sum(res.scores) / len(res.scores)
-    out[f"val/{name}/response_length_mean"] = sum(len(c.token_ids) for c in completions) / len(completions)
+    out[f"val/{name}/response_length_mean"] = sum(model_tokens(c) for c in completions) / len(completions)
+    if any("tool_calls" in c.extra for c in completions):  # the agent loop: how often the policy used its tools
+        out[f"val/{name}/tool_calls_mean"] = sum(c.extra.get("tool_calls", 0) for c in completions) / len(completions)
+        out[f"val/{name}/tool_call_ratio"] = sum(c.extra.get("tool_calls", 0) > 0 for c in completions) / len(completions)
     return out
 
 
@@ -133,16 +136,17 @@ def val_set_name(file: str, examples: list) -> str:
     return examples[0].data_source if file.startswith("builtin:") else Path(file).stem
 
 
-def load_val_sets(files: list[str], tokenizer, data_cfg, max_prompts: int, modality=None) -> dict[str, list]:
+def load_val_sets(files: list[str], tokenizer, data_cfg, max_prompts: int, modality=None, tools=None) -> dict[str, list]:
     """Validation sets by name (at most `max_prompts` prompts each): the trainer's, `postrl eval`'s, SFT's.
 
-    `modality` is the policy's adapter (None: text), which encodes prompts with images.
+    `modality` is the policy's adapter (None: text), which encodes prompts with images; `tools` the agent
+    loop's tool schemas (postrl.agents.loop.tool_schemas).
     """
     from postrl.data.dataset import load_prompts
 
     sets = {}
     for f in files:
-        examples, _ = load_prompts([f], tokenizer, data_cfg, max_rows=max_prompts, modality=modality)
+        examples, _ = load_prompts([f], tokenizer, data_cfg, max_rows=max_prompts, modality=modality, tools=tools)
         if not examples:
             raise UserError(f"eval file '{f}' holds no usable prompts (all empty or overlong). Fix: check the file.")
         sets[val_set_name(f, examples)] = examples
@@ -151,6 +155,7 @@ def load_val_sets(files: list[str], tokenizer, data_cfg, max_prompts: int, modal
 
 def evaluate_model(cfg, log: Any = None) -> tuple[dict[str, float], str]:
     """Load model.path (model directory or checkpoint) and evaluate it on every eval file."""
+    from postrl.agents.loop import tool_schemas
     from postrl.models import load_policy
     from postrl.rewards import RewardFunction
     from postrl.rollout import make_engine
@@ -171,7 +176,8 @@ def evaluate_model(cfg, log: Any = None) -> tuple[dict[str, float], str]:
     reward_fn = RewardFunction(cfg.reward)
     results: dict[str, float] = {}
     try:
-        for name, examples in load_val_sets(cfg.eval.files or [], tokenizer, cfg.data, cfg.eval.max_prompts, policy.modality).items():
+        val_sets = load_val_sets(cfg.eval.files or [], tokenizer, cfg.data, cfg.eval.max_prompts, policy.modality, tool_schemas(cfg.rollout.multi_turn))
+        for name, examples in val_sets.items():
             results.update(evaluate(engine, tokenizer, reward_fn, examples, cfg.eval, name, cfg.train.seed))
     finally:
         reward_fn.close()

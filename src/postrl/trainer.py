@@ -22,6 +22,7 @@ import torch
 
 from postrl import checkpoint, distributed, guards, lora
 from postrl.actor import Actor
+from postrl.agents.loop import tool_schemas
 from postrl.config import Config
 from postrl.data.dataset import PromptSampler, load_prompts
 from postrl.errors import Stopped, UserError
@@ -65,10 +66,11 @@ class Trainer:
         train_model = distributed.wrap_model(self.model, cfg.train.strategy, compute_dtype=rt.dtype)
         self.actor = Actor(cfg, self.policy, train_model, rt, self.log)
 
-        self.train_examples, summary = load_prompts(cfg.data.train_files, self.tokenizer, cfg.data, modality=self.policy.modality)
+        tools = tool_schemas(cfg.rollout.multi_turn)  # the agent loop's tools, rendered into the prompts
+        self.train_examples, summary = load_prompts(cfg.data.train_files, self.tokenizer, cfg.data, modality=self.policy.modality, tools=tools)
         bad = f", {summary['dropped_bad']} malformed image rows skipped" if summary.get("dropped_bad") else ""
         self.log(f"train prompts: {summary['kept']} ({summary['dropped_overlong']} dropped as overlong{bad})")
-        self.val_sets = load_val_sets(cfg.eval.files or [], self.tokenizer, cfg.data, cfg.eval.max_prompts, self.policy.modality)
+        self.val_sets = load_val_sets(cfg.eval.files or [], self.tokenizer, cfg.data, cfg.eval.max_prompts, self.policy.modality, tools)
         self.sampler = PromptSampler(len(self.train_examples), cfg.data.shuffle, cfg.data.seed)
         self.reward_fn = RewardFunction(cfg.reward)
         engine = make_engine(

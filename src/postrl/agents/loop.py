@@ -78,6 +78,8 @@ class Trajectory:
 class AgentLoop:
     """A rollout engine that runs the agent loop on `engine` (the same protocol; docs/agents.md)."""
 
+    takes_rows = True  # generate(..., rows=) resets the environments (`generate_for`)
+
     def __init__(self, engine: Any, tokenizer: Any, cfg: "MultiTurnConfig", model: Any = None, log: Any = None):
         from postrl.agents.tools import load_tools
 
@@ -99,11 +101,6 @@ class AgentLoop:
             from postrl.agents.sandbox import sandbox_description
 
             log(f"tool sandbox: {sandbox_description()}")
-
-    @property
-    def tool_schemas(self) -> list[dict] | None:
-        """The JSON schemas the chat template renders (`tools=`), None without tools."""
-        return [t.schema for t in self.tools.values()] or None
 
     # ------------------------------------------------------------------ the engine protocol
     def sync_weights(self, model: "torch.nn.Module") -> None:
@@ -298,3 +295,24 @@ def model_text(tokenizer: Any, completion: Completion) -> str:
 def model_tokens(completion: Completion) -> int:
     """The number of tokens the policy sampled in a completion."""
     return len(completion.token_ids) if completion.loss_mask is None else sum(completion.loss_mask)
+
+
+def tool_schemas(multi_turn: "MultiTurnConfig") -> list[dict] | None:
+    """The JSON schemas of `rollout.multi_turn.tools` for the chat template's `tools=` (None when the loop is
+    off or has no tools): prompts are rendered with them for rollout, validation and SFT alike."""
+    if not multi_turn.enable or not multi_turn.tools:
+        return None
+    from postrl.agents.tools import load_tools
+
+    return [t.schema for t in load_tools(list(multi_turn.tools)).values()]
+
+
+def generate_for(engine: Any, examples: list, params: SamplingParams) -> list[Completion]:
+    """`engine.generate` on prompt examples (data/dataset.py's PromptExample); the agent loop also gets their
+    dataset rows, from which environments reset."""
+    from postrl.data.dataset import multi_modal_of
+
+    prompts, mm = [e.prompt_ids for e in examples], multi_modal_of(examples)
+    if getattr(engine, "takes_rows", False):
+        return engine.generate(prompts, params, multi_modal=mm, rows=[e.row for e in examples])
+    return engine.generate(prompts, params, multi_modal=mm)
