@@ -42,8 +42,6 @@ class Completion:
     finished: bool
     logprobs: list[float] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
-    loss_mask: list[int] | None = None  # TEMP until branch traj: 1 = sampled by the policy; None = all sampled
-    turn_spans: list[tuple[int, int]] | None = None  # TEMP until branch traj
 
 
 @runtime_checkable
