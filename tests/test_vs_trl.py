@@ -38,7 +38,8 @@ def test_dapo_loss_and_gradient_equal_trls_on_one_batch(tmp_path, temperature):
     trl_model = copy.deepcopy(tr.model)
 
     batch = Batch(
-        prompt_ids=prompts.tolist(), response_ids=responses, finished=[True] * B, scores=[0.0] * B, rewards=[0.0] * B,
+        prompt_ids=prompts.tolist(), response_ids=responses, loss_masks=[[1] * n for n in lengths], turns=[1] * B,
+        finished=[True] * B, scores=[0.0] * B, rewards=[0.0] * B,
         verifier_metrics=[{}] * B, engine_logprobs=[None] * B, multi_modal=[None] * B,
     )  # fmt: skip
     stats = tr.actor.update(tr.actor.pack(batch, adv_B))

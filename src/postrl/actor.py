@@ -41,12 +41,14 @@ LOGPROB_KEYS = ("old_logp", "ref_logp", "engine_logp")  # [B, T] tensors sliced 
 class Packed:
     """This rank's rows as tensors on the runtime device: prompts left-padded to P, responses right-padded to T.
 
-    tensors: input_ids / attention_mask / position_ids [B, P+T], response_mask [B, T], adv [B], and
-    the [B, T] log-prob tensors of LOGPROB_KEYS once computed.
+    tensors: input_ids / attention_mask / position_ids [B, P+T], response_mask [B, T] (the loss mask:
+    1 only on tokens the policy sampled, so a trajectory's tool results are 0), adv [B], and the [B, T]
+    log-prob tensors of LOGPROB_KEYS once computed. Log-probs cover every real response token, aligned
+    with the response ids; the loss reads them where response_mask is 1.
     """
 
     tensors: dict[str, torch.Tensor]
-    lengths: list[int]  # prompt + response tokens per row (dynamic batch size)
+    lengths: list[int]  # prompt + response tokens per row, tool tokens included (dynamic batch size)
     multi_modal: list[dict | None] | None
 
     @property
@@ -80,13 +82,14 @@ class Actor:
         """This rank's rows of the global batch as tensors on the runtime device.
 
         Each mini-batch is dealt to the ranks in equal parts, token-balanced with dynamic batch size.
+        The advantage of a row reaches its model tokens only: the loss reads it through response_mask.
         """
         rows = rank_rows(batch.lengths, self.cfg.train.mini_batch_size * self.G, balance=self.cfg.train.use_dynamic_bsz)
         prompts = [batch.prompt_ids[i] for i in rows]
         responses = [batch.response_ids[i] for i in rows]
-        t = build_sequences(prompts, responses, self.pad_id)
+        t = build_sequences(prompts, responses, self.pad_id, [batch.loss_masks[i] for i in rows])
         t["adv"] = adv_B[rows]
-        if batch.has_engine_logprobs:
+        if batch.has_engine_logprobs:  # one per response token (0.0 on tool tokens, which the mask drops)
             lp = torch.zeros_like(t["response_mask"], dtype=torch.float32)
             for i, row in enumerate(rows):
                 lp[i, : len(batch.engine_logprobs[row])] = torch.tensor(batch.engine_logprobs[row], dtype=torch.float32)
@@ -100,7 +103,13 @@ class Actor:
         )
 
     def micro_batches(self, rows: range | list[int], packed: Packed) -> Iterator[tuple[list[int], dict[str, Any]]]:
-        """Slices of `rows` of micro_batch_size (or by token budget), trimmed to their own padding."""
+        """Slices of `rows` of micro_batch_size (or by token budget), trimmed to their own padding.
+
+        The token budget (train.max_token_len_per_device) counts every token of a row, tool results of a
+        trajectory included: it bounds activation memory, and the forward computes (and stores for the
+        backward) every token it attends to, whether or not the loss reads it. The width kept is the
+        longest real response (attention mask), not the longest run of model tokens (loss mask).
+        """
         rows = list(rows)
         t = self.cfg.train
         if t.use_dynamic_bsz:
@@ -115,7 +124,7 @@ class Actor:
             attn = x["attention_mask"][ix]
             resp_mask = x["response_mask"][ix]
             left = int((attn.sum(0) > 0).nonzero()[0])  # first column any sequence uses
-            T = max(int(resp_mask.sum(1).max()), 1)
+            T = max(int(attn[:, P:].sum(1).max()), 1)  # the longest real response (tool tokens are real)
             mb = {
                 "input_ids": x["input_ids"][ix, left : P + T],
                 "attention_mask": attn[:, left : P + T],

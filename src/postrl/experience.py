@@ -2,7 +2,10 @@
 
 `Batch` is one record of B sequences, every field a per-sequence list, prompt-major (the G samples
 of a prompt are contiguous). Because every field has one entry per sequence, concatenation and row
-selection are generic (`concat`, `select`), not field by field.
+selection are generic (`concat`, `select`), not field by field. A sequence is a token-level
+trajectory: `response_ids` may interleave model turns with tool / environment tokens, and its
+`loss_masks` entry marks which tokens the policy sampled (all ones for a single-turn completion);
+every count the loss and the response-length metrics use is of those model tokens.
 
 `Experience.collect` draws generation batches until `train.global_batch_size` groups survive dynamic
 sampling (DAPO: a group is kept iff its raw verifier metric has non-zero spread), then cuts the batch
@@ -21,12 +24,12 @@ import torch
 
 from postrl import algorithms as algo
 from postrl import distributed
-from postrl.agents.loop import generate_for, model_text, model_tokens
+from postrl.agents.loop import generate_for, model_text
 from postrl.data.dataset import PromptExample, PromptSampler
 from postrl.errors import UserError
 from postrl.metrics import Timer, summary_stats
 from postrl.partition import shard_range, shard_seed
-from postrl.rollout import SamplingParams
+from postrl.rollout import Completion, SamplingParams
 
 
 @dataclass
@@ -34,12 +37,14 @@ class Batch:
     """B sequences, prompt-major. Each field holds one entry per sequence."""
 
     prompt_ids: list[list[int]]
-    response_ids: list[list[int]]
+    response_ids: list[list[int]]  # everything after the prompt: model turns and, for agents, tool tokens
+    loss_masks: list[list[int]]  # one entry per response token: 1 = sampled by the policy (trained on)
+    turns: list[int]  # model turns of each trajectory (1: single turn)
     finished: list[bool]  # stopped at EOS (else cut at max_tokens)
     scores: list[float]  # raw weighted verifier score
     rewards: list[float]  # score after overlong shaping
     verifier_metrics: list[dict[str, float]]  # each verifier's named metrics (acc, ...)
-    engine_logprobs: list[list[float] | None]  # the engine's sampling log-probs, when it reports them
+    engine_logprobs: list[list[float] | None]  # the engine's sampling log-probs per response token (0.0 where masked)
     multi_modal: list[dict | None]  # each sequence's image inputs (VLMs), else None
 
     @property
@@ -52,8 +57,13 @@ class Batch:
 
     @property
     def lengths(self) -> list[int]:
-        """Prompt + response tokens of each sequence."""
+        """Prompt + response tokens of each sequence, model and tool tokens alike (what a forward computes)."""
         return [len(p) + len(r) for p, r in zip(self.prompt_ids, self.response_ids)]
+
+    @property
+    def model_tokens(self) -> list[int]:
+        """Tokens the policy sampled in each sequence (its response length, for the loss and the metrics)."""
+        return [sum(m) for m in self.loss_masks]
 
     def metric(self, name: str) -> list[float]:
         """One verifier metric (or 'score' / 'seq_reward') of every sequence."""
@@ -151,14 +161,16 @@ class Experience:
             scores = [s + c.extra.get("env_reward", 0.0) for s, c in zip(out.scores, completions)]  # + environments'
             rewards = scores
             ob = cfg.algorithm.overlong_buffer
-            if ob.enable:
-                lengths = torch.tensor([model_tokens(c) for c in completions])
+            if ob.enable:  # the length the model produced: its own tokens, not the tools'
+                lengths = torch.tensor([sum(trajectory_mask(c)) for c in completions])
                 penalty = algo.overlong_penalty(lengths, r.max_tokens, ob.len, ob.penalty_factor)
                 rewards = [s + p for s, p in zip(scores, penalty.tolist())]
         names = list(out.metrics)
         return Batch(
             prompt_ids=[e.prompt_ids for e in owners],
             response_ids=[c.token_ids for c in completions],
+            loss_masks=[trajectory_mask(c) for c in completions],
+            turns=[len(c.turn_spans) if c.turn_spans is not None else 1 for c in completions],
             finished=[c.finished for c in completions],
             scores=scores,
             rewards=rewards,
@@ -184,12 +196,32 @@ class Experience:
         return estimator(torch.tensor(batch.rewards), self.G, norm_adv_by_std=a.norm_adv_by_std, epsilon=a.epsilon)
 
 
+def trajectory_mask(c: Completion) -> list[int]:
+    """The loss mask of a completion: its own, or all ones (a single turn, every token sampled)."""
+    if c.loss_mask is None:
+        return [1] * len(c.token_ids)
+    assert len(c.loss_mask) == len(c.token_ids), f"loss_mask has {len(c.loss_mask)} entries for {len(c.token_ids)} tokens"
+    return list(c.loss_mask)
+
+
 def batch_metrics(batch: Batch, prefix: str, group_size: int) -> dict[str, float]:
-    """The guides' per-step metrics of a training batch (rewards, scores, lengths, groups without spread)."""
+    """The guides' per-step metrics of a training batch (rewards, scores, lengths, groups without spread).
+
+    response_length/{mean,min,max} count model tokens (what the policy wrote, as in single-turn runs);
+    response_length/total_{mean,max} count every token after the prompt, tool results included (what the
+    forward computes); num_turns/{mean,max} are logged when some trajectory of the batch has several turns
+    or tokens the policy did not sample.
+    """
     m = {**summary_stats(f"{prefix}/rewards", batch.rewards), **summary_stats(f"{prefix}/score", batch.scores)}
     for key in batch.verifier_metrics[0]:
         m[f"{prefix}/{key}/mean"] = sum(batch.metric(key)) / batch.size
-    m.update(summary_stats("response_length", [float(len(r)) for r in batch.response_ids]))
+    m.update(summary_stats("response_length", [float(n) for n in batch.model_tokens]))
+    total = [float(len(r)) for r in batch.response_ids]
+    m["response_length/total_mean"] = sum(total) / batch.size
+    m["response_length/total_max"] = max(total)
+    if any(t > 1 for t in batch.turns) or any(0 in mask for mask in batch.loss_masks):
+        m["num_turns/mean"] = sum(batch.turns) / batch.size
+        m["num_turns/max"] = float(max(batch.turns))
     m["response_length/clip_ratio"] = sum(not f for f in batch.finished) / batch.size
     m.update(summary_stats("prompt_length", [float(len(p)) for p in batch.prompt_ids]))
     spread = algo.group_keep_mask(torch.tensor(batch.rewards), group_size)

@@ -181,20 +181,32 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
     return input_ids, attention_mask
 
 
-def build_sequences(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
+def build_sequences(
+    prompts: list[list[int]], responses: list[list[int]], pad_id: int, loss_masks: list[list[int]] | None = None
+) -> dict[str, torch.Tensor]:
     """Pack prompt+response pairs: prompts left-padded to P, responses right-padded to T.
 
-    Returns input_ids/attention_mask/position_ids [B, P+T] and response_mask [B, T].
+    Returns input_ids/attention_mask/position_ids [B, P+T] and response_mask [B, T]. The attention
+    mask covers every real token; `response_mask` is the loss mask, 1 only where the policy sampled
+    the token: each row's `loss_masks` entry (one per response token; None: all real tokens), so a
+    trajectory's tool results are attended to but not trained on. The real extent of a response is
+    the attention mask's, never the loss mask's (which has zeros inside a multi-turn response).
     """
     prompt_ids, prompt_mask = left_pad(prompts, pad_id)  # [B, P]
     T = max(max(len(r) for r in responses), 1)
     response_ids = torch.full((len(prompts), T), pad_id, dtype=torch.long)
+    real_BT = torch.zeros((len(prompts), T), dtype=torch.long)
     response_mask = torch.zeros((len(prompts), T), dtype=torch.long)
     for i, r in enumerate(responses):
         if r:
             response_ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-            response_mask[i, : len(r)] = 1
-    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+            real_BT[i, : len(r)] = 1
+            if loss_masks is None:
+                response_mask[i, : len(r)] = 1
+            else:
+                assert len(loss_masks[i]) == len(r), f"row {i}: {len(loss_masks[i])} loss-mask entries for {len(r)} tokens"
+                response_mask[i, : len(r)] = torch.tensor(loss_masks[i], dtype=torch.long)
+    attention_mask = torch.cat([prompt_mask, real_BT], dim=1)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     return {
         "input_ids": torch.cat([prompt_ids, response_ids], dim=1),

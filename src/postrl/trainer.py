@@ -298,7 +298,7 @@ class Trainer:
         m.update(timing)
         m.update(
             throughput(
-                m["response_length/mean"], m["prompt_length/mean"], cfg.train.global_batch_size, self.G,
+                m["response_length/total_mean"], m["prompt_length/mean"], cfg.train.global_batch_size, self.G,
                 cfg.world_size, timing, self.engine.name,
             )
         )  # fmt: skip

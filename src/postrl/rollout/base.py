@@ -30,11 +30,18 @@ class SamplingParams:
 
 @dataclass
 class Completion:
-    """One sampled completion of one prompt.
+    """One sampled completion of one prompt: a token-level trajectory (DESIGN.md section 10).
 
     `token_ids` ends with the EOS token when the model stopped by itself (`finished`); otherwise it
     was cut at max_tokens. `logprobs` are the engine's sampling log-probs of `token_ids` under the
-    temperature-scaled distribution, or None when the engine does not report them.
+    temperature-scaled distribution (one per token, 0.0 where `loss_mask` is 0), or None when the
+    engine does not report them.
+
+    A multi-turn trajectory (an agent's) interleaves model turns with tokens the policy did not
+    sample (tool results, environment or user turns) in one `token_ids` list: `loss_mask` has one
+    entry per token, 1 where the policy sampled it, 0 elsewhere; only 1s are trained on. None means
+    every token was sampled by the policy (single turn). `turn_spans` holds [start, end) of each
+    model turn inside `token_ids` (None: one turn).
     """
 
     prompt_index: int
@@ -42,6 +49,8 @@ class Completion:
     finished: bool
     logprobs: list[float] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    loss_mask: list[int] | None = None
+    turn_spans: list[tuple[int, int]] | None = None
 
 
 @runtime_checkable
