@@ -1,0 +1,202 @@
+"""The sandbox's first process: sets the fences up, then runs the model's code as its child.
+
+Run by `sandbox.run_python` as `python -I _boot.py <settings JSON>` (inside `unshare` where the
+kernel allows it), with the model's code on stdin. It imports nothing from postrl (it runs under
+`-I`, before any fence exists, and must stay small enough to read in one sitting).
+
+Inside the namespaces (`isolate: true`) it is PID 1 of a new PID namespace and root of a new mount
+namespace. It then, in order:
+1. makes every mount private and read-only (so nothing outside can be written, whoever runs),
+2. mounts fresh size-limited tmpfs on /tmp, /var/tmp, /dev/shm and on the working directory (the
+   code's only writable places, gone with the namespace),
+3. hides the home directories (and, as real root, any private ancestor of the interpreter such as
+   /root, so that the unprivileged uid it drops to can run it) under empty tmpfs, with the
+   interpreter's own trees bound back in read-only,
+4. forks the code's process: drops to uid/gid 65534 (real root) or drops every capability (user
+   namespace), sets no_new_privs and the rlimits, and execs `python -I main.py`,
+5. waits for it as init and exits with its status. When PID 1 exits the kernel kills every process
+   left in the namespace, so a daemonised child cannot outlive the call.
+Without the namespaces (`isolate: false`) it skips steps 1-3; step 5 then only keeps a process
+between the code and the caller (killing the code's parent kills this one, not the trainer).
+
+A setup failure exits with SETUP_FAILED and one line on stderr starting with "sandbox setup:".
+"""
+
+import ctypes
+import json
+import os
+import resource
+import stat
+import sys
+
+SETUP_FAILED = 125
+NOBODY = 65534
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC = 32, 1024, 2048, 4096, 16384
+MS_PRIVATE, MS_RELATIME = 1 << 18, 1 << 21
+PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 24, 38
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _fail(message):
+    sys.stderr.write(f"sandbox setup: {message}\n")
+    sys.stderr.flush()
+    os._exit(SETUP_FAILED)
+
+
+def _mount(source, target, fstype, flags, data=None):
+    enc = lambda s: None if s is None else os.fsencode(s)  # noqa: E731
+    if _libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount {fstype or source} on {target}: {os.strerror(err)}")
+
+
+def _mount_points():
+    points = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            raw = line.split()[4]
+            points.append(raw.encode().decode("unicode_escape"))  # mountinfo escapes spaces as \040
+    return points
+
+
+def _remount_read_only():
+    # statvfs flags that a bind remount must keep: in a user namespace, dropping a locked flag is EPERM.
+    keep = {os.ST_NOSUID: MS_NOSUID, os.ST_NODEV: MS_NODEV, os.ST_NOEXEC: MS_NOEXEC,
+            os.ST_NOATIME: MS_NOATIME, os.ST_NODIRATIME: MS_NODIRATIME, os.ST_RELATIME: MS_RELATIME}
+    for point in _mount_points():
+        try:
+            have = os.statvfs(point).f_flag
+            flags = MS_REMOUNT | MS_BIND | MS_RDONLY | sum(ms for st, ms in keep.items() if have & st)
+            _mount(None, point, None, flags)
+        except OSError as exc:
+            if point == "/":
+                raise
+            # Kernel pseudo file systems (proc, sysfs, cgroup) may refuse; they hold no user files.
+            if not point.startswith(("/proc", "/sys", "/dev")):
+                sys.stderr.write(f"sandbox setup: warning: {exc}\n")
+
+
+def _blocking_ancestor(path):
+    """The first directory on the way to `path` that others may not traverse, or None."""
+    parts = os.path.abspath(path).split(os.sep)[1:]
+    current = "/"
+    for part in parts:
+        if not os.stat(current).st_mode & stat.S_IXOTH:
+            return current
+        current = os.path.join(current, part)
+    return None
+
+
+def _under(path, directory):
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
+def _cover(dirs, keep):
+    """Hide each of `dirs` under an empty tmpfs, then bind back, read-only and at their own paths,
+    the trees of `keep` (the interpreter's) that lay under one of them."""
+    keep = sorted({os.path.realpath(p) for p in keep})
+    dirs = {os.path.realpath(d) for d in dirs if os.path.isdir(d)}
+    dirs = {d for d in dirs if d != "/" and not any(_under(d, p) for p in keep)}  # never inside the interpreter
+    dirs = sorted(d for d in dirs if not any(_under(d, o) and d != o for o in dirs))  # the outermost only
+    fds = [(p, os.open(p, os.O_PATH)) for p in keep if any(_under(p, d) for d in dirs)]
+    for d in dirs:
+        _mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=64k")
+    for p, fd in fds:
+        os.makedirs(p, exist_ok=True)
+        _mount(f"/proc/self/fd/{fd}", p, None, MS_BIND | MS_REC)
+        _mount(None, p, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+        os.close(fd)
+
+
+def _set_limits(s):
+    mb = 1024 * 1024
+    limits = [
+        (resource.RLIMIT_CPU, s["cpu_s"]),
+        (resource.RLIMIT_AS, s["memory_mb"] * mb),
+        (resource.RLIMIT_FSIZE, s["file_mb"] * mb),
+        (resource.RLIMIT_NOFILE, s["open_files"]),
+        (resource.RLIMIT_NPROC, s["nproc"]),
+        (resource.RLIMIT_CORE, 0),
+    ]
+    for which, value in limits:
+        resource.setrlimit(which, (value, value))
+
+
+def _isolate(s):
+    """Steps 1-3 of the module docstring, as root of the new mount namespace."""
+    _mount(None, "/", None, MS_REC | MS_PRIVATE)
+    _remount_read_only()
+    size = f"size={s['tmpfs_mb']}m,nr_inodes=4096"
+    for scratch in ("/tmp", "/var/tmp", "/dev/shm"):
+        if os.path.isdir(scratch):
+            _mount("tmpfs", scratch, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,{size}")
+    interpreter = [sys.prefix, sys.base_prefix, os.path.dirname(s["python"]), os.path.dirname(os.path.realpath(s["python"]))]
+    hide = list(s["hide"])  # home directories: keys, tokens, caches
+    if s["drop_to_nobody"]:  # uid 65534 must reach the interpreter: cover private ancestors such as /root
+        hide += [b for p in interpreter if (b := _blocking_ancestor(os.path.realpath(p))) is not None]
+    _cover(hide, interpreter)
+    os.makedirs(s["workdir"], exist_ok=True)
+    owner = f",uid={NOBODY},gid={NOBODY}" if s["drop_to_nobody"] else ""
+    _mount("tmpfs", s["workdir"], "tmpfs", MS_NOSUID | MS_NODEV, f"mode=0700,{size}{owner}")
+
+
+def _drop_privileges(s):
+    if s["drop_to_nobody"]:
+        os.setgroups([])
+        os.setgid(NOBODY)
+        os.setuid(NOBODY)  # from real root to an ordinary uid: every capability goes with it
+    else:
+        cap = 0  # an ordinary user has no CAP_SETPCAP and stops at once: it has nothing to drop
+        while _libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) == 0:  # the exec'd code gets none
+            cap += 1
+    if _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+
+
+def _exec_code(s):
+    _set_limits(s)
+    os.chdir(s["workdir"])
+    os.execve(s["python"], [s["python"], "-I", "main.py"], s["env"])
+
+
+def main():
+    s = json.loads(sys.argv[1])
+    code = sys.stdin.buffer.read()
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)  # the code gets an empty stdin
+    try:
+        if s["isolate"]:
+            _isolate(s)
+        main_py = os.path.join(s["workdir"], "main.py")
+        with open(main_py, "wb") as f:
+            f.write(code)
+        if s["drop_to_nobody"]:
+            os.chown(main_py, NOBODY, NOBODY)
+    except OSError as exc:
+        _fail(str(exc))
+    pid = os.fork()
+    if pid == 0:
+        try:
+            _drop_privileges(s)
+            _exec_code(s)
+        except BaseException as exc:  # noqa: BLE001 - the child must never return into main()
+            sys.stderr.write(f"sandbox setup: {exc}\n")
+            sys.stderr.flush()
+        os._exit(SETUP_FAILED)
+    # PID 1 (or, without namespaces, a buffer between the code and the caller, so that killing its
+    # parent kills this process and not the trainer): reap orphans until the code's process ends.
+    while True:
+        try:
+            done, status = os.wait()
+        except ChildProcessError:
+            os._exit(SETUP_FAILED)
+        if done == pid:
+            if os.WIFSIGNALED(status):
+                os._exit(128 + os.WTERMSIG(status))
+            os._exit(os.WEXITSTATUS(status))
+
+
+if __name__ == "__main__":
+    main()

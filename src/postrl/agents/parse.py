@@ -1,0 +1,88 @@
+"""Tool calls in a model turn, in the Hermes format that Qwen2.5 / Qwen3 chat templates teach:
+
+    <tool_call>
+    {"name": "calculator", "arguments": {"expression": "2 + 2"}}
+    </tool_call>
+
+`parse_tool_calls(text)` returns the calls in order (several per turn are allowed), `[]` when the
+turn has none, or a `ParseError` whose message is written for the model (it is rendered back as
+the tool's answer, so the policy can learn the format); it never raises. Leniencies, each seen in
+real models' output: `arguments` given as a JSON string is decoded; a missing `arguments` means
+`{}`; the last block may lack its `</tool_call>` (a stop string at `</tool_call>` may cut it off).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Collection
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.DOTALL)
+FORMAT_HINT = f'Write each call as {OPEN}\n{{"name": "<tool name>", "arguments": {{<arguments as a JSON object>}}}}\n{CLOSE}'
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One parsed call: the tool's name and its keyword arguments."""
+
+    name: str
+    arguments: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ParseError:
+    """The turn tried to call tools but some call is malformed; `message` is shown to the model."""
+
+    message: str
+
+
+def _one(body: str, closed: bool, tool_names: Collection[str] | None) -> ToolCall | str:
+    """The call in one <tool_call> block, or what is wrong with it."""
+    body = body.strip()
+    if not body:
+        return "it is empty" if closed else f"it is empty and has no closing {CLOSE}"
+    try:
+        obj = json.loads(body)
+    except ValueError as exc:
+        unclosed = "" if closed else f" (and it has no closing {CLOSE})"
+        return f"it is not valid JSON: {exc}{unclosed}"
+    if not isinstance(obj, dict):
+        return f'it must be a JSON object with "name" and "arguments", got a JSON {type(obj).__name__}'
+    name = obj.get("name")
+    if not isinstance(name, str) or not name.strip():
+        return 'it has no "name" (a string naming the tool)'
+    name = name.strip()
+    if tool_names is not None and name not in tool_names:
+        return f"there is no tool named '{name}' (available tools: {', '.join(tool_names) or 'none'})"
+    args = obj.get("arguments", {})
+    if isinstance(args, str):  # some models emit the arguments as a JSON string
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError as exc:
+            return f'its "arguments" is a string that is not valid JSON: {exc}'
+    if args is None:
+        args = {}
+    if not isinstance(args, dict):
+        return f'its "arguments" must be a JSON object, got a JSON {type(args).__name__}'
+    return ToolCall(name, args)
+
+
+def parse_tool_calls(text: str, tool_names: Collection[str] | None = None) -> list[ToolCall] | ParseError:
+    """The tool calls in `text`, in order; `tool_names` (when given) makes an unknown tool an error."""
+    calls: list[ToolCall] = []
+    problems: list[str] = []
+    blocks = list(_BLOCK.finditer(text))
+    for i, match in enumerate(blocks, 1):
+        out = _one(match.group(1), match.group(0).endswith(CLOSE), tool_names)
+        if isinstance(out, ToolCall):
+            calls.append(out)
+        else:
+            problems.append(f"tool call {i}: {out}" if len(blocks) > 1 else f"the tool call: {out}")
+    outside = _BLOCK.sub("", text)
+    if CLOSE in outside:
+        problems.append(f"found {CLOSE} without a matching {OPEN} before it")
+    if problems:
+        return ParseError("Your tool call could not be run: " + "; ".join(problems) + f". {FORMAT_HINT}")
+    return calls

@@ -1,0 +1,335 @@
+"""Run model-written Python as hostile input: one call, one fenced process tree, nothing left behind.
+
+`run_python(code, ...)` starts `python -I` (isolated mode, the same interpreter) in a new session
+with an empty environment and its own working directory, captures at most `max_output_bytes` of
+output, and at the time limit kills the whole process group (SIGKILL to -pgid). It never raises for
+anything the code does: the outcome is a `SandboxResult`.
+
+Where the kernel allows it, the run also gets new network, PID and mount namespaces (util-linux
+`unshare`; `-r`, an unprivileged user namespace, when not root), set up by `_boot.py`:
+- no network: the namespace has only a loopback interface that is down, so every connect fails;
+- no writes outside: every mount is read-only; /tmp, /var/tmp, /dev/shm and the working directory
+  are fresh size-limited tmpfs that vanish with the namespace;
+- nothing left running: the code runs under a small init (PID 1 of the namespace); when the code's
+  process ends, the kernel kills every other process in the namespace, daemons included;
+- no privileges: as root, the code runs as uid 65534 (so RLIMIT_NPROC binds); in a user namespace,
+  with every capability dropped; no_new_privs in both.
+Whether that works is checked once per process (`isolation()`), cached, and described in one line
+(`sandbox_description()`) that the trainer prints at start. Where `unshare` is refused, runs still
+get the rlimits, the session and the group kill, and the description says what is NOT isolated.
+docs/agents.md ("Tools and the sandbox") lists every limit and its default.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import selectors
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+BOOT = Path(__file__).with_name("_boot.py")
+SETUP_FAILED = 125  # _boot.py's exit code when a fence could not be built
+NOBODY = 65534
+# The code's environment: what Python needs to run, nothing of the caller's (no HOME, no tokens).
+SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
+_READ_CHUNK = 65536
+
+
+@dataclass
+class SandboxResult:
+    """What became of one run.
+
+    `error` is None for a clean exit 0, else one of: "exit" (non-zero exit status, e.g. an uncaught
+    exception), "memory" (MemoryError: the address-space limit), "signal" (killed by a signal, e.g.
+    SIGXCPU at the CPU-time limit), "timeout" (wall-clock limit, the group was killed),
+    "output_limit" (more than max_output_bytes of output, the group was killed), "setup" (the
+    sandbox itself could not start; see stderr).
+    """
+
+    stdout: str
+    stderr: str
+    exit_status: int | None  # the code's exit status; 128 + N when signal N ended it; None if killed by us
+    timed_out: bool = False
+    killed: bool = False  # we killed the process group (time or output limit)
+    truncated: bool = False  # stdout or stderr was cut at max_output_bytes
+    error: str | None = None
+    duration_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass
+class CallStats:
+    """Outcome counts of sandbox runs or tool calls, for the agent loop to log (thread-safe)."""
+
+    success: int = 0
+    error: int = 0
+    timeout: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def record(self, status: str) -> None:
+        """Count one call that ended "ok", "timeout" or anything else (an error)."""
+        with self._lock:
+            if status == "ok":
+                self.success += 1
+            elif status == "timeout":
+                self.timeout += 1
+            else:
+                self.error += 1
+
+    def as_metrics(self, prefix: str = "sandbox") -> dict[str, int]:
+        return {f"{prefix}/success": self.success, f"{prefix}/error": self.error, f"{prefix}/timeout": self.timeout}
+
+
+@dataclass(frozen=True)
+class Isolation:
+    """How runs are fenced on this machine (decided once per process)."""
+
+    namespaces: bool  # network + PID + mount namespaces through unshare
+    unshare_cmd: tuple[str, ...]  # the unshare prefix (empty when not used)
+    drop_to_nobody: bool  # running as real root: the code runs as uid 65534
+    description: str
+
+
+def _unshare_cmd() -> tuple[str, ...] | None:
+    unshare = shutil.which("unshare") or next((p for p in ("/usr/bin/unshare", "/bin/unshare") if os.path.exists(p)), None)
+    if unshare is None:
+        return None
+    user = () if os.geteuid() == 0 else ("--map-root-user",)
+    return (unshare, *user, "--net", "--pid", "--mount", "--mount-proc", "--kill-child", "--propagation", "private", "--")
+
+
+@lru_cache(maxsize=1)
+def isolation() -> Isolation:
+    """Try a real run in the namespaces once; fall back (and say so) when the kernel refuses."""
+    cmd = _unshare_cmd()
+    if cmd is None:
+        return _fallback("unshare not found; install util-linux")
+    trial = Isolation(True, cmd, os.geteuid() == 0, "")
+    probe = "import socket\ns = socket.socket()\ns.settimeout(2)\ntry:\n    s.connect(('1.1.1.1', 53))\n    print('connected')\nexcept OSError:\n    print('isolated')\n"
+    res = _run(probe, trial, timeout_s=30.0, max_output_bytes=4096, memory_mb=512, cpu_s=30, max_processes=8,
+               max_file_mb=1, max_open_files=64, tmpfs_mb=8)
+    if res.ok and res.stdout.strip() == "isolated":
+        who = "uid 65534" if trial.drop_to_nobody else "no capabilities"
+        return Isolation(True, cmd, trial.drop_to_nobody,
+                         f"sandbox: no network (network namespace); read-only file system, private /tmp; PID namespace; {who}")
+    if res.ok and res.stdout.strip() == "connected":
+        return _fallback("a connection left the network namespace")
+    why = (res.stderr.strip().splitlines() or [res.error or res.stdout.strip() or "unknown"])[-1][:200]
+    return _fallback(f"unshare refused: {why}")
+
+
+def _reachable_by_others(path: str) -> bool:
+    """Whether a uid other than the owner may traverse to `path` (every ancestor directory o+x)."""
+    current = Path(os.path.realpath(path))
+    return all(os.stat(d).st_mode & stat.S_IXOTH for d in [*reversed(current.parents), current] if d.is_dir())
+
+
+def _fallback(why: str) -> Isolation:
+    """No namespaces: rlimits, a session and the group kill only; as root, still leave root when possible."""
+    if os.geteuid() != 0:
+        who = "code runs as your uid"
+        drop = False
+    else:
+        drop = all(_reachable_by_others(p) for p in (sys.executable, sys.prefix, sys.base_prefix))
+        who = "code runs as uid 65534" if drop else "code runs as ROOT (the interpreter is not reachable for uid 65534)"
+    return Isolation(False, (), drop, f"sandbox: network NOT isolated ({why}); no file-system or PID isolation, {who}; rlimits apply")
+
+
+def sandbox_description() -> str:
+    """One line for the trainer to print at start: what the sandbox isolates on this machine."""
+    return isolation().description
+
+
+def run_python(
+    code: str,
+    *,
+    timeout_s: float = 10.0,
+    max_output_bytes: int = 16_384,
+    memory_mb: int = 1024,
+    cpu_s: int | None = None,
+    max_processes: int = 16,
+    max_file_mb: int = 16,
+    max_open_files: int = 64,
+    tmpfs_mb: int = 64,
+    stats: CallStats | None = None,
+) -> SandboxResult:
+    """Run `code` in the sandbox (limits: docs/agents.md). Never raises for anything the code does.
+
+    `cpu_s` defaults to the wall-clock limit rounded up plus one second; `max_processes` counts the
+    code's own processes and threads (added to what its uid already runs, as RLIMIT_NPROC counts per uid).
+    """
+    try:
+        res = _run(code, isolation(), timeout_s=timeout_s, max_output_bytes=max_output_bytes, memory_mb=memory_mb,
+                   cpu_s=cpu_s if cpu_s is not None else math.ceil(timeout_s) + 1, max_processes=max_processes,
+                   max_file_mb=max_file_mb, max_open_files=max_open_files, tmpfs_mb=tmpfs_mb)
+    except Exception as exc:  # noqa: BLE001 - e.g. no free pid or fd in the parent: this call fails, not the caller
+        res = SandboxResult("", f"sandbox could not start: {type(exc).__name__}: {exc}", None, error="setup")
+    if stats is not None:
+        stats.record("ok" if res.error is None else res.error)
+    return res
+
+
+def _tasks_of_uid(uid: int) -> int:
+    """Tasks (processes and threads) the uid runs now: what RLIMIT_NPROC compares against."""
+    total = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+            if int(fields["Uid"].split()[0]) == uid:
+                total += int(fields["Threads"])
+        except (OSError, KeyError, ValueError):
+            continue
+    return total
+
+
+def _run(code: str, iso: Isolation, *, timeout_s: float, max_output_bytes: int, memory_mb: int, cpu_s: int,
+         max_processes: int, max_file_mb: int, max_open_files: int, tmpfs_mb: int) -> SandboxResult:
+    workdir = tempfile.mkdtemp(prefix="postrl-sandbox-")
+    try:
+        if iso.drop_to_nobody and not iso.namespaces:  # in the namespaces the code gets a tmpfs of its own there
+            os.chown(workdir, NOBODY, NOBODY)
+        code_uid = NOBODY if iso.drop_to_nobody else os.getuid()
+        # Real root is exempt from RLIMIT_NPROC, so a limit only binds for an ordinary uid.
+        nproc = _tasks_of_uid(code_uid) + max_processes if code_uid != 0 else max_processes
+        settings = {
+            "isolate": iso.namespaces,
+            "drop_to_nobody": iso.drop_to_nobody,
+            "workdir": workdir,
+            "hide": sorted({h for h in (os.path.expanduser("~"), "/root") if h.startswith("/")}),
+            "python": sys.executable,
+            "env": {"PATH": SAFE_PATH, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir},
+            "cpu_s": int(cpu_s),
+            "memory_mb": int(memory_mb),
+            "file_mb": int(max_file_mb),
+            "open_files": int(max_open_files),
+            "nproc": int(nproc),
+            "tmpfs_mb": int(tmpfs_mb),
+        }
+        argv = [*iso.unshare_cmd, sys.executable, "-I", str(BOOT), json.dumps(settings)]
+        return _supervise(argv, code.encode("utf-8", "replace"), workdir, timeout_s, max_output_bytes)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _supervise(argv: list[str], code: bytes, workdir: str, timeout_s: float, max_output_bytes: int) -> SandboxResult:
+    start = time.monotonic()
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=workdir,
+                            env={"PATH": SAFE_PATH, "LANG": "C.UTF-8"}, start_new_session=True, close_fds=True)
+    pgid = proc.pid  # start_new_session: the child leads its own group and session
+    try:
+        proc.stdin.write(code)
+    except OSError:  # it died before reading its code; its stderr says why
+        pass
+    finally:
+        try:
+            proc.stdin.close()
+        except OSError:
+            pass
+    out = {proc.stdout: bytearray(), proc.stderr: bytearray()}
+    truncated = timed_out = False
+    deadline = start + timeout_s
+    with selectors.DefaultSelector() as sel:
+        for stream in out:
+            os.set_blocking(stream.fileno(), False)
+            sel.register(stream, selectors.EVENT_READ)
+        # Read until the sandbox's first process ends (in the namespaces its end kills the rest), the
+        # output overflows, or the time is up. Not until EOF: without namespaces, a background child
+        # may hold the pipes open long after the code is done.
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                timed_out = True
+                break
+            if proc.poll() is not None:
+                truncated = _drain(sel, out, max_output_bytes)
+                break
+            if sel.get_map():
+                for key, _ in sel.select(timeout=min(left, 0.05)):
+                    truncated |= _pump(sel, key.fileobj, out[key.fileobj], max_output_bytes)
+                if truncated:
+                    break
+            else:  # both streams closed, the code still runs
+                try:
+                    proc.wait(timeout=min(left, 0.05))
+                except subprocess.TimeoutExpired:
+                    pass
+    killed = timed_out or truncated
+    # Always kill the group, also after a clean exit: children of the code's session may be left.
+    # The leader is not reaped yet (no wait before this), so its pid cannot have been reused.
+    _kill_group(pgid)
+    try:
+        status = proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL'ed processes do not linger
+        status = None
+    for stream in out:
+        stream.close()
+    stdout = out[proc.stdout].decode("utf-8", "replace")
+    stderr = out[proc.stderr].decode("utf-8", "replace")
+    duration = time.monotonic() - start
+    exit_status = None if killed else (128 - status if status is not None and status < 0 else status)
+    if timed_out:
+        error = "timeout"
+    elif truncated:
+        error = "output_limit"
+        stderr += f"\n[output cut at {max_output_bytes} bytes; the process was stopped]"
+    elif exit_status == SETUP_FAILED and "sandbox setup:" in stderr:
+        error = "setup"
+    elif exit_status == 0:
+        error = None
+    elif "MemoryError" in stderr[-2000:]:
+        error = "memory"
+    elif exit_status is not None and exit_status > 128:
+        error = "signal"
+    else:
+        error = "exit"
+    return SandboxResult(stdout, stderr, exit_status, timed_out, killed, truncated, error, duration)
+
+
+def _pump(sel: selectors.BaseSelector, stream, buf: bytearray, limit: int) -> bool:
+    """Append what `stream` has to `buf`, up to `limit` bytes (unregister it at EOF); True when output was cut."""
+    try:
+        chunk = os.read(stream.fileno(), _READ_CHUNK)
+    except BlockingIOError:
+        return False
+    if not chunk:
+        sel.unregister(stream)
+        return False
+    room = limit - len(buf)
+    buf += chunk[: max(room, 0)]
+    return len(chunk) > room
+
+
+def _drain(sel: selectors.BaseSelector, out: dict, limit: int) -> bool:
+    """After the first process ended: read what is already in the pipes; True if that cut the output."""
+    for key in list(sel.get_map().values()):
+        while key.fileobj in sel.get_map():
+            before = len(out[key.fileobj])
+            if _pump(sel, key.fileobj, out[key.fileobj], limit):
+                return True
+            if len(out[key.fileobj]) == before:
+                break
+    return False
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
