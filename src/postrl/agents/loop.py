@@ -100,7 +100,7 @@ class AgentLoop:
         if "python" in self.tools and log is not None:
             from postrl.agents.sandbox import sandbox_description
 
-            log(f"tool sandbox: {sandbox_description()}")
+            log(sandbox_description())  # once, at start: what the sandbox isolates on this machine
 
     # ------------------------------------------------------------------ the engine protocol
     def sync_weights(self, model: "torch.nn.Module") -> None:
