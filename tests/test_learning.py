@@ -100,3 +100,25 @@ def test_on_a_users_own_task_the_dapo_recipe_ends_no_worse_than_its_start(tmp_pa
     assert val[-1] >= val[0] - 0.01, val
     best = (tmp_path / "rl" / "checkpoints" / "best" / "best.json").read_text()
     assert f'"value": {max(val)}' in best
+
+
+@pytest.mark.slow
+def test_with_a_calculator_dapo_lifts_held_out_accuracy_and_the_tool_call_rate(tmp_path):
+    """The tool demo, shortened (docs/agents.md): SFT on a mixed teacher (30% calculator traces, 70% wrong
+    guesses), then DAPO through the agent loop. The SFT model mostly guesses, so greedy decoding rarely
+    calls the tool; RL makes calling it the greedy answer."""
+    run_sft(load_config(CONFIGS / "tiny_tool_sft.yaml", [
+        "sft.eval_prompts=0", f"sft.output_dir={tmp_path}/sft", f"logging.dir={tmp_path}/sft", "logging.progress=false",
+    ]))  # fmt: skip
+    cfg = load_config(CONFIGS / "tiny_tool_dapo.yaml", [
+        f"model.path={tmp_path}/sft/model", "train.total_steps=10", "eval.freq=0", "eval.max_prompts=200",
+        f"logging.dir={tmp_path}/rl", "logging.progress=false", "checkpoint.keep_best=null",
+    ])  # fmt: skip
+    Trainer(cfg).fit()
+    rows = [r for r in read_jsonl(tmp_path / "rl" / "metrics.jsonl") if "val/tool_arithmetic/acc_mean@1" in r]
+    acc = [r["val/tool_arithmetic/acc_mean@1"] for r in rows]
+    calls = [r["val/tool_arithmetic/tool_call_ratio"] for r in rows]
+    assert len(acc) == 2 and acc[0] < 0.2, acc  # the SFT model mostly guesses
+    assert acc[1] - acc[0] >= 0.15 and calls[1] > calls[0], (acc, calls)
+    steps = [r for r in read_jsonl(tmp_path / "rl" / "metrics.jsonl") if "agent/turns_mean" in r]
+    assert steps and all(r["agent/tool_error"] + r["agent/tool_timeout"] <= r["agent/tool_ok"] for r in steps)
