@@ -8,8 +8,10 @@ Metrics, per validation set (named after the file's stem, or the built-in task's
     val/<name>/pass@k              k = 1, 2, 4, ..., n: chance that at least one of k samples is right,
                                    by the unbiased estimator 1 - C(n-c, k) / C(n, k) (Chen et al., 2021)
     val/<name>/score_mean          mean weighted verifier score
-    val/<name>/response_length_mean
-`eval.temperature: 0` is greedy decoding (one sample per prompt); with a temperature and
+    val/<name>/response_length_mean   the tokens the policy wrote (tool output not counted)
+    val/<name>/tool_calls_mean, tool_call_ratio   with rollout.multi_turn: calls per trajectory, share that call
+With `rollout.multi_turn.enable` the engine is the agent loop (docs/agents.md) and the verifiers read the
+policy's own tokens. `eval.temperature: 0` is greedy decoding (one sample per prompt); with a temperature and
 `eval.n_samples: n`, n samples per prompt are drawn from a fixed seed (train.seed).
 
     postrl eval CONFIG [overrides]            model.path of the config
@@ -124,7 +126,8 @@ def evaluate(engine, tokenizer, reward_fn, examples: list, eval_cfg, name: str, 
     out = {f"val/{name}/acc_mean@{n}": sum(acc) / len(acc)}
     for k in report_ks(n):
         out[f"val/{name}/pass@{k}"] = sum(pass_at_k(n, c, k) for c in correct) / len(correct)
-    out[f"val/{name}/score_mean"] = sum(res.scores) / len(res.scores)
+    scores = [s + c.extra.get("env_reward", 0.0) for s, c in zip(res.scores, completions)]  # + environments', as in training
+    out[f"val/{name}/score_mean"] = sum(scores) / len(scores)
     out[f"val/{name}/response_length_mean"] = sum(model_tokens(c) for c in completions) / len(completions)
     if any("tool_calls" in c.extra for c in completions):  # the agent loop: how often the policy used its tools
         out[f"val/{name}/tool_calls_mean"] = sum(c.extra.get("tool_calls", 0) for c in completions) / len(completions)
