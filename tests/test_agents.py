@@ -260,3 +260,16 @@ def test_config_takes_verls_multi_turn_names():
     cfg = load_config(None, ["model.path=builtin:tiny-qwen2-tools", "rollout.multi_turn.enable=true",
                              "rollout.multi_turn.max_assistant_turns=3", "rollout.multi_turn.max_tool_response_length=64"])  # fmt: skip
     assert cfg.rollout.multi_turn.max_turns == 3 and cfg.rollout.multi_turn.max_tool_response_tokens == 64
+
+
+def test_the_hf_engine_stops_at_an_extra_stop_token_and_keeps_it(tokenizer):
+    from postrl.models import load_model
+    from postrl.rollout.hf import HFEngine
+
+    model = load_model(str(build_tiny_model("tiny-qwen2-tools"))).eval()
+    engine = HFEngine(model, tokenizer)
+    prompt = _prompt(tokenizer)
+    (free,) = engine.generate([prompt], SamplingParams(max_tokens=24, greedy=True))
+    stop = free.token_ids[len(free.token_ids) // 2]
+    (stopped,) = engine.generate([prompt], SamplingParams(max_tokens=24, greedy=True, stop_token_ids=(stop,)))
+    assert stopped.token_ids == free.token_ids[: free.token_ids.index(stop) + 1] and stopped.finished
