@@ -8,7 +8,8 @@ The workload is one rollout batch of the tool demo (configs/tiny_tool_dapo.yaml)
 `builtin:tool_arithmetic` prompts x `--n` samples at temperature 1 with `builtin:calculator`. The agent
 loop runs it multi-turn (generate until EOS or </tool_call>, run the calls, render the results, generate
 again: one engine call per turn); the one-shot side asks the same engine for the same prompts in one
-call with the same token budget. Both count the tokens the model sampled (the loop: its loss-masked
+call, with a budget of the loop's mean model tokens per trajectory (so both sample about as many
+tokens, one-shot at most that many). Both count the tokens the model sampled (the loop: its loss-masked
 tokens, so every prefill of tool results and every turn's extra engine call is overhead it pays).
 Calls alternate (loop, one-shot, loop, ...) after a warm-up of each, so load from other processes hits
 both alike. Printed: median tokens/s of each and their ratio (goal: >= 0.8x).
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import replace
 
 
 def main() -> None:
@@ -52,12 +54,15 @@ def main() -> None:
         seconds = time.perf_counter() - start
         return sum(sum(c.loss_mask) for c in out), seconds, sum(c.extra["tool_calls"] > 0 for c in out) / len(out)
 
+    warm_tokens = run_loop()[0]  # warm-up; sets the one-shot budget to the loop's model tokens per trajectory
+    once_params = replace(params, max_tokens=max(1, round(warm_tokens / (len(prompts) * args.n))))
+
     def run_once() -> tuple[int, float]:
         start = time.perf_counter()
-        out = engine.generate(prompts, params)
+        out = engine.generate(prompts, once_params)
         return sum(len(c.token_ids) for c in out), time.perf_counter() - start
 
-    run_loop(), run_once()  # warm-up
+    run_once()  # warm-up
     loop_tps, once_tps = [], []
     for r in range(args.repeats):
         tokens, seconds, calling = run_loop()
