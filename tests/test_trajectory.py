@@ -236,7 +236,9 @@ def test_trajectory_loss_and_gradient_equal_the_model_tokens_by_hand(tmp_path, m
 def test_tool_tokens_get_exactly_zero_gradient(tmp_path):
     """The gradient of the loss w.r.t. the logits that predict tool tokens (and padding) is exactly 0;
     it is not 0 on model tokens."""
-    actor, tok = _actor(tmp_path, "train.micro_batch_size=4", "train.use_remove_padding=false", "algorithm.rollout_correction.enable=true")
+    actor, tok = _actor(
+        tmp_path, "train.micro_batch_size=4", "train.use_remove_padding=false", "algorithm.rollout_correction.enable=true"
+    )
     batch, old, ref, _ = _inputs(actor, tok)
     grads: list[torch.Tensor] = []
 
@@ -271,7 +273,8 @@ def test_packed_and_token_budget_micro_batches_equal_padded(tmp_path, mode):
         ("train.use_remove_padding=false", "train.use_dynamic_bsz=true", "train.max_token_len_per_device=60"),
     ]
     for i, layout in enumerate(layouts):
-        actor, tok = _actor(tmp_path / str(i), f"algorithm.loss_agg_mode={mode}", "algorithm.rollout_correction.enable=true", *layout)
+        rc = "algorithm.rollout_correction.enable=true"
+        actor, tok = _actor(tmp_path / str(i), f"algorithm.loss_agg_mode={mode}", rc, *layout)
         batch, old, ref, _ = _inputs(actor, tok)
         runs.append(_run_update(actor, batch, old, ref))
     (padded, grad), rest = runs[0], runs[1:]
@@ -302,7 +305,7 @@ def test_micro_batches_keep_the_whole_trajectory_and_align_engine_logprobs(tmp_p
     packed = actor.pack(batch, torch.tensor(ADV_B))
     for (idx,), mb in actor.micro_batches(range(batch.size), packed):
         n = len(batch.response_ids[idx])
-        assert mb["response_mask"].shape[1] == n  # row 0: 44 tokens, 30 of them the model's
+        assert mb["response_mask"].shape[1] == n  # row 0: 52 tokens, 24 of them the model's
         assert mb["response_mask"][0].tolist() == batch.loss_masks[idx]
         assert mb["input_ids"][0, -n:].tolist() == batch.response_ids[idx]
         assert torch.equal(mb["engine_logp"][0], engine[idx])
@@ -314,6 +317,60 @@ def test_trajectory_mask_of_a_completion():
     assert trajectory_mask(Completion(0, [4, 5, 6], True, loss_mask=[1, 0, 1])) == [1, 0, 1]
     with pytest.raises(AssertionError, match="2 entries for 3 tokens"):
         trajectory_mask(Completion(0, [4, 5, 6], True, loss_mask=[1, 0]))
+
+
+class _ScriptedAgent:
+    """A rollout engine that returns TRAJECTORIES (with engine log-probs) as an agent loop would."""
+
+    name = "scripted"
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def generate(self, prompts, params, multi_modal=None):
+        _, completions = _completions(self.tok)
+        assert params.n == 2 and len(prompts) == 2
+        for c in completions:
+            c.prompt_index //= 2  # two samples per prompt
+            c.logprobs = [-0.5 if m else 0.0 for m in trajectory_mask(c)]
+        return completions
+
+
+def test_experience_turns_agent_completions_into_a_batch(tmp_path):
+    """Completion -> Batch: loss masks (all ones for single turns), turns and engine log-probs pass through;
+    DAPO's overlong shaping measures the model's tokens: row 0 has 24 of them (penalty -(24 - 16) / 8 = -1)
+    among 52 tokens (which would give -4.5); row 1 has 10 of 24 (no penalty, -1 on all tokens)."""
+    from postrl.data.dataset import PromptExample, PromptSampler
+    from postrl.experience import Experience
+    from postrl.metrics import Timer
+    from postrl.rewards.registry import RewardFunction, register
+    from postrl.rewards.verdict import _REGISTRY
+
+    if "trajectory_one" not in _REGISTRY:
+        register("trajectory_one", in_process=True)(lambda completion, ground_truth, row: 1.0)
+    cfg = load_config(
+        None,
+        tiny_overrides(
+            tmp_path, "algorithm.overlong_buffer.enable=true", "algorithm.overlong_buffer.len=8",
+            f"rollout.max_tokens={MAX_TOKENS}", "rollout.n_samples_per_prompt=2", "train.global_batch_size=2",
+            "data.shuffle=false", "reward.verifiers=[trajectory_one]",
+        ),
+    )  # fmt: skip
+    tok = load_policy(cfg.model).tokenizer
+    examples = [PromptExample(tok.encode(q), "", {}, "test") for q, _ in TRAJECTORIES[::2]]
+    reward_fn = RewardFunction(cfg.reward)
+    experience = Experience(cfg, _ScriptedAgent(tok), tok, reward_fn, examples, PromptSampler(2, cfg.data.shuffle, 0))
+    batch, _ = experience.collect(0, Timer())
+    reward_fn.close()
+    _, want = _completions(tok)
+    assert batch.response_ids == [c.token_ids for c in want]
+    assert batch.loss_masks == [trajectory_mask(c) for c in want]
+    assert batch.loss_masks[2] == [1, 1, 1] and batch.turns == [3, 2, 1, 1]
+    assert batch.model_tokens == [24, 10, 3, 15] and [len(r) for r in batch.response_ids] == [52, 24, 3, 15]
+    assert batch.engine_logprobs[1] == [-0.5 if m else 0.0 for m in batch.loss_masks[1]]
+    assert batch.scores == [1.0] * 4 and batch.rewards == [0.0, 1.0, 1.0, 1.0]
+    m = batch_metrics(batch, "grpo", 2)
+    assert m["response_length/mean"] == 13.0 and m["response_length/total_mean"] == 23.5 and m["num_turns/mean"] == 1.75
 
 
 def _record(responses, masks, turns) -> Batch:

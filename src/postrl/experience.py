@@ -151,6 +151,7 @@ class Experience:
         params = SamplingParams(r.temperature, r.top_p, r.top_k, r.max_tokens, G, seed)
         with timer("rollout"):
             completions = generate_for(self.engine, examples, params)  # the agent loop when rollout.multi_turn is on
+        masks = [trajectory_mask(c) for c in completions]  # 1 on the tokens the policy sampled
         with timer("reward"):
             texts = [model_text(self.tokenizer, c) for c in completions]  # what the policy wrote, not tool output
             owners = [examples[c.prompt_index] for c in completions]
@@ -162,14 +163,14 @@ class Experience:
             rewards = scores
             ob = cfg.algorithm.overlong_buffer
             if ob.enable:  # the length the model produced: its own tokens, not the tools'
-                lengths = torch.tensor([sum(trajectory_mask(c)) for c in completions])
+                lengths = torch.tensor([sum(m) for m in masks])
                 penalty = algo.overlong_penalty(lengths, r.max_tokens, ob.len, ob.penalty_factor)
                 rewards = [s + p for s, p in zip(scores, penalty.tolist())]
         names = list(out.metrics)
         return Batch(
             prompt_ids=[e.prompt_ids for e in owners],
             response_ids=[c.token_ids for c in completions],
-            loss_masks=[trajectory_mask(c) for c in completions],
+            loss_masks=masks,
             turns=[len(c.turn_spans) if c.turn_spans is not None else 1 for c in completions],
             finished=[c.finished for c in completions],
             scores=scores,
