@@ -132,6 +132,14 @@ def test_builtin_python_returns_stdout_or_the_error(tools):
     assert res == ToolResult("[timed out after 1 s]", "timeout")
 
 
+def test_sandbox_limits_reach_the_python_tool():
+    tools = load_tools(["builtin:python"], sandbox_limits={"max_output_bytes": 10})
+    res = call_tool(tools, "python", {"code": "print('z' * 50)"}, 10)
+    assert res.status == "error" and res.text.startswith("z" * 10 + "\n[output cut at 10 bytes")
+    with pytest.raises(UserError, match="unknown sandbox limit.s. memory_gb"):
+        load_tools(["builtin:python"], sandbox_limits={"memory_gb": 1})
+
+
 @pytest.mark.parametrize(
     "expression, text",
     [

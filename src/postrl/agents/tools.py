@@ -26,7 +26,7 @@ import logging
 import math
 import operator
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
 from postrl.agents.sandbox import CallStats, run_python
@@ -56,19 +56,21 @@ class Tool:
     fn: Callable[..., Any]
     spec: str  # how it was named: "builtin:python", "my_pkg.tools:search"
     builtin: bool = False  # built-ins bound their own time (sandbox, calculator) and run inline
+    sandbox_limits: dict = field(default_factory=dict)  # builtin:python only: run_python's keyword limits
 
 
 # ---------------------------------------------------------------------------------------- built-ins
 
 
-def python(code: str, timeout_s: float = 10.0) -> ToolResult:
+def python(code: str, timeout_s: float = 10.0, limits: dict | None = None) -> ToolResult:
     """Run Python code in a sandbox and return what it prints. No network; files written vanish after the call.
 
     Args:
         code: A complete Python program. Print the values you want to see.
         timeout_s: The wall-clock limit (set by the agent loop, not shown to the model).
+        limits: Other sandbox limits, run_python's keywords (set by the loop, not shown to the model).
     """
-    res = run_python(code, timeout_s=timeout_s)
+    res = run_python(code, timeout_s=timeout_s, **(limits or {}))
     if res.error is None:
         return ToolResult(res.stdout, "ok")
     if res.error == "timeout":
@@ -179,12 +181,12 @@ def _builtin_schema(name: str) -> dict:
     sig_free = {"python": ("code",), "calculator": ("expression",)}[name]
     schema = _schema(fn, f"builtin:{name}")
     params = schema["function"]["parameters"]
-    params["properties"] = {k: v for k, v in params["properties"].items() if k in sig_free}  # timeout_s is ours
+    params["properties"] = {k: v for k, v in params["properties"].items() if k in sig_free}  # the loop's, not the model's
     params["required"] = [k for k in params.get("required", []) if k in sig_free]
     return schema
 
 
-def load_tool(spec: str) -> Tool:
+def load_tool(spec: str, sandbox_limits: dict | None = None) -> Tool:
     """One tool from 'builtin:<name>' or 'package.module:function' (a UserError says how to fix a bad one)."""
     if spec.startswith("builtin:"):
         name = spec.removeprefix("builtin:")
@@ -193,7 +195,8 @@ def load_tool(spec: str) -> Tool:
                 f"unknown built-in tool '{spec}'. Built-in tools: {', '.join('builtin:' + n for n in BUILTINS)}. "
                 "Fix: use one of those, or name your own function as 'package.module:function'."
             )
-        return Tool(name, _builtin_schema(name), BUILTINS[name], spec, builtin=True)
+        limits = dict(sandbox_limits or {}) if name == "python" else {}
+        return Tool(name, _builtin_schema(name), BUILTINS[name], spec, builtin=True, sandbox_limits=limits)
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise UserError(
@@ -215,11 +218,23 @@ def load_tool(spec: str) -> Tool:
     return Tool(schema["function"]["name"], schema, fn, spec)
 
 
-def load_tools(specs: list[str]) -> dict[str, Tool]:
-    """Tools by the name the model calls them (the function's name; 'python', 'calculator' for built-ins)."""
+SANDBOX_LIMITS = ("max_output_bytes", "memory_mb", "cpu_s", "max_processes", "max_file_mb", "max_open_files", "tmpfs_mb")
+
+
+def load_tools(specs: list[str], *, sandbox_limits: dict | None = None) -> dict[str, Tool]:
+    """Tools by the name the model calls them (the function's name; 'python', 'calculator' for built-ins).
+
+    `sandbox_limits` overrides run_python's defaults for builtin:python (the time limit is call_tool's).
+    """
+    unknown = sorted(set(sandbox_limits or {}) - set(SANDBOX_LIMITS))
+    if unknown:
+        raise UserError(
+            f"unknown sandbox limit(s) {', '.join(unknown)}. The python tool's sandbox takes: {', '.join(SANDBOX_LIMITS)} "
+            "(its time limit is the tool call's timeout). Fix: remove or rename them."
+        )
     tools: dict[str, Tool] = {}
     for spec in specs:
-        tool = load_tool(spec)
+        tool = load_tool(spec, sandbox_limits)
         if tool.name in tools:
             raise UserError(
                 f"two tools are named '{tool.name}' ('{tools[tool.name].spec}' and '{spec}'); the model calls tools "
@@ -326,7 +341,7 @@ def _call(tools: dict[str, Tool], name: str, arguments: dict | str | None, timeo
     if tool.builtin:
         try:
             if tool.fn is python:
-                return python(timeout_s=timeout_s, **arguments)
+                return python(timeout_s=timeout_s, limits=tool.sandbox_limits, **arguments)
             return tool.fn(**arguments)
         except Exception as exc:  # noqa: BLE001 - defensive: built-ins return errors, but never raise into the loop
             return ToolResult(f"{type(exc).__name__}: {exc}", "error")
