@@ -164,3 +164,27 @@ def test_judge_scores_a_real_models_judgements_and_counts_the_unparsed(sft_model
     assert out.metrics["judge_score"] == expected
     assert out.failures["reward/judge_unparsed"] == sum(m is None for m in found)
     assert 0 < sum(m is None for m in found) < 4, texts  # both kinds occur
+
+
+@pytest.mark.slow
+def test_with_a_calculator_dapo_lifts_held_out_accuracy_and_the_tool_call_rate(tmp_path):
+    """The tool demo, shortened (docs/agents.md): SFT on a mixed teacher (30% calculator traces, 70% wrong
+    guesses), then DAPO through the agent loop. The SFT model mostly guesses, so greedy decoding never
+    calls the tool; RL makes calling it the greedy answer. Measured with the full recipe: held-out greedy
+    accuracy 0.0% -> 47.7% after 10 steps, the tool-call ratio 0% -> 100%. This test took 12.4 minutes on
+    the shared 2-core machine (load ~4.5), most of it the whole SFT stage (400 steps)."""
+    run_sft(load_config(CONFIGS / "tiny_tool_sft.yaml", [
+        "sft.eval_prompts=0", f"sft.output_dir={tmp_path}/sft", f"logging.dir={tmp_path}/sft", "logging.progress=false",
+    ]))  # fmt: skip
+    cfg = load_config(CONFIGS / "tiny_tool_dapo.yaml", [
+        f"model.path={tmp_path}/sft/model", "train.total_steps=10", "eval.freq=0", "eval.max_prompts=200",
+        f"logging.dir={tmp_path}/rl", "logging.progress=false", "checkpoint.keep_best=null",
+    ])  # fmt: skip
+    Trainer(cfg).fit()
+    rows = [r for r in read_jsonl(tmp_path / "rl" / "metrics.jsonl") if "val/tool_arithmetic/acc_mean@1" in r]
+    acc = [r["val/tool_arithmetic/acc_mean@1"] for r in rows]
+    calls = [r["val/tool_arithmetic/tool_call_ratio"] for r in rows]
+    assert len(acc) == 2 and acc[0] < 0.2, acc  # the SFT model mostly guesses
+    assert acc[1] - acc[0] >= 0.15 and calls[1] > calls[0], (acc, calls)
+    steps = [r for r in read_jsonl(tmp_path / "rl" / "metrics.jsonl") if "agent/turns_mean" in r]
+    assert steps and all(r["agent/tool_error"] + r["agent/tool_timeout"] <= r["agent/tool_ok"] for r in steps)

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from postrl.builtin.knobs import BuiltinTaskConfig, ShapesTaskConfig
+from postrl.builtin.knobs import BuiltinTaskConfig, ShapesTaskConfig, ToolArithmeticConfig
 from postrl.errors import UserError
 
 
@@ -129,9 +129,53 @@ class DataConfig(Section):
     def _one_file(cls, v: Any) -> Any:
         return [v] if isinstance(v, str) else v  # verl writes data.train_files=$HOME/data/train.parquet
     shapes: ShapesTaskConfig = Field(default_factory=ShapesTaskConfig, description="Built-in visual task knobs.")
+    tool_arithmetic: ToolArithmeticConfig = Field(
+        default_factory=ToolArithmeticConfig, description="Knobs of the built-in task where tools matter."
+    )
 
 
 # ------------------------------------------------------------------------------------------- rollout
+class MultiTurnConfig(Section):
+    """The agent loop (docs/agents.md): the model calls tools and talks to an environment between its turns.
+
+    verl's names (actor_rollout_ref.rollout.multi_turn) are accepted as aliases where they mean the same.
+    """
+
+    enable: bool = Field(False, description="Roll out with the agent loop (tools, environments) instead of one generate call.")
+    max_turns: int = Field(
+        4, ge=1, validation_alias=AliasChoices("max_turns", "max_assistant_turns"),
+        description="Most model turns per trajectory (verl: max_assistant_turns).",
+    )  # fmt: skip
+    max_user_turns: int = Field(
+        4, ge=0, description="Most environment observations appended as user turns per trajectory (verl's name)."
+    )
+    max_tool_calls: int = Field(8, ge=0, description="Most tool calls per trajectory; a turn past it ends the trajectory.")
+    max_parallel_calls: int = Field(
+        4, ge=1, description="Most tool calls run from one model turn; further calls in it are answered with an error."
+    )
+    max_response_tokens: int | None = Field(
+        None, ge=1,
+        description="Total budget of response tokens across turns (model, tool and environment tokens); "
+        "default rollout.max_tokens (eval.max_tokens in validation), which it cannot exceed.",
+    )  # fmt: skip
+    tools: list[str] = Field(
+        default_factory=list,
+        description="Tools the model may call: 'builtin:python', 'builtin:calculator' or 'package.module:function' "
+        "(JSON schema from its type hints and docstring).",
+    )
+    tool_timeout_s: float = Field(10.0, gt=0, description="Time limit of one tool call; past it the model reads a timeout message.")
+    max_tool_response_tokens: int = Field(
+        256, ge=1, validation_alias=AliasChoices("max_tool_response_tokens", "max_tool_response_length"),
+        description="A tool's output is cut to this many tokens before it is shown to the model (verl: max_tool_response_length).",
+    )  # fmt: skip
+    tool_workers: int = Field(8, ge=1, description="Tool calls run concurrently across trajectories on this many threads.")
+    interaction: str | None = Field(
+        None,
+        description="Environment 'package.module:Class' with reset(row) and step(assistant_text) -> (observation, "
+        "reward, done); its observations are appended as user turns and its rewards add to the verifier score.",
+    )
+
+
 class RolloutConfig(Section):
     engine: Literal["auto", "hf", "vllm"] = Field(
         "auto", description="Rollout engine: vllm when it imports and supports the model (auto), else hf."
@@ -169,6 +213,7 @@ class RolloutConfig(Section):
         "steps ~1.4x faster on small models (docs/performance.md). True: no compile (short runs, debugging, no C++ "
         "compiler on a CPU machine).",
     )
+    multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig, description="The agent loop: tools, environments.")
 
 
 # ----------------------------------------------------------------------------------------- algorithm

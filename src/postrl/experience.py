@@ -24,7 +24,8 @@ import torch
 
 from postrl import algorithms as algo
 from postrl import distributed
-from postrl.data.dataset import PromptExample, PromptSampler, multi_modal_of
+from postrl.agents.loop import generate_for, model_text
+from postrl.data.dataset import PromptExample, PromptSampler
 from postrl.errors import UserError
 from postrl.metrics import Timer, summary_stats
 from postrl.partition import shard_range, shard_seed
@@ -109,6 +110,9 @@ class Experience:
         kept: list[Batch] = []
         n_kept = n_generated = num_gen_batches = 0
         failures = {"reward/calls": 0, "reward/timeouts": 0, "reward/errors": 0, "reward/invalid": 0}  # generate_and_score adds to it
+        agent = cfg.rollout.multi_turn.enable
+        if agent:
+            self.engine.pop_metrics()  # drop what validation's rollouts counted
         while n_kept < want:
             num_gen_batches += 1
             if fg.enable and 0 < fg.max_num_gen_batches < num_gen_batches:
@@ -133,6 +137,8 @@ class Experience:
         full = select(concat(kept), list(range(want * G)))
         stats = {f"{self.prefix}/num_gen_batches": num_gen_batches, f"{self.prefix}/kept_groups_ratio": n_kept / n_generated}
         stats.update(distributed.all_reduce_sum_dict({k: float(v) for k, v in failures.items()}))
+        if agent:  # agent/*, timing/agent_*: this rank's rollouts (docs/agents.md)
+            stats.update(self.engine.pop_metrics())
         return full, stats
 
     def _seed(self, step: int, gen_batch: int) -> int:
@@ -144,16 +150,16 @@ class Experience:
         r = cfg.rollout
         params = SamplingParams(r.temperature, r.top_p, r.top_k, r.max_tokens, G, seed)
         with timer("rollout"):
-            completions = self.engine.generate([e.prompt_ids for e in examples], params, multi_modal=multi_modal_of(examples))
+            completions = generate_for(self.engine, examples, params)  # the agent loop when rollout.multi_turn is on
         masks = [trajectory_mask(c) for c in completions]  # 1 on the tokens the policy sampled
         with timer("reward"):
-            texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+            texts = [model_text(self.tokenizer, c) for c in completions]  # what the policy wrote, not tool output
             owners = [examples[c.prompt_index] for c in completions]
             out = self.reward_fn(texts, [e.ground_truth for e in owners], [e.row for e in owners])
             failures["reward/calls"] += len(texts) * len(cfg.reward.verifiers)  # one call per verifier
             for key, n in out.failures.items():
                 failures[key] = failures.get(key, 0) + n  # plus model rewards' counts (judge_unparsed)
-            scores = list(out.scores)
+            scores = [s + c.env_reward for s, c in zip(out.scores, completions)]  # + environments'
             rewards = scores
             ob = cfg.algorithm.overlong_buffer
             if ob.enable:  # the length the model produced: its own tokens, not the tools'

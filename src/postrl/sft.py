@@ -26,7 +26,12 @@ from postrl.utils import get_dotted
 
 
 def build_examples(rows: list[dict], tokenizer, cfg: Config, source: str, modality: Modality | None = None) -> list[tuple]:
-    """(prompt ids, response ids) per row, plus the prompt's image inputs for rows with images."""
+    """(prompt ids, response ids) per row, plus the prompt's image inputs for rows with images; a tool trace
+    (a response that is a list of chat messages, data/traces.py) as (prompt ids, response ids, None, loss mask)."""
+    from postrl.agents.loop import tool_schemas
+    from postrl.data.traces import encode_trace, is_trace
+
+    tools = tool_schemas(cfg.rollout.multi_turn)
     out = []
     for i, row in enumerate(rows):
         prompt = get_dotted(row, cfg.data.prompt_key)
@@ -37,7 +42,11 @@ def build_examples(rows: list[dict], tokenizer, cfg: Config, source: str, modali
                 f"{source}, row {i}: no '{missing}' field; SFT needs a prompt (data.prompt_key) and a reference "
                 "response (data.response_key). Fix: set those keys to your columns."
             )
-        encoded = encode_prompt(tokenizer, row, prompt, cfg.data, f"{source}, row {i}", file_dir(source), modality)
+        if is_trace(response):
+            p, r, mask = encode_trace(tokenizer, prompt, list(response), tools, f"{source}, row {i}")
+            out.append((p, r, None, mask))
+            continue
+        encoded = encode_prompt(tokenizer, row, prompt, cfg.data, f"{source}, row {i}", file_dir(source), modality, tools)
         if encoded is None:  # malformed image row, skipped by data.skip_bad_rows
             continue
         p, multi_modal = encoded
@@ -57,10 +66,13 @@ def collate(pairs: list[tuple], pad_id: int, max_length: int) -> dict[str, torch
     input_ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
     labels = torch.full((len(seqs), L), -100, dtype=torch.long)
     attention = torch.zeros((len(seqs), L), dtype=torch.long)
-    for i, ((p, *_), s) in enumerate(zip(pairs, seqs)):
+    for i, ((p, *rest), s) in enumerate(zip(pairs, seqs)):
         input_ids[i, : len(s)] = torch.tensor(s)
         attention[i, : len(s)] = 1
         labels[i, len(p) : len(s)] = torch.tensor(s[len(p) :], dtype=torch.long)
+        if len(rest) > 2:  # a tool trace: only the assistant's tokens are trained
+            masked = [len(p) + k for k, m in enumerate(rest[2][: len(s) - len(p)]) if not m]
+            labels[i, masked] = -100
     return {"input_ids": input_ids, "attention_mask": attention, "labels": labels}
 
 
@@ -77,7 +89,7 @@ def run_sft(cfg: Config, console: Any = None) -> dict[str, float]:
     configure_threads(policy.model, cfg.train.num_threads, console.print)
     pairs = []
     for f in cfg.data.train_files:
-        rows = read_rows(f, cfg.data.builtin.model_dump(), cfg.data.shapes.model_dump())
+        rows = read_rows(f, cfg.data.builtin.model_dump(), cfg.data.shapes.model_dump(), cfg.data.tool_arithmetic.model_dump())
         pairs += build_examples(rows, policy.tokenizer, cfg, f, policy.modality)
     console.print(f"SFT on {len(pairs)} examples from {', '.join(cfg.data.train_files)} (model {policy.path})")
     loss = fine_tune(policy, pairs, cfg, rt, console)
@@ -169,10 +181,15 @@ def eval_greedy(policy: Policy, cfg: Config, max_prompts: int, rt: Runtime) -> d
 
     tokenizer = policy.tokenizer
     engine = HFEngine(policy.model, tokenizer, modality=policy.modality, runtime=rt)
+    tools = None
+    if cfg.rollout.multi_turn.enable:  # the agent loop, as validation in RL runs it
+        from postrl.agents.loop import AgentLoop, tool_schemas
+
+        engine, tools = AgentLoop(engine, tokenizer, cfg.rollout.multi_turn, model=policy.model), tool_schemas(cfg.rollout.multi_turn)
     reward_fn = RewardFunction(cfg.reward)
     out = {}
     greedy = cfg.eval.model_copy(update={"n_samples": 1, "temperature": 0.0})
-    for name, examples in load_val_sets(cfg.data.val_files, tokenizer, cfg.data, max_prompts, policy.modality).items():
+    for name, examples in load_val_sets(cfg.data.val_files, tokenizer, cfg.data, max_prompts, policy.modality, tools).items():
         out.update(evaluate(engine, tokenizer, reward_fn, examples, greedy, name))
     reward_fn.close()
     return out

@@ -20,6 +20,7 @@ import torch
 
 from postrl import checkpoint, distributed, guards, lora, reference
 from postrl.actor import Actor
+from postrl.agents.loop import tool_schemas
 from postrl.config import Config
 from postrl.data.dataset import PromptSampler, load_prompts
 from postrl.errors import Stopped, UserError
@@ -60,7 +61,8 @@ class Trainer:
         configure_threads(self.model, cfg.train.num_threads, self.log)
         if lora.is_lora(self.model):
             self.log(lora.summary(self.model))
-        self.train_examples, summary = load_prompts(cfg.data.train_files, self.tokenizer, cfg.data, modality=self.policy.modality)
+        tools = tool_schemas(cfg.rollout.multi_turn)  # the agent loop's tools, rendered into the prompts
+        self.train_examples, summary = load_prompts(cfg.data.train_files, self.tokenizer, cfg.data, modality=self.policy.modality, tools=tools)
         bad = f", {summary['dropped_bad']} malformed image rows skipped" if summary.get("dropped_bad") else ""
         self.log(f"train prompts: {summary['kept']} ({summary['dropped_overlong']} dropped as overlong{bad})")
         head = [self.tokenizer.decode(e.prompt_ids) for e in self.train_examples[:32]]
@@ -76,7 +78,7 @@ class Trainer:
         )
         self.actor = Actor(cfg, self.policy, train_model, rt, self.log)
 
-        self.val_sets = load_val_sets(cfg.eval.files or [], self.tokenizer, cfg.data, cfg.eval.max_prompts, self.policy.modality)
+        self.val_sets = load_val_sets(cfg.eval.files or [], self.tokenizer, cfg.data, cfg.eval.max_prompts, self.policy.modality, tools)
         self.sampler = PromptSampler(len(self.train_examples), cfg.data.shuffle, cfg.data.seed)
         models = load_model_rewards(cfg, rt.device)  # reward model / judge, if any
         self.reward_fn = RewardFunction(cfg.reward, models=models)

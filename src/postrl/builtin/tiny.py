@@ -1,4 +1,5 @@
-"""The built-in tiny models: `builtin:tiny-qwen2` (text) and `builtin:tiny-qwen2.5-vl` (vision-language).
+"""The built-in tiny models: `builtin:tiny-qwen2` (text), `builtin:tiny-qwen2-tools` (text with tool calls)
+and `builtin:tiny-qwen2.5-vl` (vision-language).
 
 Both are random-initialised from a seed, with a byte-level BPE tokenizer (digits split one by one,
 as Qwen's are) trained on the built-in tasks' text and a ChatML chat template, built locally and
@@ -7,6 +8,10 @@ cached under <cache>/models/<name>-<key of the spec>; `model.tiny` overrides the
 - tiny-qwen2: a Qwen2 causal LM (4 layers, hidden 128), tokenizer trained on the arithmetic task.
 - tiny-qwen3-moe: a Qwen3-MoE causal LM (2 layers, hidden 128, 8 experts of width 64, 2 per token), the
   tiny-qwen2 tokenizer: the mixture-of-experts path (router, expert weights, vLLM's fused MoE) on CPU.
+- tiny-qwen2-tools: the same Qwen2 with Qwen2.5's tool tokens (<tool_call>, </tool_call>, <tool_response>,
+  </tool_response>) and a ChatML template with `tools=` and `role: tool` in Qwen2.5's shape (a short tool
+  list instead of the JSON schemas: prompts of the tiny model stay short); tokenizer trained on the
+  arithmetic and tool-arithmetic tasks (docs/agents.md).
 - tiny-qwen2.5-vl: a Qwen2.5-VL (a 2-block vision tower and a 4-layer language model, about 1.1M
   parameters) plus the PIL image processor, tokenizer trained on the shapes and arithmetic tasks
   with the Qwen vision special tokens, and a template that renders {"type": "image"} parts.
@@ -22,12 +27,13 @@ from typing import Any, Callable
 
 import torch
 
-from postrl.builtin import arithmetic, cache, shapes
+from postrl.builtin import arithmetic, cache, shapes, tool_arithmetic
 from postrl.errors import UserError
 from postrl.utils import cache_dir
 
 TINY_VERSION = 2  # tiny-qwen2; bump when the architecture or the tokenizer corpus changes (invalidates the cache)
 TINY_VL_VERSION = 3  # tiny-qwen2.5-vl; same rule
+TINY_TOOLS_VERSION = 1  # tiny-qwen2-tools; same rule
 TINY_DEFAULTS: dict[str, Any] = {
     "vocab_size": 512,
     "hidden_size": 128,
@@ -60,6 +66,7 @@ TINY_VL_DEFAULTS: dict[str, Any] = {  # in the order of postrl_tiny.json of cach
     "seed": 0,
 }
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -76,6 +83,31 @@ VL_CHAT_TEMPLATE = (
     "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
     "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+# Qwen2.5's tool format (Hermes): an assistant turn's calls as <tool_call>{"name", "arguments"}</tool_call>,
+# consecutive tool messages in one user turn, each in <tool_response>; with `tools`, a system turn that
+# names them. The tool list names the tools only: the tiny model learns their use from SFT traces.
+TOOLS_CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n{% endif %}"
+    "Tools: {% for tool in tools %}{{ (tool['function'] or tool)['name'] }}{% if not loop.last %}, {% endif %}{% endfor %}"
+    "<|im_end|>\n"
+    "{% elif messages[0]['role'] == 'system' %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' and loop.first %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n' }}<tool_response>{{ message['content'] }}</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% elif message['role'] == 'assistant' %}<|im_start|>assistant\n{{ message['content'] or '' }}"
+    "{% for call in message['tool_calls'] or [] %}{% set f = call['function'] or call %}"
+    "<tool_call>{\"name\": \"{{ f['name'] }}\", \"arguments\": {{ f['arguments'] | tojson }}}</tool_call>"
+    "{% endfor %}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
@@ -188,6 +220,14 @@ TINY_MODELS: dict[str, TinyKind] = {
         chat_template=CHATML_TEMPLATE,
         corpus=lambda seed: arithmetic.tokenizer_corpus(seed=seed),
         build=_qwen3_moe,
+    ),
+    "tiny-qwen2-tools": TinyKind(
+        version=TINY_TOOLS_VERSION,
+        defaults=TINY_DEFAULTS,
+        special_tokens=SPECIAL_TOKENS + TOOL_TOKENS,
+        chat_template=TOOLS_CHAT_TEMPLATE,
+        corpus=lambda seed: arithmetic.tokenizer_corpus(n=1000, seed=seed) + tool_arithmetic.tokenizer_corpus(seed=seed),
+        build=_qwen2,
         done_file="tokenizer.json",
     ),
     "tiny-qwen2.5-vl": TinyKind(

@@ -167,7 +167,7 @@ class VLLMEngine:
             n=n,
             max_tokens=params.max_tokens,
             seed=seed,
-            stop_token_ids=self.eos_ids,  # generation_config + tokenizer EOS ids; the EOS token is kept
+            stop_token_ids=self.eos_ids + [t for t in params.stop_token_ids if t not in self.eos_ids],  # the stop token is kept
             logprobs=0,  # only the sampled token's log-prob
             flat_logprobs=True,  # a few flat lists per request instead of a dict per token
             detokenize=False,  # the trainer wants ids; skips per-token decoding
