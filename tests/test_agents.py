@@ -187,7 +187,7 @@ def test_a_malformed_call_is_answered_with_an_error_the_model_reads(tokenizer):
     loop, _ = _loop(tokenizer, ['<tool_call>{"name": "calculator", "arguments": {"expression": </tool_call>', "\\boxed{1}<|im_end|>"])
     (c,) = loop.generate([_prompt(tokenizer)], SamplingParams(max_tokens=200, greedy=True))
     tool_text = tokenizer.decode([t for t, m in zip(c.token_ids, c.loss_mask) if not m])
-    assert "not valid JSON" in tool_text and c.finished and c.extra["turns"] == 2
+    assert "not valid JSON" in tool_text and c.finished and len(c.turn_spans) == 2
     assert loop.pop_metrics()["agent/tool_error"] == 1
 
 
@@ -195,10 +195,10 @@ def test_limits_end_trajectories_unfinished(tokenizer):
     call = _call("1 + 1", "")
     loop, _ = _loop(tokenizer, [call] * 5, max_turns=3)  # calls forever: max_turns ends it
     (c,) = loop.generate([_prompt(tokenizer)], SamplingParams(max_tokens=500, greedy=True))
-    assert c.extra["turns"] == 3 and c.extra["tool_calls"] == 2 and not c.finished
+    assert len(c.turn_spans) == 3 and c.tool_calls == 2 and not c.finished
     loop, _ = _loop(tokenizer, [call] * 5, max_tool_calls=1)
     (c,) = loop.generate([_prompt(tokenizer)], SamplingParams(max_tokens=500, greedy=True))
-    assert c.extra["turns"] == 2 and c.extra["tool_calls"] == 1 and not c.finished
+    assert len(c.turn_spans) == 2 and c.tool_calls == 1 and not c.finished
     loop, engine = _loop(tokenizer, [call] * 5)
     budget = len(_ids(tokenizer, call)) + 5  # room for one call, not for its tool turn and another call
     (c,) = loop.generate([_prompt(tokenizer)], SamplingParams(max_tokens=budget, greedy=True))
@@ -233,7 +233,7 @@ def test_an_environment_answers_with_masked_user_turns_and_its_reward(tokenizer)
     (c,) = loop.generate([_prompt(tokenizer)], SamplingParams(max_tokens=300, greedy=True), rows=[{"answer": "5"}])
     masked = tokenizer.decode([t for t, m in zip(c.token_ids, c.loss_mask) if not m])
     assert masked == "\n<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n\n<|im_start|>user\nlower<|im_end|>\n<|im_start|>assistant\n"
-    assert c.extra["env_reward"] == 1.0 and c.finished and c.extra["turns"] == 3
+    assert c.env_reward == 1.0 and c.finished and len(c.turn_spans) == 3
     assert loop.pop_metrics()["agent/env_reward_mean"] == 1.0
     with pytest.raises(UserError, match="package.module:Class"):
         AgentLoop(engine, tokenizer, MultiTurnConfig(enable=True, interaction="Guess"))

@@ -220,6 +220,7 @@ TINY_MODELS: dict[str, TinyKind] = {
         chat_template=CHATML_TEMPLATE,
         corpus=lambda seed: arithmetic.tokenizer_corpus(seed=seed),
         build=_qwen3_moe,
+        done_file="tokenizer.json",
     ),
     "tiny-qwen2-tools": TinyKind(
         version=TINY_TOOLS_VERSION,
