@@ -86,7 +86,7 @@ class Trainer:
             modality=self.policy.modality, trust_remote_code=cfg.model.trust_remote_code, runtime=rt,
         )  # fmt: skip
         self.engine = distributed.colocate(engine, self.model)
-        if cfg.algorithm.rollout_correction.enable and engine.name != "vllm":
+        if cfg.algorithm.rollout_correction.enable and not engine.capabilities.reports_logprobs:
             self.log(
                 f"[yellow]algorithm.rollout_correction is on, but the {engine.name} engine reports no sampling log-probs "
                 "(it samples with the trainer's own model, so there is no gap to correct): no correction is applied.[/yellow]"

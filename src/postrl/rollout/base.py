@@ -27,6 +27,26 @@ class SamplingParams:
     greedy: bool = False  # temperature 0: argmax decoding, n must be 1
 
 
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What an engine can do, declared by the engine so the trainer never tests its name.
+
+    reports_logprobs: `Completion.logprobs` holds the engine's sampling log-probs (rollout correction
+        and the drift guard need them; an engine that samples with the trainer's own model has none).
+    shares_trainer_model: the engine generates with the trainer's model object, so `sync_weights`
+        copies nothing and a sharded (FSDP2) policy must be unsharded around each generate call.
+    can_sleep: `sleep()` can free device memory for the update (whether it does is the engine's
+        setting, e.g. rollout.enable_sleep_mode on GPU vLLM); False: sleep() is always a no-op.
+    remote: the engine runs outside the trainer's process (async rollout, DESIGN.md section 10), so
+        weights travel by transport and completions may come from an older policy version.
+    """
+
+    reports_logprobs: bool
+    shares_trainer_model: bool
+    can_sleep: bool
+    remote: bool = False
+
+
 @dataclass
 class Completion:
     """One sampled completion of one prompt: a token-level trajectory (DESIGN.md section 10).
@@ -55,7 +75,8 @@ class Completion:
 class RolloutEngine(Protocol):
     """What the trainer needs from a rollout engine."""
 
-    name: str
+    name: str  # for messages and the guides' metric names (vllm_tps); behaviour follows `capabilities`
+    capabilities: EngineCapabilities
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, multi_modal: list[dict] | None = None

@@ -35,7 +35,7 @@ import torch
 from postrl import distributed
 from postrl.config import RolloutConfig
 from postrl.modality import TEXT, Modality
-from postrl.rollout.base import Completion, SamplingParams, eos_token_ids
+from postrl.rollout.base import Completion, EngineCapabilities, SamplingParams, eos_token_ids
 from postrl.rollout.vllm_platform import (
     MAX_TEMPERATURE,
     VLLMUnavailable,
@@ -68,6 +68,7 @@ class VLLMEngine:
     """
 
     name = "vllm"
+    capabilities = EngineCapabilities(reports_logprobs=True, shares_trainer_model=False, can_sleep=True, remote=False)
 
     def __init__(
         self,
