@@ -79,3 +79,60 @@ def test_decoupled_ppo_objective_is_vanilla_times_the_token_correction():
     # staleness 0 (q == p_prox): w = 1 everywhere and the objective is today's vanilla loss
     w0_BT, _ = rollout_correction(p_prox, p_prox, mask, level="token", cap=3.0)
     torch.testing.assert_close(pg_BT * w0_BT, pg_BT)
+
+
+# ------------------------------------------------------------------------- REINFORCE++ over tokens
+
+
+def test_reinforce_plus_plus_whitens_over_tokens():
+    """rewards (1, 0, 0, 1) on (3, 1, 2, 2) loss tokens, N = 8: mean (3 + 2) / 8 = 0.625, deviations
+    (0.375, -0.625, -0.625, 0.375), sum of n_i d_i^2 = 3 x 0.140625 + 0.390625 + 2 x 0.390625 + 2 x 0.140625
+    = 1.875, unbiased var 1.875 / 7 = 0.267857, std 0.517549 -> A = (0.724568, -1.207613, -1.207613, 0.724568).
+    Per sequence (no token counts) it would be +-0.5 / 0.577351 = +-0.866024."""
+    import math
+
+    import torch
+
+    from postrl.algorithms import get_adv_estimator
+
+    fn = get_adv_estimator("reinforce_plus_plus")
+    rewards_B, tokens_B = torch.tensor([1.0, 0.0, 0.0, 1.0]), torch.tensor([3, 1, 2, 2])
+    std = math.sqrt(1.875 / 7) + 1e-6
+    expected = torch.tensor([0.375, -0.625, -0.625, 0.375]) / std
+    adv_B = fn(rewards_B, 2, num_tokens_B=tokens_B)
+    torch.testing.assert_close(adv_B, expected)
+    # the same as whitening the reward standing on every loss token (verl's masked_whiten of the returns)
+    per_token = torch.repeat_interleave(rewards_B, tokens_B)
+    whitened = (per_token - per_token.mean()) / (per_token.std(unbiased=True) + 1e-6)
+    torch.testing.assert_close(torch.repeat_interleave(adv_B, tokens_B), whitened)
+    torch.testing.assert_close(fn(rewards_B, 2), torch.tensor([0.5, -0.5, -0.5, 0.5]) / (math.sqrt(1 / 3) + 1e-6))
+    torch.testing.assert_close(fn(rewards_B, 2, norm_adv_by_std=False, num_tokens_B=tokens_B), torch.tensor([0.375, -0.625, -0.625, 0.375]))
+    assert torch.equal(fn(torch.full((4,), 0.3), 2, num_tokens_B=tokens_B), torch.zeros(4))  # no spread: exactly 0
+    # the other estimators ignore the token counts
+    for name in ("grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline"):
+        other = get_adv_estimator(name)
+        assert torch.equal(other(rewards_B, 2, num_tokens_B=tokens_B), other(rewards_B, 2)), name
+
+
+def test_experience_passes_each_sequences_loss_tokens_to_the_estimator(tmp_path):
+    """Loss tokens, not response tokens: sequence 0 has 4 response tokens of which 3 are the model's (one tool
+    token), so the counts are (3, 1, 2, 2) and the advantages those of the test above."""
+    import math
+
+    import torch
+    from conftest import tiny_overrides
+
+    from postrl.config import load_config
+    from postrl.data.dataset import PromptSampler
+    from postrl.experience import Batch, Experience
+
+    cfg = load_config(None, tiny_overrides(tmp_path, "algorithm.adv_estimator=reinforce_plus_plus", "rollout.n_samples_per_prompt=2"))
+    batch = Batch(
+        prompt_ids=[[1, 2]] * 4, response_ids=[[5, 6, 7, 8], [5], [5, 6], [5, 6]],
+        loss_masks=[[1, 0, 1, 1], [1], [1, 1], [1, 1]], turns=[2, 1, 1, 1], finished=[True] * 4,
+        scores=[1.0, 0.0, 0.0, 1.0], rewards=[1.0, 0.0, 0.0, 1.0], verifier_metrics=[{}] * 4,
+        engine_logprobs=[None] * 4, multi_modal=[None] * 4,
+    )  # fmt: skip
+    exp = Experience(cfg, None, None, None, [], PromptSampler(1, False, 0))
+    std = math.sqrt(1.875 / 7) + 1e-6
+    torch.testing.assert_close(exp.advantages(batch), torch.tensor([0.375, -0.625, -0.625, 0.375]) / std)

@@ -188,7 +188,10 @@ class Experience:
         """adv_B of the global batch by `algorithm.adv_estimator` (broadcast to every token by the actor)."""
         a = self.cfg.algorithm
         estimator = algo.get_adv_estimator(a.adv_estimator)
-        return estimator(torch.tensor(batch.rewards), self.G, norm_adv_by_std=a.norm_adv_by_std, epsilon=a.epsilon)
+        return estimator(
+            torch.tensor(batch.rewards), self.G, norm_adv_by_std=a.norm_adv_by_std, epsilon=a.epsilon,
+            num_tokens_B=torch.tensor(batch.model_tokens),
+        )
 
 
 def trajectory_mask(c: Completion) -> list[int]:
