@@ -136,3 +136,72 @@ def test_experience_passes_each_sequences_loss_tokens_to_the_estimator(tmp_path)
     exp = Experience(cfg, None, None, None, [], PromptSampler(1, False, 0))
     std = math.sqrt(1.875 / 7) + 1e-6
     torch.testing.assert_close(exp.advantages(batch), torch.tensor([0.375, -0.625, -0.625, 0.375]) / std)
+
+
+# ----------------------------------------------------------------------------- policy versions, staleness
+
+
+def test_staleness_counts_updates_between_sampling_and_training():
+    """At step 5, sequences from versions (5, 5, 3, 4) are (0, 0, 2, 1) updates old: mean 3 / 4, max 2."""
+    from postrl.experience import staleness_metrics
+
+    assert staleness_metrics([5, 5, 3, 4], 5) == {"async/staleness_mean": 0.75, "async/staleness_max": 2.0}
+    assert staleness_metrics([7, 7], 7) == {"async/staleness_mean": 0.0, "async/staleness_max": 0.0}
+    with pytest.raises(AssertionError, match="newer than the trainer"):
+        staleness_metrics([6], 5)
+
+
+def test_versions_travel_with_rows_and_default_to_zero():
+    """`versions` is one entry per sequence like every Batch field, so concat / select carry it generically;
+    a Batch built without it (tests, tools) is from version 0."""
+    from postrl.experience import Batch, concat, select
+
+    def batch(versions=None):
+        return Batch(
+            prompt_ids=[[1]] * 2, response_ids=[[5], [6, 7]], loss_masks=[[1], [1, 1]], turns=[1, 1], finished=[True] * 2,
+            scores=[1.0, 0.0], rewards=[1.0, 0.0], verifier_metrics=[{}] * 2, engine_logprobs=[None] * 2,
+            multi_modal=[None] * 2, **({"versions": versions} if versions is not None else {}),
+        )  # fmt: skip
+
+    assert batch().versions == [0, 0]
+    both = concat([batch([3, 3]), batch([4, 2])])
+    assert both.versions == [3, 3, 4, 2]
+    assert select(both, [3, 0]).versions == [2, 3]
+
+
+def test_sync_training_stamps_the_trainers_step_and_logs_zero_staleness(tmp_path):
+    """Two sync steps on the tiny model: the batch of step s was sampled by version s (the weights after s
+    updates), so async/staleness_{mean,max} are 0 at both steps."""
+    import json
+
+    from conftest import tiny_overrides
+
+    from postrl.config import load_config
+    from postrl.trainer import Trainer
+
+    cfg = load_config(None, tiny_overrides(tmp_path, "train.total_steps=2", "rollout.max_tokens=4", "checkpoint.save_final=false"))
+    tr = Trainer(cfg)
+    seen = []
+    collect = tr.experience.collect
+
+    def spy(step, timer):
+        batch, stats = collect(step, timer)
+        seen.append((step, set(batch.versions)))
+        return batch, stats
+
+    tr.experience.collect = spy
+    tr.fit()
+    assert seen == [(0, {0}), (1, {1})]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "async/staleness_mean" in r]
+    assert [(r["async/staleness_mean"], r["async/staleness_max"]) for r in steps] == [(0.0, 0.0), (0.0, 0.0)]
+
+
+def test_rollout_mode_async_is_refused_with_what_is_missing():
+    from postrl.config import build_config
+
+    assert build_config({"model": {"path": "m"}}).rollout.mode == "sync"
+    with pytest.raises(Exception, match="only synchronously.*no rollout process.*weight transport.*rollout.mode: sync"):
+        build_config({"model": {"path": "m"}, "rollout": {"mode": "async"}})
+    with pytest.raises(Exception, match="max_staleness is 2.*leave rollout.max_staleness at 0"):
+        build_config({"model": {"path": "m"}, "rollout": {"max_staleness": 2}})

@@ -26,7 +26,7 @@ from postrl.config import Config
 from postrl.data.dataset import PromptSampler, load_prompts
 from postrl.errors import Stopped, UserError
 from postrl.evaluate import ValidationHistory, evaluate, load_val_sets
-from postrl.experience import Batch, Experience, batch_metrics
+from postrl.experience import Batch, Experience, batch_metrics, staleness_metrics
 from postrl.metrics import MetricsLogger, Timer, plot_run, read_jsonl, step_line, throughput, val_line
 from postrl.models import cast_weights, load_model, load_policy
 from postrl.rewards import RewardFunction
@@ -308,6 +308,7 @@ class Trainer:
         cfg, name = self.cfg, self.algo_name
         m: dict[str, float] = {"training/step": self.step + 1, "training/epoch": self.sampler.epoch}
         m.update(batch_metrics(batch, name, self.G))
+        m.update(staleness_metrics(batch.versions, self.step))
         m.update(gen_stats)
         m.update(update_stats)
         timing = self.timer.timing()

@@ -61,6 +61,10 @@ class Completion:
     entry per token, 1 where the policy sampled it, 0 elsewhere; only 1s are trained on. None means
     every token was sampled by the policy (single turn). `turn_spans` holds [start, end) of each
     model turn inside `token_ids` (None: one turn).
+
+    `version` is the policy version (trainer step) whose weights sampled it; None: the weights the
+    trainer gave the engine last, which Experience stamps with the trainer's step (sync rollout). An
+    engine that runs behind the trainer (async, DESIGN.md section 10) sets it itself.
     """
 
     prompt_index: int
@@ -69,6 +73,7 @@ class Completion:
     logprobs: list[float] | None = None
     loss_mask: list[int] | None = None
     turn_spans: list[tuple[int, int]] | None = None
+    version: int | None = None
 
 
 @runtime_checkable
