@@ -186,10 +186,10 @@ def _resolve(path: str) -> Path:
 
 def _checkpoint_config(path: Path) -> tuple[Path, Path] | None:
     """(config.yaml, model dir) when `path` is a checkpoint (iter_* or a root with the tracker file)."""
-    from postrl.checkpoint import TRACKER, _read_tracker, iter_dir
+    from postrl.checkpoint import TRACKER, iter_dir, read_tracker
 
     if (path / TRACKER).exists():
-        path = iter_dir(path, _read_tracker(path))
+        path = iter_dir(path, read_tracker(path))
     if (path / "config.yaml").is_file() and (path / "model" / "config.json").is_file():
         return path / "config.yaml", path / "model"
     return None

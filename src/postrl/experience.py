@@ -115,7 +115,7 @@ class Experience:
         want = cfg.train.global_batch_size
         kept: list[Batch] = []
         n_kept = n_generated = num_gen_batches = 0
-        self.failures = {"reward/calls": 0, "reward/timeouts": 0, "reward/errors": 0, "reward/invalid": 0}
+        failures = {"reward/calls": 0, "reward/timeouts": 0, "reward/errors": 0, "reward/invalid": 0}  # generate_and_score adds to it
         while n_kept < want:
             num_gen_batches += 1
             if fg.enable and 0 < fg.max_num_gen_batches < num_gen_batches:
@@ -130,7 +130,7 @@ class Experience:
             examples = [self.examples[i] for i in self.sampler.next_indices(cfg.train.gen_batch_size)]
             lo, hi = shard_range(len(examples))  # this rank's prompts: a group stays on one rank
             seed = shard_seed(self._seed(step, num_gen_batches), lo)
-            batch = gather(self.generate_and_score(examples[lo:hi], seed, timer))  # every rank sees every score
+            batch = gather(self.generate_and_score(examples[lo:hi], seed, timer, failures))  # every rank sees every score
             batch.versions = [step if v is None else v for v in batch.versions]  # sync: the engine holds step's weights
             n_generated += len(examples)
             if fg.enable:
@@ -140,14 +140,14 @@ class Experience:
             n_kept += batch.size // G
         full = select(concat(kept), list(range(want * G)))
         stats = {f"{self.prefix}/num_gen_batches": num_gen_batches, f"{self.prefix}/kept_groups_ratio": n_kept / n_generated}
-        stats.update(distributed.all_reduce_sum_dict({k: float(v) for k, v in self.failures.items()}))
+        stats.update(distributed.all_reduce_sum_dict({k: float(v) for k, v in failures.items()}))
         return full, stats
 
     def _seed(self, step: int, gen_batch: int) -> int:
         """The sampling seed of one generation batch: a function of the step, so resume lines up."""
         return (self.cfg.train.seed * 1_000_003 + step * 1009 + gen_batch) % 2**31
 
-    def generate_and_score(self, examples: list[PromptExample], seed: int, timer: Timer) -> Batch:
+    def generate_and_score(self, examples: list[PromptExample], seed: int, timer: Timer, failures: dict[str, int]) -> Batch:
         cfg, G = self.cfg, self.G
         r = cfg.rollout
         params = SamplingParams(r.temperature, r.top_p, r.top_k, r.max_tokens, G, seed)
@@ -158,9 +158,9 @@ class Experience:
             texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
             owners = [examples[c.prompt_index] for c in completions]
             out = self.reward_fn(texts, [e.ground_truth for e in owners], [e.row for e in owners])
-            self.failures["reward/calls"] += len(texts) * len(cfg.reward.verifiers)  # one call per verifier
+            failures["reward/calls"] += len(texts) * len(cfg.reward.verifiers)  # one call per verifier
             for key, n in out.failures.items():
-                self.failures[key] += n
+                failures[key] = failures.get(key, 0) + n  # plus model rewards' counts (judge_unparsed)
             scores = list(out.scores)
             rewards = scores
             ob = cfg.algorithm.overlong_buffer
@@ -220,6 +220,8 @@ def batch_metrics(batch: Batch, prefix: str, group_size: int) -> dict[str, float
     or tokens the policy did not sample.
     """
     m = {**summary_stats(f"{prefix}/rewards", batch.rewards), **summary_stats(f"{prefix}/score", batch.scores)}
+    if "rm_score" in batch.verifier_metrics[0]:  # the guides: score is the reward model's own when one is on
+        m.update(summary_stats(f"{prefix}/score", batch.metric("rm_score")))
     for key in batch.verifier_metrics[0]:
         m[f"{prefix}/{key}/mean"] = sum(batch.metric(key)) / batch.size
     m.update(summary_stats("response_length", [float(n) for n in batch.model_tokens]))

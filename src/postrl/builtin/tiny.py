@@ -5,6 +5,8 @@ as Qwen's are) trained on the built-in tasks' text and a ChatML chat template, b
 cached under <cache>/models/<name>-<key of the spec>; `model.tiny` overrides the spec.
 
 - tiny-qwen2: a Qwen2 causal LM (4 layers, hidden 128), tokenizer trained on the arithmetic task.
+- tiny-qwen3-moe: a Qwen3-MoE causal LM (2 layers, hidden 128, 8 experts of width 64, 2 per token), the
+  tiny-qwen2 tokenizer: the mixture-of-experts path (router, expert weights, vLLM's fused MoE) on CPU.
 - tiny-qwen2.5-vl: a Qwen2.5-VL (a 2-block vision tower and a 4-layer language model, about 1.1M
   parameters) plus the PIL image processor, tokenizer trained on the shapes and arithmetic tasks
   with the Qwen vision special tokens, and a template that renders {"type": "image"} parts.
@@ -34,6 +36,16 @@ TINY_DEFAULTS: dict[str, Any] = {
     "num_kv_heads": 2,
     "intermediate_size": 384,
     "max_position_embeddings": 512,
+    "seed": 0,
+}
+TINY_MOE_VERSION = 1  # tiny-qwen3-moe; same rule
+TINY_MOE_DEFAULTS: dict[str, Any] = {
+    **{k: v for k, v in TINY_DEFAULTS.items() if k not in ("num_layers", "seed")},
+    "num_layers": 2,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "router_aux_loss_coef": 0.001,  # Qwen3-MoE's published value
     "seed": 0,
 }
 TINY_VL_DEFAULTS: dict[str, Any] = {  # in the order of postrl_tiny.json of cached builds
@@ -106,6 +118,23 @@ def _qwen2(spec: dict, tokenizer: Any) -> tuple[torch.nn.Module, list[Any]]:
     return Qwen2ForCausalLM(config), []
 
 
+def _qwen3_moe(spec: dict, tokenizer: Any) -> tuple[torch.nn.Module, list[Any]]:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        **_language_model(spec, tokenizer),
+        head_dim=spec["hidden_size"] // spec["num_heads"],
+        num_experts=spec["num_experts"],
+        num_experts_per_tok=spec["num_experts_per_tok"],
+        moe_intermediate_size=spec["moe_intermediate_size"],
+        router_aux_loss_coef=spec["router_aux_loss_coef"],
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+    )
+    torch.manual_seed(spec["seed"])
+    return Qwen3MoeForCausalLM(config), []
+
+
 def _qwen2_5_vl(spec: dict, tokenizer: Any) -> tuple[torch.nn.Module, list[Any]]:
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -150,6 +179,15 @@ TINY_MODELS: dict[str, TinyKind] = {
         chat_template=CHATML_TEMPLATE,
         corpus=lambda seed: arithmetic.tokenizer_corpus(seed=seed),
         build=_qwen2,
+        done_file="tokenizer.json",
+    ),
+    "tiny-qwen3-moe": TinyKind(
+        version=TINY_MOE_VERSION,
+        defaults=TINY_MOE_DEFAULTS,
+        special_tokens=SPECIAL_TOKENS,
+        chat_template=CHATML_TEMPLATE,
+        corpus=lambda seed: arithmetic.tokenizer_corpus(seed=seed),
+        build=_qwen3_moe,
         done_file="tokenizer.json",
     ),
     "tiny-qwen2.5-vl": TinyKind(

@@ -75,4 +75,8 @@ def make_engine(
         say(f"[yellow]rollout engine: hf (falling back: {exc})[/yellow]")
         return HFEngine(model, tokenizer, modality=modality, runtime=runtime)
     say(f"rollout engine: vllm ({'eager' if cfg.enforce_eager else 'compiled'})")
+    if engine.moe:
+        from postrl.moe import REPLAY_UNAVAILABLE
+
+        say(REPLAY_UNAVAILABLE)
     return engine

@@ -103,6 +103,11 @@ class RolloutEngine(Protocol):
         None when the engine shares the trainer's model object."""
         ...
 
+    def probe_routing(self, token_ids: list[int], top_k: int) -> Any:
+        """MoE: the experts [L, N, K] the engine's routers pick for each token (the sync guard's routing
+        mismatch), or None (a dense model, or an engine that shares the trainer's model)."""
+        ...
+
     def sleep(self) -> None:
         """Free what the engine holds on the device during the update (GPU vLLM); a no-op elsewhere."""
         ...

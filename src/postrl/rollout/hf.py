@@ -44,6 +44,10 @@ class HFEngine:
         """None: this engine generates with the trainer's own model, so a weight sync cannot be missed."""
         return None
 
+    def probe_routing(self, token_ids: list[int], top_k: int) -> None:
+        """None: the trainer's own routers route the rollout, so there is no mismatch to measure."""
+        return None
+
     def sleep(self) -> None:
         """Nothing to free: the engine is the trainer's model."""
 
