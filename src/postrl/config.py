@@ -214,6 +214,30 @@ class RolloutConfig(Section):
         "compiler on a CPU machine).",
     )
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig, description="The agent loop: tools, environments.")
+    mode: Literal["sync", "async"] = Field(
+        "sync",
+        description="sync: generate, score, update, sync weights, in lock-step with the engine colocated (the only "
+        "mode built). async (rollout in its own process, docs/async.md) is not built yet: docs/async.md.",
+    )
+    max_staleness: int = Field(
+        0, ge=0, description="Async rollout: the oldest policy version a trained sequence may come from, in steps "
+        "behind the trainer (async/staleness_max). Sync mode is always 0.",
+    )
+
+    @model_validator(mode="after")
+    def _only_sync_is_built(self) -> "RolloutConfig":
+        if self.mode == "async":
+            raise ValueError(
+                "rollout.mode is 'async', but postrl's rollout runs only synchronously for now: there is no rollout "
+                "process that generates while the trainer updates, no weight transport to it, and no queue of "
+                "version-tagged groups (docs/async.md lists what exists and what is planned). Fix: set rollout.mode: sync."
+            )
+        if self.max_staleness != 0:
+            raise ValueError(
+                f"rollout.max_staleness is {self.max_staleness}, but synchronous rollout always trains on the current "
+                "policy's samples (staleness 0) and async rollout is not built yet. Fix: leave rollout.max_staleness at 0."
+            )
+        return self
 
 
 # ----------------------------------------------------------------------------------------- algorithm

@@ -370,7 +370,7 @@ class _GenerateUnsharded:
     """An engine whose model is FSDP2-sharded: each generate call runs inside `unsharded(model)`."""
 
     def __init__(self, engine: Any, model: torch.nn.Module):
-        self.engine, self.model, self.name = engine, model, engine.name
+        self.engine, self.model, self.name, self.capabilities = engine, model, engine.name, engine.capabilities
 
     def generate(self, prompts, params, multi_modal=None, **kwargs):  # kwargs: the agent loop's rows
         with unsharded(self.model):
@@ -390,6 +390,6 @@ def colocate(engine: Any, model: torch.nn.Module) -> Any:
     bracketed by an unshard / reshard. The vLLM engine keeps its own weights and receives the full
     tensors in `sync_weights`, so it is returned unchanged.
     """
-    if is_sharded(model) and getattr(engine, "name", "") == "hf":
+    if is_sharded(model) and engine.capabilities.shares_trainer_model:
         return _GenerateUnsharded(engine, model)
     return engine

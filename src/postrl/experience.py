@@ -17,7 +17,7 @@ every rank takes the same keep decisions and holds the same global batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
 import torch
@@ -46,6 +46,13 @@ class Batch:
     verifier_metrics: list[dict[str, float]]  # each verifier's named metrics (acc, ...)
     engine_logprobs: list[list[float] | None]  # the engine's sampling log-probs per response token (0.0 where masked)
     multi_modal: list[dict | None]  # each sequence's image inputs (VLMs), else None
+    # the policy version (trainer step) that sampled each sequence; None entries are stamped by
+    # Experience.collect with the trainer's step; a Batch built without them is from version 0
+    versions: list[int | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.versions:
+            self.versions = [0] * len(self.response_ids)
 
     @property
     def size(self) -> int:
@@ -128,6 +135,7 @@ class Experience:
             lo, hi = shard_range(len(examples))  # this rank's prompts: a group stays on one rank
             seed = shard_seed(self._seed(step, num_gen_batches), lo)
             batch = gather(self.generate_and_score(examples[lo:hi], seed, timer, failures))  # every rank sees every score
+            batch.versions = [step if v is None else v for v in batch.versions]  # sync: the engine holds step's weights
             n_generated += len(examples)
             if fg.enable:
                 keep = algo.group_keep_mask(torch.tensor(self._filter_metric(batch)), G)
@@ -178,6 +186,7 @@ class Experience:
             verifier_metrics=[{k: out.metrics[k][i] for k in names} for i in range(len(completions))],
             engine_logprobs=[c.logprobs for c in completions],
             multi_modal=[e.multi_modal for e in owners],
+            versions=[c.version for c in completions],
         )
 
     def _filter_metric(self, batch: Batch) -> list[float]:
@@ -194,7 +203,10 @@ class Experience:
         """adv_B of the global batch by `algorithm.adv_estimator` (broadcast to every token by the actor)."""
         a = self.cfg.algorithm
         estimator = algo.get_adv_estimator(a.adv_estimator)
-        return estimator(torch.tensor(batch.rewards), self.G, norm_adv_by_std=a.norm_adv_by_std, epsilon=a.epsilon)
+        return estimator(
+            torch.tensor(batch.rewards), self.G, norm_adv_by_std=a.norm_adv_by_std, epsilon=a.epsilon,
+            num_tokens_B=torch.tensor(batch.model_tokens),
+        )
 
 
 def trajectory_mask(c: Completion) -> list[int]:
@@ -230,6 +242,14 @@ def batch_metrics(batch: Batch, prefix: str, group_size: int) -> dict[str, float
     spread = algo.group_keep_mask(torch.tensor(batch.rewards), group_size)
     m[f"{prefix}/zero_spread_groups_ratio"] = 1 - float(spread.float().mean())  # zero advantage: nothing learned
     return m
+
+
+def staleness_metrics(versions: list[int], step: int) -> dict[str, float]:
+    """async/staleness_{mean,max}: how many policy updates behind the trainer (at `step`) each sequence was
+    sampled; 0 in sync mode, bounded by rollout.max_staleness once rollout runs asynchronously."""
+    lag = [step - v for v in versions]
+    assert all(x >= 0 for x in lag), f"a sequence from policy version {max(versions)} is newer than the trainer's step {step}"
+    return {"async/staleness_mean": sum(lag) / max(len(lag), 1), "async/staleness_max": float(max(lag, default=0))}
 
 
 def gather(part: Batch) -> Batch:

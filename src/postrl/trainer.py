@@ -25,7 +25,7 @@ from postrl.config import Config
 from postrl.data.dataset import PromptSampler, load_prompts
 from postrl.errors import Stopped, UserError
 from postrl.evaluate import ValidationHistory, evaluate, load_val_sets
-from postrl.experience import Batch, Experience, batch_metrics
+from postrl.experience import Batch, Experience, batch_metrics, staleness_metrics
 from postrl.metrics import MetricsLogger, Timer, plot_run, read_jsonl, step_line, throughput, val_line
 from postrl.models import load_policy
 from postrl.rewards import RewardFunction
@@ -88,7 +88,7 @@ class Trainer:
             modality=self.policy.modality, trust_remote_code=cfg.model.trust_remote_code, runtime=rt,
         )  # fmt: skip
         self.engine = distributed.colocate(engine, self.model)
-        if cfg.algorithm.rollout_correction.enable and engine.name != "vllm":
+        if cfg.algorithm.rollout_correction.enable and not engine.capabilities.reports_logprobs:
             self.log(
                 f"[yellow]algorithm.rollout_correction is on, but the {engine.name} engine reports no sampling log-probs "
                 "(it samples with the trainer's own model, so there is no gap to correct): no correction is applied.[/yellow]"
@@ -276,6 +276,7 @@ class Trainer:
         cfg, name = self.cfg, self.algo_name
         m: dict[str, float] = {"training/step": self.step + 1, "training/epoch": self.sampler.epoch}
         m.update(batch_metrics(batch, name, self.G))
+        m.update(staleness_metrics(batch.versions, self.step))
         m.update(gen_stats)
         m.update(update_stats)
         timing = self.timer.timing()

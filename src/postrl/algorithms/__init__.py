@@ -6,7 +6,8 @@ No I/O and no config objects: every function takes tensors and keyword arguments
 Variants are chosen by name from registries, as in verl's core_algos (an unknown name raises a
 ValueError that lists the valid ones); this package is the one place that holds the names:
 - advantage estimators (`get_adv_estimator`): grpo, drgrpo, rloo, reinforce_plus_plus,
-  reinforce_plus_plus_baseline; one signature `fn(rewards_B, group_size, *, norm_adv_by_std, epsilon)`;
+  reinforce_plus_plus_baseline; one signature `fn(rewards_B, group_size, *, norm_adv_by_std, epsilon,
+  num_tokens_B)` (loss tokens per sequence: reinforce_plus_plus whitens over tokens; the others ignore it);
 - policy losses (`get_policy_loss_fn`): vanilla, gspo, cispo, or a user's 'package.module:function'; one
   signature `fn(logp_BT, old_logp_BT, adv_BT, mask_BT, *, clip_ratio_low, clip_ratio_high, clip_ratio_c,
   **params)`. Each declares with its registration (`LossSpec`) its own hyperparameters (`Param`: default,

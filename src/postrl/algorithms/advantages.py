@@ -9,8 +9,12 @@ from postrl.algorithms.common import _lookup, _register_into
 
 
 class AdvEstimator(Protocol):
+    """`num_tokens_B`: each sequence's loss tokens (the policy's own), for estimators that weigh by tokens
+    (reinforce_plus_plus); the others ignore it. Experience always passes it."""
+
     def __call__(
-        self, rewards_B: torch.Tensor, group_size: int, *, norm_adv_by_std: bool = True, epsilon: float = 1e-6
+        self, rewards_B: torch.Tensor, group_size: int, *, norm_adv_by_std: bool = True, epsilon: float = 1e-6,
+        num_tokens_B: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -45,7 +49,8 @@ def _zero_where_no_spread(adv_BG: torch.Tensor, rewards_BG: torch.Tensor) -> tor
 
 @register_adv_estimator("grpo")
 def grpo_advantages(
-    rewards_B: torch.Tensor, group_size: int, norm_adv_by_std: bool = True, epsilon: float = 1e-6
+    rewards_B: torch.Tensor, group_size: int, norm_adv_by_std: bool = True, epsilon: float = 1e-6,
+    num_tokens_B: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """GRPO (Shao et al., 2024, DeepSeekMath): group-relative advantages, prompt-major groups.
 
@@ -61,7 +66,8 @@ def grpo_advantages(
 
 @register_adv_estimator("drgrpo")
 def drgrpo_advantages(
-    rewards_B: torch.Tensor, group_size: int, *, norm_adv_by_std: bool = True, epsilon: float = 1e-6
+    rewards_B: torch.Tensor, group_size: int, *, norm_adv_by_std: bool = True, epsilon: float = 1e-6,
+    num_tokens_B: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dr. GRPO (Liu et al., 2025, "Understanding R1-Zero-Like Training"): A_i = R_i - mean_g R.
 
@@ -74,7 +80,8 @@ def drgrpo_advantages(
 
 @register_adv_estimator("rloo")
 def rloo_advantages(
-    rewards_B: torch.Tensor, group_size: int, *, norm_adv_by_std: bool = True, epsilon: float = 1e-6
+    rewards_B: torch.Tensor, group_size: int, *, norm_adv_by_std: bool = True, epsilon: float = 1e-6,
+    num_tokens_B: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """RLOO (Ahmadian et al., 2024, "Back to Basics"; Kool et al., 2019): leave-one-out baseline.
 
@@ -87,11 +94,22 @@ def rloo_advantages(
     return _zero_where_no_spread(rewards_BG - others_mean_BG, rewards_BG).reshape(-1)
 
 
-def _batch_whiten(x_B: torch.Tensor, norm_adv_by_std: bool, epsilon: float) -> torch.Tensor:
-    assert x_B.numel() >= 2, "batch-normalised advantages need at least two sequences"
-    centered_B = x_B - x_B.mean()
+def _batch_whiten(x_B: torch.Tensor, norm_adv_by_std: bool, epsilon: float, weight_B: torch.Tensor | None = None) -> torch.Tensor:
+    """(x - mean) / (std + epsilon) over the batch; with `weight_B` (tokens per sequence) each sequence counts
+    as that many tokens: mean = sum n_i x_i / N, var = sum n_i (x_i - mean)^2 / (N - 1), N = sum n_i."""
+    if weight_B is None:
+        assert x_B.numel() >= 2, "batch-normalised advantages need at least two sequences"
+        mean, std = x_B.mean(), x_B.std(unbiased=True)
+    else:
+        weight_B = weight_B.to(x_B.dtype).reshape(-1)
+        assert weight_B.shape == x_B.shape, f"{weight_B.numel()} token counts for {x_B.numel()} sequences"
+        n = weight_B.sum()
+        assert n >= 2, "token-whitened advantages need at least two loss tokens in the batch"
+        mean = (weight_B * x_B).sum() / n
+        std = ((weight_B * (x_B - mean).square()).sum() / (n - 1)).sqrt()  # unbiased, over tokens
+    centered_B = x_B - mean
     if norm_adv_by_std:
-        centered_B = centered_B / (x_B.std(unbiased=True) + epsilon)
+        centered_B = centered_B / (std + epsilon)
     if x_B.amax() == x_B.amin():  # no spread in the whole batch: exactly 0 (see _zero_where_no_spread)
         centered_B = torch.zeros_like(centered_B)
     return centered_B
@@ -99,21 +117,26 @@ def _batch_whiten(x_B: torch.Tensor, norm_adv_by_std: bool, epsilon: float) -> t
 
 @register_adv_estimator("reinforce_plus_plus")
 def reinforce_plus_plus_advantages(
-    rewards_B: torch.Tensor, group_size: int, *, norm_adv_by_std: bool = True, epsilon: float = 1e-6
+    rewards_B: torch.Tensor, group_size: int, *, norm_adv_by_std: bool = True, epsilon: float = 1e-6,
+    num_tokens_B: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """REINFORCE++ (Hu, 2025, arXiv 2501.03262), outcome rewards: normalised over the whole batch.
 
     A = (R - mean_batch R) / (std_batch R + epsilon), unbiased std; no groups (`group_size` is unused),
     so a prompt whose samples all score the same still gets a non-zero advantage when the batch
-    varies. `norm_adv_by_std=False` only centres. verl whitens over tokens (longer responses weigh
-    more); here each sequence counts once (docs/algorithms.md).
+    varies. `norm_adv_by_std=False` only centres.
+    With `num_tokens_B` (what Experience passes, so what a run does) the mean and std are over tokens:
+    each sequence's reward stands on each of its loss tokens, as the paper, verl (`masked_whiten` of the
+    token returns) and OpenRLHF whiten, so long responses weigh more. Without it each sequence counts
+    once (docs/algorithms.md). verl adds 1e-8 to the variance, not epsilon to the std.
     """
-    return _batch_whiten(rewards_B.float().reshape(-1), norm_adv_by_std, epsilon)
+    return _batch_whiten(rewards_B.float().reshape(-1), norm_adv_by_std, epsilon, num_tokens_B)
 
 
 @register_adv_estimator("reinforce_plus_plus_baseline")
 def reinforce_plus_plus_baseline_advantages(
-    rewards_B: torch.Tensor, group_size: int, *, norm_adv_by_std: bool = True, epsilon: float = 1e-6
+    rewards_B: torch.Tensor, group_size: int, *, norm_adv_by_std: bool = True, epsilon: float = 1e-6,
+    num_tokens_B: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """REINFORCE++-baseline (Hu, 2025, arXiv 2501.03262): group mean as baseline, batch std as scale.
 

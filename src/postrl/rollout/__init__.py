@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from postrl.rollout.base import Completion, RolloutEngine, SamplingParams
+from postrl.rollout.base import Completion, EngineCapabilities, RolloutEngine, SamplingParams
 
 if TYPE_CHECKING:
     import torch
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from postrl.modality import Modality
     from postrl.runtime import Runtime
 
-__all__ = ["Completion", "RolloutEngine", "SamplingParams", "make_engine"]
+__all__ = ["Completion", "EngineCapabilities", "RolloutEngine", "SamplingParams", "make_engine"]
 
 
 def make_engine(

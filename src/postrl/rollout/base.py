@@ -28,6 +28,26 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # extra ids that end a completion like EOS, kept in it (agents: </tool_call>)
 
 
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What an engine can do, declared by the engine so the trainer never tests its name.
+
+    reports_logprobs: `Completion.logprobs` holds the engine's sampling log-probs (rollout correction
+        and the drift guard need them; an engine that samples with the trainer's own model has none).
+    shares_trainer_model: the engine generates with the trainer's model object, so `sync_weights`
+        copies nothing and a sharded (FSDP2) policy must be unsharded around each generate call.
+    can_sleep: `sleep()` can free device memory for the update (whether it does is the engine's
+        setting, e.g. rollout.enable_sleep_mode on GPU vLLM); False: sleep() is always a no-op.
+    remote: the engine runs outside the trainer's process (async rollout, DESIGN.md section 10), so
+        weights travel by transport and completions may come from an older policy version.
+    """
+
+    reports_logprobs: bool
+    shares_trainer_model: bool
+    can_sleep: bool
+    remote: bool = False
+
+
 @dataclass
 class Completion:
     """One sampled completion of one prompt: a token-level trajectory (DESIGN.md section 10).
@@ -42,6 +62,10 @@ class Completion:
     entry per token, 1 where the policy sampled it, 0 elsewhere; only 1s are trained on. None means
     every token was sampled by the policy (single turn). `turn_spans` holds [start, end) of each
     model turn inside `token_ids` (None: one turn).
+
+    `version` is the policy version (trainer step) whose weights sampled it; None: the weights the
+    trainer gave the engine last, which Experience stamps with the trainer's step (sync rollout). An
+    engine that runs behind the trainer (async, DESIGN.md section 10) sets it itself.
     """
 
     prompt_index: int
@@ -52,13 +76,15 @@ class Completion:
     turn_spans: list[tuple[int, int]] | None = None
     tool_calls: int = 0  # the agent loop: tool calls this trajectory made
     env_reward: float = 0.0  # the agent loop: what its environment (rollout.multi_turn.interaction) returned, summed
+    version: int | None = None
 
 
 @runtime_checkable
 class RolloutEngine(Protocol):
     """What the trainer needs from a rollout engine."""
 
-    name: str
+    name: str  # for messages and the guides' metric names (vllm_tps); behaviour follows `capabilities`
+    capabilities: EngineCapabilities
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, multi_modal: list[dict] | None = None

@@ -14,7 +14,7 @@ import torch
 
 from postrl.modality import TEXT, Modality
 from postrl.models import left_pad
-from postrl.rollout.base import Completion, SamplingParams, eos_token_ids
+from postrl.rollout.base import Completion, EngineCapabilities, SamplingParams, eos_token_ids
 from postrl.runtime import accelerator
 
 if TYPE_CHECKING:
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 class HFEngine:
     name = "hf"
+    capabilities = EngineCapabilities(reports_logprobs=False, shares_trainer_model=True, can_sleep=False, remote=False)
 
     def __init__(
         self, model: torch.nn.Module, tokenizer: Any, max_batch_sequences: int = 512, modality: Modality | None = None,

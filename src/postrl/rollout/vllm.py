@@ -36,7 +36,7 @@ from postrl import distributed
 from postrl.config import RolloutConfig
 from postrl.modality import TEXT, Modality
 from postrl.moe import is_moe
-from postrl.rollout.base import Completion, SamplingParams, eos_token_ids
+from postrl.rollout.base import Completion, EngineCapabilities, SamplingParams, eos_token_ids
 from postrl.rollout.vllm_platform import (
     MAX_TEMPERATURE,
     VLLMUnavailable,
@@ -72,6 +72,7 @@ class VLLMEngine:
     """
 
     name = "vllm"
+    capabilities = EngineCapabilities(reports_logprobs=True, shares_trainer_model=False, can_sleep=True, remote=False)
 
     def __init__(
         self,
