@@ -156,7 +156,7 @@ class RolloutConfig(Section):
 
 
 # ----------------------------------------------------------------------------------------- algorithm
-def _registered_name(kind: str, value: str, registry: str, user_fn: bool = False) -> str:
+def _registered_name(kind: str, value: str, registry: str | tuple[str, ...], user_fn: bool = False) -> str:
     """`value` if postrl.algorithms registers it in `registry`; else a ValueError with the valid names
     (and, with `user_fn`, the 'package.module:function' alternative).
 
@@ -165,7 +165,7 @@ def _registered_name(kind: str, value: str, registry: str, user_fn: bool = False
     """
     from postrl import algorithms
 
-    valid = list(getattr(algorithms, registry))
+    valid = [name for r in (registry if isinstance(registry, tuple) else (registry,)) for name in getattr(algorithms, r)]
     if value not in valid:
         guess = difflib.get_close_matches(str(value), valid, n=1)
         hint = f" Did you mean '{guess[0]}'?" if guess else ""
@@ -273,9 +273,11 @@ class AlgorithmConfig(Section):
     name: Literal["grpo", "dapo"] = Field("grpo", description="grpo or dapo; dapo only changes defaults.")
     adv_estimator: str = Field(
         "grpo",
-        description="Advantage estimator: grpo, drgrpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline "
-        "(docs/algorithms.md).",
+        description="Advantage estimator: grpo, drgrpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, "
+        "or gae (PPO: a critic, see the `critic` section, gives per-token GAE advantages; docs/algorithms.md).",
     )
+    gamma: float = Field(1.0, ge=0, le=1, description="GAE: discount per model token (verl's algorithm.gamma).")
+    lam: float = Field(1.0, ge=0, le=1, description="GAE: lambda, the bias-variance trade-off (verl's algorithm.lam).")
     policy_loss: str | None = Field(
         None,
         description="Policy loss: a name registered in postrl.algorithms (docs/algorithms.md lists each with its "
@@ -324,7 +326,7 @@ class AlgorithmConfig(Section):
     @field_validator("adv_estimator")
     @classmethod
     def _known_estimator(cls, v: str) -> str:
-        return _registered_name("advantage estimator", v, "ADV_ESTIMATORS")
+        return _registered_name("advantage estimator", v, ("ADV_ESTIMATORS", "CRITIC_ADV_ESTIMATORS"))
 
     @field_validator("policy_loss")
     @classmethod
@@ -634,6 +636,19 @@ class ClusterConfig(Section):
     )
 
 
+class CriticConfig(Section):
+    """The value model of PPO (algorithm.adv_estimator: gae); ignored by the critic-free estimators."""
+
+    model_path: str | None = Field(
+        None,
+        description="A token-classification model with one label (a critic saved by postrl: <checkpoint>/critic/model). "
+        "Default: the policy's initial weights with a fresh value head.",
+    )
+    lr: float = Field(1e-5, gt=0, description="Critic learning rate (AdamW; betas, weight decay and grad clip: train's).")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup of the critic's learning rate, then constant.")
+    cliprange_value: float = Field(0.5, gt=0, description="Value clipping: V stays within V_old +- this in the loss.")
+
+
 class Config(Section):
     model: ModelConfig
     data: DataConfig = Field(default_factory=DataConfig)
@@ -641,6 +656,7 @@ class Config(Section):
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
