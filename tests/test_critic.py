@@ -3,10 +3,22 @@ resume, and (slow) the learning test from the `make run` SFT model."""
 
 from __future__ import annotations
 
+import io
+from pathlib import Path
+
 import pytest
 import torch
+from conftest import tiny_overrides
+from rich.console import Console
+from verifiers_for_tests import length_parity
 
 from postrl import algorithms as algo
+from postrl.config import load_config
+from postrl.metrics import read_jsonl
+from postrl.rewards.registry import register
+from postrl.trainer import Trainer
+
+register("critic_length_parity", in_process=True)(length_parity)  # in-process: no verifier workers
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -60,3 +72,68 @@ def test_value_loss_clips_by_hand():
     loss2, stats2 = algo.value_loss(torch.tensor([[-0.5]]), torch.tensor([[0.0]]), torch.tensor([[1.0]]), torch.ones(1, 1), cliprange_value=0.2)
     torch.testing.assert_close(loss2, torch.tensor([[0.5 * 1.5**2]]))
     assert float(stats2["critic/vf_clipfrac"]) == 0.0
+
+
+# ------------------------------------------------------------------------------------ PPO runs
+PPO = (
+    "algorithm.adv_estimator=gae", "algorithm.gamma=0.95", "algorithm.lam=0.9", "critic.lr=1e-3", "critic.warmup_steps=2",
+    "critic.cliprange_value=0.2", "reward.verifiers=[critic_length_parity]", "train.mini_batch_size=2", "train.lr=2e-3",
+    "train.deterministic=true", "checkpoint.save_freq=2", "train.seed=3", "logging.sinks=[jsonl]",
+)  # fmt: skip
+
+
+class _Stop(Exception):
+    pass
+
+
+def _trainer(run_dir: Path) -> Trainer:
+    return Trainer(load_config(None, tiny_overrides(run_dir, *PPO)), Console(file=io.StringIO(), width=300))
+
+
+def _rows(run_dir: Path) -> dict[int, dict]:
+    rows = {r["step"]: r for r in read_jsonl(run_dir / "run" / "metrics.jsonl") if "timing/all" in r}
+    return {s: {k: v for k, v in r.items() if not k.startswith("timing/") and not k.endswith("_tps")} for s, r in rows.items()}
+
+
+def test_ppo_runs_and_resumes_bit_for_bit(tmp_path):
+    """3 PPO steps (two optimizer steps per batch, old log-probs, critic warmup) == 2 steps, stop, resume, 1 more:
+    the critic's and the policy's weights, the critic's AdamW state and every logged number of step 3."""
+    full = _trainer(tmp_path / "full")
+    full.fit()
+    rows = _rows(tmp_path / "full")
+    assert sorted(rows) == [1, 2, 3]
+    for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm", "critic/lr",
+                "critic/values/mean", "critic/returns/max", "critic/advantages/min", "actor/pg_loss"):  # fmt: skip
+        assert key in rows[3], key
+    assert [rows[s]["critic/lr"] for s in (1, 2, 3)] == pytest.approx([5e-4, 1e-3, 1e-3])  # warmup 2, then constant
+    assert abs(rows[1]["critic/advantages/mean"]) < 1e-5  # whitened over the batch's model tokens
+    assert rows[1]["critic/vf_loss"] > 0 and any(rows[s]["critic/vf_clipfrac"] > 0 for s in rows)
+    ckpt = tmp_path / "full" / "run" / "checkpoints" / "iter_0000002" / "critic"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["model", "optimizer_rank0.pt", "scheduler.pt"]
+
+    first = _trainer(tmp_path / "split")
+    real_step = first.train_step
+
+    def step_unless_stopped():
+        if first.step == 2:
+            raise _Stop
+        return real_step()
+
+    first.train_step = step_unless_stopped
+    with pytest.raises(_Stop):
+        first.fit()
+    first.close()
+    del first
+    resumed = _trainer(tmp_path / "split")
+    assert resumed.step == 2 and "resumed from" in resumed.console.file.getvalue()
+    resumed.fit()
+
+    for model_a, model_b in ((full.critic.model, resumed.critic.model), (full.model, resumed.model)):
+        a, b = dict(model_a.named_parameters()), dict(model_b.named_parameters())
+        assert [k for k in a if not torch.equal(a[k], b[k])] == []
+    sa, sb = full.critic.optimizer.state_dict(), resumed.critic.optimizer.state_dict()
+    for i in sa["state"]:
+        for key in sa["state"][i]:
+            assert torch.equal(sa["state"][i][key], sb["state"][i][key]), (i, key)
+    ra, rb = _rows(tmp_path / "full"), _rows(tmp_path / "split")
+    assert ra[3] == rb[3], {k: (ra[3].get(k), rb[3].get(k)) for k in ra[3].keys() | rb[3].keys() if ra[3].get(k) != rb[3].get(k)}

@@ -208,6 +208,8 @@ def _save(cfg: Any, state: dict[str, Any]) -> Path:
 
     _save_weights(cfg, state["model"], state["tokenizer"], tmp, write=rank == 0)
     torch.save(state["optimizer"], tmp / "optimizer" / f"rank{rank}.pt")
+    if "critic" in state:  # PPO's value model: critic/model (HF format), its optimizer per rank, its scheduler
+        _save_critic(state["critic"], tmp / "critic", rank)
     _test_crash_point(step)
     torch.save(state["rng"], tmp / f"rng_rank{rank}.pt")
     if rank == 0:
@@ -244,6 +246,14 @@ def _save(cfg: Any, state: dict[str, Any]) -> Path:
         _clean_leftovers(root)
     distributed.barrier()
     return final
+
+
+def _save_critic(critic: dict[str, Any], out: Path, rank: int) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    distributed.save_pretrained(critic["model"], out / "model", write=rank == 0)
+    torch.save(critic["optimizer"], out / f"optimizer_rank{rank}.pt")
+    if rank == 0:
+        torch.save(critic["scheduler"], out / "scheduler.pt")
 
 
 def _rotate(root: Path, keep_last: int, current: int) -> None:
@@ -360,6 +370,8 @@ class Restored:
     scheduler: dict | None = None
     rng: dict | None = None
     sampler: dict | None = None
+    critic_optimizer: dict | None = None  # PPO: the critic's, when the checkpoint has one (critic/)
+    critic_scheduler: dict | None = None
 
     @property
     def model_dir(self) -> Path:
@@ -403,6 +415,9 @@ def resume(cfg: Any, train_prompts: int, log=print) -> Restored | None:
             )
         restored.optimizer = _read(opt_file, _torch_load)
         restored.scheduler = _read(path / "scheduler.pt", _torch_load)
+        if (path / "critic" / f"optimizer_rank{rank}.pt").exists():
+            restored.critic_optimizer = _read(path / "critic" / f"optimizer_rank{rank}.pt", _torch_load)
+            restored.critic_scheduler = _read(path / "critic" / "scheduler.pt", _torch_load)
     rng_file = path / f"rng_rank{rank}.pt"
     if ck.load_rng and rng_file.exists():
         restored.rng = _read(rng_file, _torch_load)
