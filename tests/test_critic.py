@@ -74,11 +74,17 @@ def test_value_loss_clips_by_hand():
     assert float(stats2["critic/vf_clipfrac"]) == 0.0
 
 
+def test_kl_in_the_reward_needs_a_per_token_estimator(tmp_path):
+    with pytest.raises(Exception, match="use_kl_in_reward puts a KL penalty on every token"):
+        load_config(None, tiny_overrides(tmp_path, "algorithm.use_kl_in_reward=true"))
+
+
 # ------------------------------------------------------------------------------------ PPO runs
 PPO = (
     "algorithm.adv_estimator=gae", "algorithm.gamma=0.95", "algorithm.lam=0.9", "critic.lr=1e-3", "critic.warmup_steps=2",
     "critic.cliprange_value=0.2", "reward.verifiers=[critic_length_parity]", "train.mini_batch_size=2", "train.lr=2e-3",
     "train.deterministic=true", "checkpoint.save_freq=2", "train.seed=3", "logging.sinks=[jsonl]",
+    "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.kl_coef=0.05",
 )  # fmt: skip
 
 
@@ -96,7 +102,8 @@ def _rows(run_dir: Path) -> dict[int, dict]:
 
 
 def test_ppo_runs_and_resumes_bit_for_bit(tmp_path):
-    """3 PPO steps (two optimizer steps per batch, old log-probs, critic warmup) == 2 steps, stop, resume, 1 more:
+    """3 PPO steps (two optimizer steps per batch, old log-probs, critic warmup, KL in the reward) == 2 steps, stop,
+    resume, 1 more:
     the critic's and the policy's weights, the critic's AdamW state and every logged number of step 3."""
     full = _trainer(tmp_path / "full")
     full.fit()
@@ -107,6 +114,8 @@ def test_ppo_runs_and_resumes_bit_for_bit(tmp_path):
         assert key in rows[3], key
     assert [rows[s]["critic/lr"] for s in (1, 2, 3)] == pytest.approx([5e-4, 1e-3, 1e-3])  # warmup 2, then constant
     assert abs(rows[1]["critic/advantages/mean"]) < 1e-5  # whitened over the batch's model tokens
+    assert rows[1]["actor/reward_kl_penalty"] == 0 < rows[3]["actor/reward_kl_penalty"]  # the policy leaves the reference
+    assert rows[3]["actor/kl_loss"] == 0  # the KL is in the reward, not a loss (algorithm.kl.coef 0)
     assert rows[1]["critic/vf_loss"] > 0 and any(rows[s]["critic/vf_clipfrac"] > 0 for s in rows)
     ckpt = tmp_path / "full" / "run" / "checkpoints" / "iter_0000002" / "critic"
     assert sorted(p.name for p in ckpt.iterdir()) == ["model", "optimizer_rank0.pt", "scheduler.pt"]
@@ -137,3 +146,37 @@ def test_ppo_runs_and_resumes_bit_for_bit(tmp_path):
             assert torch.equal(sa["state"][i][key], sb["state"][i][key]), (i, key)
     ra, rb = _rows(tmp_path / "full"), _rows(tmp_path / "split")
     assert ra[3] == rb[3], {k: (ra[3].get(k), rb[3].get(k)) for k in ra[3].keys() | rb[3].keys() if ra[3].get(k) != rb[3].get(k)}
+
+
+# ------------------------------------------------------------------------------- learning (slow)
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+STEPS = 15  # measured: see the docstring
+
+
+@pytest.fixture(scope="module")
+def sft_model(tmp_path_factory) -> Path:
+    """The `make run` SFT stage (as tests/test_learning.py): the warm start of PPO."""
+    from postrl.sft import run_sft
+
+    tmp = tmp_path_factory.mktemp("sft")
+    run_sft(load_config(CONFIGS / "tiny_sft.yaml", ["sft.eval_prompts=0", f"sft.output_dir={tmp}", f"logging.dir={tmp}"]))
+    return tmp / "model"
+
+
+@pytest.mark.slow
+def test_ppo_from_the_sft_model_lifts_held_out_greedy_accuracy_by_15_points(sft_model, tmp_path):
+    """configs/tiny_ppo.yaml, shortened to STEPS steps."""
+    cfg = load_config(
+        CONFIGS / "tiny_ppo.yaml",
+        [
+            f"model.path={sft_model}", f"train.total_steps={STEPS}", "eval.freq=0", "eval.max_prompts=200",
+            f"logging.dir={tmp_path}/rl", "logging.progress=false", "checkpoint.keep_best=null",
+        ],
+    )  # fmt: skip
+    Trainer(cfg).fit()
+    rows = read_jsonl(tmp_path / "rl" / "metrics.jsonl")
+    val = [r["val/arithmetic/acc_mean@1"] for r in rows if "val/arithmetic/acc_mean@1" in r]
+    assert len(val) == 2 and val[0] < 0.35, val
+    assert val[-1] - val[0] >= 0.15, val
+    losses = [r["critic/vf_loss"] for r in rows if "critic/vf_loss" in r]
+    assert min(losses[-3:]) < losses[0], losses  # the critic learns its targets

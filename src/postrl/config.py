@@ -184,6 +184,11 @@ class KLConfig(Section):
         return _registered_name("KL estimator", v, "KL_ESTIMATORS")
 
 
+class KLControlConfig(Section):
+    type: Literal["fixed"] = Field("fixed", description="fixed: a constant coefficient (verl's adaptive controller is not here).")
+    kl_coef: float = Field(0.001, ge=0, description="Weight of the per-token KL penalty in the reward (use_kl_in_reward).")
+
+
 class RolloutCorrectionConfig(Section):
     """Importance weights for the gap between the rollout engine's log-probs and the trainer's (docs/algorithms.md)."""
 
@@ -278,6 +283,12 @@ class AlgorithmConfig(Section):
     )
     gamma: float = Field(1.0, ge=0, le=1, description="GAE: discount per model token (verl's algorithm.gamma).")
     lam: float = Field(1.0, ge=0, le=1, description="GAE: lambda, the bias-variance trade-off (verl's algorithm.lam).")
+    use_kl_in_reward: bool = Field(
+        False,
+        description="PPO (gae) only: subtract kl_ctrl.kl_coef x KL(policy || reference) (estimator algorithm.kl.estimator) "
+        "from the reward of every model token, as verl's use_kl_in_reward; loads the reference model.",
+    )
+    kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig, description="KL-in-reward coefficient.")
     policy_loss: str | None = Field(
         None,
         description="Policy loss: a name registered in postrl.algorithms (docs/algorithms.md lists each with its "
@@ -683,6 +694,13 @@ class Config(Section):
                 f"({self.rollout.max_tokens}): the penalty starts at max_tokens - len. "
                 "Fix: shorten the buffer or raise rollout.max_tokens."
             )
+        a = self.algorithm
+        if a.use_kl_in_reward and not _needs_critic(a.adv_estimator):
+            problems.append(
+                f"algorithm.use_kl_in_reward puts a KL penalty on every token's reward, which only a per-token estimator "
+                f"with a critic uses; adv_estimator '{a.adv_estimator}' reads one reward per sequence. Fix: set "
+                "algorithm.adv_estimator: gae, or use the KL loss (algorithm.kl.coef) instead."
+            )
         if problems:
             raise ValueError("\n".join(problems))
         return self
@@ -690,6 +708,12 @@ class Config(Section):
     @property
     def world_size(self) -> int:
         return self.cluster.nnodes * self.cluster.devices_per_node
+
+
+def _needs_critic(adv_estimator: str) -> bool:
+    from postrl import algorithms
+
+    return algorithms.needs_critic(adv_estimator)
 
 
 # ------------------------------------------------------------------------------------------ loading

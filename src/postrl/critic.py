@@ -1,7 +1,7 @@
 """The critic of PPO (algorithm.adv_estimator: gae): a value model, its optimizer, GAE and the value update.
 
     packed rows (the actor's `pack`) -> values V_old [B, T] (no grad, `compute_values`)
-      -> terminal reward on each row's last model token -> GAE over model tokens -> returns = A + V_old,
+      -> terminal reward on each row's last model token (- kl_coef x KL per token with use_kl_in_reward) -> GAE over model tokens -> returns = A + V_old,
          advantages whitened over the batch's model tokens on all ranks (`advantages`)
       -> the clipped value loss, mini x micro batches like the actor's (`update`)
 
@@ -105,10 +105,15 @@ class Critic:
         mask = x["response_mask"].float()
         values = self.compute_values(packed) * mask
         rewards = algo.terminal_rewards(x["reward"], mask)
+        stats = {}
+        if a.use_kl_in_reward:  # verl's use_kl_in_reward with a fixed coefficient
+            kl = algo.kl_penalty(x["old_logp"], x["ref_logp"], a.kl.estimator) * mask
+            rewards = rewards - a.kl_ctrl.kl_coef * kl
+            n, total = distributed.all_reduce_sum([float(mask.sum()), float(kl.sum())])
+            stats = {"actor/reward_kl_penalty": total / max(n, 1.0), "actor/reward_kl_penalty_coeff": a.kl_ctrl.kl_coef}
         adv, returns = algo.gae_advantages(rewards, values, mask, a.gamma, a.lam)
         totals = distributed.all_reduce_sum(list(algo.whiten_totals(adv, mask)))
         x["values"], x["returns"], x["adv"] = values, returns, algo.masked_whiten(adv, mask, tuple(totals))
-        stats = {}
         for name, key in (("values", "values"), ("returns", "returns"), ("advantages", "adv")):
             stats.update(_token_stats(f"critic/{name}", x[key], mask))
         return stats

@@ -72,7 +72,7 @@ class Trainer:
         if cfg.train.total_epochs:  # before the LR schedule is built
             cfg.train.total_steps = max(1, cfg.train.total_epochs * (len(self.train_examples) // cfg.train.global_batch_size))
             self.log(f"train.total_epochs {cfg.train.total_epochs}: {cfg.train.total_steps} steps")
-        self.ref_model = self._reference_model() if cfg.algorithm.kl.coef > 0 else None
+        self.ref_model = self._reference_model() if cfg.algorithm.kl.coef > 0 or cfg.algorithm.use_kl_in_reward else None
         # FSDP2 shards self.model in place (before the optimizer sees its parameters); DDP wraps it.
         train_model = distributed.wrap_model(
             self.model, cfg.train.strategy, compute_dtype=rt.dtype, reshard_after_forward=cfg.train.reshard_after_forward
@@ -215,7 +215,7 @@ class Trainer:
             with self.timer("adv"):
                 adv_B = self.experience.advantages(batch) if self.critic is None else torch.zeros(batch.size)  # GAE: below
                 local = self.actor.pack(batch, adv_B)  # this rank's rows
-            if not self.actor.on_policy:
+            if not self.actor.on_policy or self.cfg.algorithm.use_kl_in_reward:  # PPO's KL in the reward reads them
                 with self.timer("old_log_p"):
                     local.tensors["old_logp"] = self.actor.compute_logprobs(self.model, local)
             if self.ref_model is not None:
@@ -228,7 +228,7 @@ class Trainer:
                 with self.timer("update_critic"):
                     update_stats.update(self.critic.update(local))
             with self.timer("update"):
-                update_stats.update(self.actor.update(local, use_ref=self.ref_model is not None))
+                update_stats.update(self.actor.update(local, use_ref=self.cfg.algorithm.kl.coef > 0))
             with self.timer("resharding_to_infer"):
                 self.engine.sync_weights(self.model)
                 if not self.train_examples[0].multi_modal:  # the probe is a text prompt
