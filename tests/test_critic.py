@@ -150,7 +150,7 @@ def test_ppo_runs_and_resumes_bit_for_bit(tmp_path):
 
 # ------------------------------------------------------------------------------- learning (slow)
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-STEPS = 15  # measured: see the docstring
+STEPS = 10  # measured: see the docstring
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +165,9 @@ def sft_model(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 def test_ppo_from_the_sft_model_lifts_held_out_greedy_accuracy_by_15_points(sft_model, tmp_path):
-    """configs/tiny_ppo.yaml, shortened to STEPS steps."""
+    """configs/tiny_ppo.yaml, shortened to STEPS steps. Measured (200 held-out prompts, greedy): 12.0% after SFT,
+    51.0% after 5 PPO steps, 52.0% after 10, 50.0% after 15, 51.5% after 20. The critic's mean value starts at
+    ~0 (a fresh head) against returns of ~0.45 and tracks them within a few hundredths after a few steps."""
     cfg = load_config(
         CONFIGS / "tiny_ppo.yaml",
         [
@@ -178,5 +180,5 @@ def test_ppo_from_the_sft_model_lifts_held_out_greedy_accuracy_by_15_points(sft_
     val = [r["val/arithmetic/acc_mean@1"] for r in rows if "val/arithmetic/acc_mean@1" in r]
     assert len(val) == 2 and val[0] < 0.35, val
     assert val[-1] - val[0] >= 0.15, val
-    losses = [r["critic/vf_loss"] for r in rows if "critic/vf_loss" in r]
-    assert min(losses[-3:]) < losses[0], losses  # the critic learns its targets
+    gaps = [abs(r["critic/values/mean"] - r["critic/returns/mean"]) for r in rows if "critic/values/mean" in r]
+    assert gaps[0] > 0.3 and gaps[-1] < 0.5 * gaps[0], gaps  # the critic learns the value of the policy's states
