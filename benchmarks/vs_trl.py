@@ -16,7 +16,7 @@ machine load; the ratio postrl / TRL is taken within the run. Each peer runs wit
 count: postrl's thread policy (runtime.threads_for), and for TRL by default the same count
 (`--trl-threads default` gives it torch's default, every core: on a busy machine that thrashes).
 
-e2e tokens/s is the guides' formula for every peer (DESIGN.md section 4), over each peer's own
+e2e tokens/s is the guides' formula for every peer (docs/metrics.md), over each peer's own
 wall-clock time of a step: (mean response length + mean prompt length) x prompts x n / seconds.
 The first `--warmup` steps are dropped; medians of the rest are printed.
 

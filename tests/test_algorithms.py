@@ -1,4 +1,4 @@
-"""Hand-derived numbers for every formula of DESIGN.md section 4 (src/postrl/algorithms/).
+"""Hand-derived numbers for every formula of docs/algorithms.md (src/postrl/algorithms/).
 
 Each expected value carries its derivation in a comment, so a failing test says which formula moved.
 Ratios are written as ratios: logp = ln r with logp_old = 0, so r = exp(logp - logp_old) exactly.
@@ -778,7 +778,7 @@ def _accumulated_grad(
 
 
 def _reference_loss(mode: str, loss: str = "vanilla", level: str | None = None) -> float:
-    """The mini-batch loss computed straight from DESIGN.md section 4, without aggregate_loss."""
+    """The mini-batch loss computed straight from the formulas of docs/algorithms.md, without aggregate_loss."""
     head, feats_BTH, tokens_BT, mask_BT, old_logp_BT, ref_logp_BT, adv_BT, engine_logp_BT = _mini_batch()
     with torch.no_grad():
         logits_BTV = head(feats_BTH)

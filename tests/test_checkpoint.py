@@ -1,4 +1,4 @@
-"""Checkpoints, exact resume, export and evaluation (DESIGN.md section 6, docs/checkpoints.md).
+"""Checkpoints, exact resume, export and evaluation (docs/checkpoints.md).
 
 All runs use the random-init tiny model on CPU. A module-scoped GRPO run of 2 steps (checkpoints at
 steps 1 and 2, validation with sampling at both) serves the layout, resume-semantics, export and

@@ -121,7 +121,7 @@ def test_resume_warns_on_a_changed_world_size_and_a_run_with_nothing_left(tmp_pa
     tr.fit()
     cfg = tr.cfg
     meta = checkpoint.describe(Path(cfg.checkpoint.dir) / "iter_0000001")
-    problems = checkpoint._changes(cfg, {**meta, "world_size": 2}, 1, meta["train_prompts"])
+    problems = checkpoint.setting_changes(cfg, {**meta, "world_size": 2}, 1, meta["train_prompts"])
     assert any("written by 2 rank(s), this run has 1" in p for p in problems)
     again = _trainer(tmp_path, PARITY, "train.total_steps=1", "checkpoint.save_final=true")
     assert "nothing to train: the checkpoint is at step 1 and train.total_steps is 1" in _output(again)

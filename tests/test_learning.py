@@ -100,3 +100,91 @@ def test_on_a_users_own_task_the_dapo_recipe_ends_no_worse_than_its_start(tmp_pa
     assert val[-1] >= val[0] - 0.01, val
     best = (tmp_path / "rl" / "checkpoints" / "best" / "best.json").read_text()
     assert f'"value": {max(val)}' in best
+
+
+@pytest.fixture(scope="module")
+def tiny_rm(sft_model, tmp_path_factory) -> tuple[Path, dict]:
+    """`postrl rm configs/tiny_rm.yaml` on the built-in pairs, its body the SFT model above."""
+    from postrl.rm import run_rm
+
+    tmp = tmp_path_factory.mktemp("rm")
+    cfg = load_config(CONFIGS / "tiny_rm.yaml", [f"model.path={sft_model}", f"rm.output_dir={tmp}", f"logging.dir={tmp}", "logging.progress=false"])
+    return tmp / "model", run_rm(cfg)
+
+
+@pytest.mark.slow
+def test_rm_on_the_built_in_pairs_ranks_90_percent_of_held_out_pairs(tiny_rm):
+    assert tiny_rm[1]["rm/val_accuracy"] >= 0.9, tiny_rm[1]
+
+
+@pytest.mark.slow
+def test_dapo_with_the_rm_as_only_reward_lifts_rule_checked_accuracy_by_15_points(sft_model, tiny_rm, tmp_path):
+    """configs/tiny_rm_dapo.yaml: the RM is the whole reward (the rule has weight 0); validation is rule-checked."""
+    cfg = load_config(
+        CONFIGS / "tiny_rm_dapo.yaml",
+        [
+            f"model.path={sft_model}", f"reward.reward_model.path={tiny_rm[0]}", "train.total_steps=15", "eval.freq=0",
+            "eval.max_prompts=200", f"logging.dir={tmp_path}/rl", "logging.progress=false", "checkpoint.keep_best=null",
+        ],
+    )  # fmt: skip
+    trainer = Trainer(cfg)
+    try:
+        trainer.fit()
+    finally:
+        trainer.engine.close()
+    rows = [r for r in read_jsonl(tmp_path / "rl" / "metrics.jsonl") if "training/step" in r]
+    assert all(r["dapo/rule_score/mean"] == 0.0 for r in rows)  # the rule is logged, never rewarded
+    val = _held_out(tmp_path / "rl")
+    assert len(val) == 2 and val[-1] - val[0] >= 0.15, val
+
+
+@pytest.mark.slow
+def test_judge_scores_a_real_models_judgements_and_counts_the_unparsed(sft_model):
+    """The SFT model as judge: asked the question ({prompt}), it answers \\boxed{n} (measured: 5, 1, 0 and 11
+    for these four). The pattern takes two-digit answers only, so some judgements parse and some score the
+    fail value; the counts and scores follow the judge's own text."""
+    import re
+
+    import torch
+
+    from postrl.config import JudgeConfig, RewardConfig
+    from postrl.rewards import RewardFunction
+    from postrl.rewards.judge import Judge
+
+    questions = ["Tom has 3 apples. He buys 2 more. How many now?", "Eva has 9 books. She loses 4. She finds 2 more. How many now?",
+                 "hello there", "Sam has 4 cards. He wins 8 more. He loses 6. How many now?"]  # fmt: skip
+    rows = [{"prompt": [{"role": "user", "content": q}]} for q in questions]
+    cfg = JudgeConfig(path=str(sft_model), prompt_template="{prompt}", score_pattern=r"\\boxed\{(\d\d)\}", max_tokens=24, fail_score=-1.0)
+    judge = Judge(cfg, torch.device("cpu"))
+    texts = judge.judgements(["x"] * 4, ["5"] * 4, rows)
+    found = [re.search(r"\\boxed\{(\d\d)\}", t) for t in texts]
+    expected = [float(m.group(1)) if m else -1.0 for m in found]
+    with RewardFunction(RewardConfig(verifiers=["math_17k_acc"]), models=[judge]) as fn:
+        out = fn(["x"] * 4, ["5"] * 4, rows)
+    assert out.metrics["judge_score"] == expected
+    assert out.failures["reward/judge_unparsed"] == sum(m is None for m in found)
+    assert 0 < sum(m is None for m in found) < 4, texts  # both kinds occur
+
+
+@pytest.mark.slow
+def test_with_a_calculator_dapo_lifts_held_out_accuracy_and_the_tool_call_rate(tmp_path):
+    """The tool demo, shortened (docs/agents.md): SFT on a mixed teacher (30% calculator traces, 70% wrong
+    guesses), then DAPO through the agent loop. The SFT model mostly guesses, so greedy decoding never
+    calls the tool; RL makes calling it the greedy answer. Measured with the full recipe: held-out greedy
+    accuracy 0.0% -> 47.7% after 10 steps, the tool-call ratio 0% -> 100%. This test took 12.4 minutes on
+    the shared 2-core machine (load ~4.5), most of it the whole SFT stage (400 steps)."""
+    run_sft(load_config(CONFIGS / "tiny_tool_sft.yaml", [
+        "sft.eval_prompts=0", f"sft.output_dir={tmp_path}/sft", f"logging.dir={tmp_path}/sft", "logging.progress=false",
+    ]))  # fmt: skip
+    cfg = load_config(CONFIGS / "tiny_tool_dapo.yaml", [
+        f"model.path={tmp_path}/sft/model", "train.total_steps=10", "eval.freq=0", "eval.max_prompts=200",
+        f"logging.dir={tmp_path}/rl", "logging.progress=false", "checkpoint.keep_best=null",
+    ])  # fmt: skip
+    Trainer(cfg).fit()
+    rows = [r for r in read_jsonl(tmp_path / "rl" / "metrics.jsonl") if "val/tool_arithmetic/acc_mean@1" in r]
+    acc = [r["val/tool_arithmetic/acc_mean@1"] for r in rows]
+    calls = [r["val/tool_arithmetic/tool_call_ratio"] for r in rows]
+    assert len(acc) == 2 and acc[0] < 0.2, acc  # the SFT model mostly guesses
+    assert acc[1] - acc[0] >= 0.15 and calls[1] > calls[0], (acc, calls)
+    steps = [r for r in read_jsonl(tmp_path / "rl" / "metrics.jsonl") if "agent/turns_mean" in r]
+    assert steps and all(r["agent/tool_error"] + r["agent/tool_timeout"] <= r["agent/tool_ok"] for r in steps)

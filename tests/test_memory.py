@@ -8,7 +8,17 @@ from pathlib import Path
 import pytest
 
 from postrl.cli import main
-from postrl.memory import QWEN25, Shape, activation_bytes_per_token_layer, estimate, find_shape, known_shape, shape_from_config
+from postrl.memory import (
+    QWEN3_MOE,
+    QWEN25,
+    GiB,
+    Shape,
+    activation_bytes_per_token_layer,
+    estimate,
+    find_shape,
+    known_shape,
+    shape_from_config,
+)
 
 # h 8, 2 layers, 2 heads of 4, 1 kv head (k = 4), MLP 16, vocab 10, tied embeddings, q/k/v biases.
 # One block: q 8x8 + k 8x4 + v 8x4 + o 8x8 = 64 + 32 + 32 + 64 = 192, biases 8 + 4 + 4 = 16,
@@ -36,7 +46,9 @@ def test_the_shape_of_a_config_json_counts_the_real_model(tiny_model_path):
     shape, source = find_shape(tiny_model_path)
     assert source.endswith("config.json")
     assert shape.params() == sum(p.numel() for p in load_model(tiny_model_path).parameters())
-    assert shape_from_config({"model_type": "qwen3_moe", "hidden_size": 8, "num_experts": 4}) is None
+    # MoE the estimate cannot describe: a shared expert (Qwen2-MoE), dense layers between sparse ones.
+    assert shape_from_config({"model_type": "qwen2_moe", "hidden_size": 8, "num_experts": 4, "shared_expert_intermediate_size": 8}) is None
+    assert shape_from_config({"model_type": "qwen3_moe", "hidden_size": 8, "num_experts": 4, "mlp_only_layers": [0]}) is None
 
 
 def test_every_part_of_the_estimate_by_hand():
@@ -108,3 +120,119 @@ def test_a_local_config_json_wins_over_the_table(tmp_path):
     (d / "config.json").write_text(json.dumps(cfg))
     shape, _ = find_shape(str(d))
     assert shape == SMALL
+
+
+# A tiny Qwen3-MoE: h 16, 2 layers, 4 heads of 8 (q 32), 2 kv heads (k 16), 4 experts of width 8, top-2,
+# vocab 20, untied. Attention q 16x32 + k 16x16 + v 16x16 + o 32x16 = 1536, q / k norms 2 x 8 = 16, router
+# 16 x 4 = 64, experts 4 x 3 x 16 x 8 = 1536, two norms 32: a block of 3184 (active: 2 experts, 768: 2416).
+# Model: embeddings 2 x 20 x 16 = 640, 2 blocks, final norm 16: 7024 (active 5488).
+MOE = Shape(hidden=16, layers=2, heads=4, kv_heads=2, intermediate=32, vocab=20, tied=False, qkv_bias=False,
+            head_dim=8, qk_norm=True, experts=4, experts_per_token=2, expert_intermediate=8)  # fmt: skip
+
+
+def test_moe_parameters_total_and_active_by_hand_and_the_published_totals():
+    import transformers
+
+    assert (MOE.block_params(), MOE.block_params(active=True)) == (3184, 2416)
+    assert (MOE.params(), MOE.params(active=True)) == (7024, 5488)
+    # The same shape as transformers builds it (its config names the experts num_local_experts).
+    cfg = transformers.Qwen3MoeConfig(
+        hidden_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=32,
+        moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2, vocab_size=20, tie_word_embeddings=False,
+    )  # fmt: skip
+    assert shape_from_config(cfg.to_dict()) == MOE
+    assert transformers.AutoModelForCausalLM.from_config(cfg).num_parameters() == 7024
+    # Qwen's model cards: Qwen3-30B-A3B 30.5B total / 3.3B activated, Qwen3-235B-A22B 235B / 22B.
+    assert (QWEN3_MOE["30b-a3b"].params(), QWEN3_MOE["30b-a3b"].params(active=True)) == (30_532_122_624, 3_353_032_704)
+    assert (QWEN3_MOE["235b-a22b"].params(), QWEN3_MOE["235b-a22b"].params(active=True)) == (235_093_634_560, 22_190_763_520)
+    assert known_shape("Qwen/Qwen3-VL-30B-A3B-Instruct") is QWEN3_MOE["30b-a3b"]
+    assert known_shape("Qwen/Qwen3-30B-A3B-Instruct-2507") is QWEN3_MOE["30b-a3b"]
+
+
+def test_moe_activations_and_sequence_parallel_by_hand():
+    """MoE per token and layer (b = 2): attention 2h + 3q + 3k = 32 + 96 + 48 = 176; the MLP K (2h + 4 i_e)
+    + E = 2 x 64 + 4 = 132; 2 x 308 = 616, + 8h = 128, + the router's fp32 softmax 4E = 16, + Qwen3's q / k
+    norm inputs 4 (32 + 16) = 192: 952. Sequence parallel 4 on 400 tokens (160 responses): each rank holds
+    100 tokens and 40 responses, the same activations and logits as one rank with a 100-token micro-batch."""
+    assert activation_bytes_per_token_layer(MOE, 2) == 952
+    common = dict(world=4, strategy="fsdp2", compute_bytes=2, gradient_checkpointing=False, use_ref=False, logprob_chunk_tokens=16)
+    sp = estimate(MOE, micro_tokens=400, response_tokens=160, sequence_parallel=4, **common)
+    one = estimate(MOE, micro_tokens=100, response_tokens=40, **common)
+    assert sp.activations == one.activations == 100 * 2 * 952
+    assert sp.logits == one.logits == 2 * 40 * 20 * 2 + 12 * 16 * 20
+    assert sp.micro_tokens == 100 and sp.params == 4 * 7024 / 4  # the weights stay sharded over all 4 devices
+    # FSDP2 gathers whole blocks, every expert: 2 x 2 x 3184.
+    assert sp.compute_weights == 12_736
+
+
+def _check_config(capsys, recipe: str, *overrides: str) -> str:
+    root = Path(__file__).resolve().parents[1]
+    assert main(["check-config", str(root / "configs" / recipe), "--no-path-check", "--device-memory", "80", *overrides]) == 0
+    return capsys.readouterr().out
+
+
+def _row(out: str, label: str) -> float:
+    """The GiB figure of the estimate's row that starts with `label`."""
+    line = next(ln for ln in out.splitlines() if ln.strip().startswith(label))
+    return float(line.split()[-2])
+
+
+def test_check_config_estimates_the_30b_a3b_moe_recipe(capsys):
+    """configs/qwen3_vl_30b_a3b_dapo.yaml: P = 30,532,122,624 over 16 devices with FSDP2, bf16, checkpointing on,
+    micro-batch 1 x (1024 + 2048) = 3072 tokens, 2048 responses, no KL.
+    masters 4 P / 16 = 7,633,030,656 B = 7.11 GiB; optimizer twice that 14.22 GiB; two gathered bf16 blocks
+    2 x 2 x 623,120,640 = 2.32 GiB. A (b = 2) = 2 (2h + 3q + 3k + K (2h + 4 i_e) + E) + 8h + 4E + 4 (q + k)
+    = 2 (4096 + 12288 + 1536 + 8 x 7168 + 128) + 16384 + 512 + 18432 = 186,112; activations 3072 x 48 x 2 x 2048
+    + 3072 x 186,112 = 1,175,715,840 B = 1.09 GiB; logits 2 x 2048 x 151,936 x 2 + 12 x 1024 x 151,936
+    = 3,111,649,280 B = 2.90 GiB."""
+    out = _check_config(capsys, "qwen3_vl_30b_a3b_dapo.yaml")
+    assert "30.53B parameters (3.35B active: 8 of 128 experts per token; every expert sharded by fsdp2)" in out
+    assert _row(out, "parameters (fp32 masters)") == round(7_633_030_656 / GiB, 2) == 7.11
+    assert _row(out, "optimizer") == 14.22 and _row(out, "compute weights") == round(4 * 623_120_640 / GiB, 2) == 2.32
+    assert _row(out, "activations (3,072 tokens") == round(1_175_715_840 / GiB, 2) == 1.09
+    assert _row(out, "log-prob logits (2,048") == round(3_111_649_280 / GiB, 2) == 2.90
+    assert "fits in 80 GiB" in out
+    # On 2 devices the sharded state alone is 16 P / 2 = 227 GiB: the verdict says so, and what to change.
+    two = _check_config(capsys, "qwen3_vl_30b_a3b_dapo.yaml", "cluster.devices_per_node=2")
+    assert "does NOT fit in 80 GiB" in two and "Fix: more devices" in two
+
+
+def test_check_config_estimates_the_7b_recipe_at_32k_tokens_with_sequence_parallel_4(capsys):
+    """configs/qwen25_7b_dapo_32k.yaml: a micro-batch of 4 x 8192 = 32,768 tokens (30,720 responses) split over 4
+    ranks: 8192 tokens and 7680 responses each. A (7B, b = 2) = 2 (5 x 3584 + 3 x 512 + 4 x 18944) + 8 x 3584
+    = 219,136; activations 8192 x 28 x 2 x 3584 + 8192 x 219,136 = 3,439,329,280 B = 3.20 GiB; logits
+    2 x 7680 x 152,064 x 2 + 12 x 1024 x 152,064 = 6,539,968,512 B = 6.09 GiB. Without sequence parallelism the
+    same micro-batch is 4 x 7680 = 30,720 responses on one rank: 4 x 4,671,406,080 + 1,868,562,432 B = 19.14 GiB."""
+    out = _check_config(capsys, "qwen25_7b_dapo_32k.yaml")
+    assert "Ulysses sequence parallel 4" in out
+    assert _row(out, "activations (8,192 tokens / micro-batch / rank)") == round(3_439_329_280 / GiB, 2) == 3.20
+    assert _row(out, "log-prob logits (7,680") == round(6_539_968_512 / GiB, 2) == 6.09
+    # Qwen2.5-7B's 28 heads do not split over 8 ranks: the estimate says so and lists what does.
+    eight = _check_config(capsys, "qwen25_7b_dapo_32k.yaml", "train.sequence_parallel_size=8")
+    assert "does not divide its 28 attention heads" in eight and "Fix: choose one of [2, 4]" in eight
+    alone = _check_config(capsys, "qwen25_7b_dapo_32k.yaml", "train.sequence_parallel_size=1", "train.max_token_len_per_device=32768")
+    assert _row(alone, "log-prob logits (30,720") == round((4 * 4_671_406_080 + 1_868_562_432) / GiB, 2) == 19.14
+
+
+def test_sequence_parallel_must_divide_the_world_size():
+    from postrl.config import load_config
+    from postrl.errors import UserError
+
+    root = Path(__file__).resolve().parents[1]
+    with pytest.raises(UserError, match=r"train.sequence_parallel_size \(3\) must divide the world size \(8 devices\)"):
+        load_config(str(root / "configs/qwen25_7b_dapo_32k.yaml"), ["train.sequence_parallel_size=3"], check_paths=False)
+
+
+def test_expert_parallelism_is_the_engines_tensor_parallel_group(capsys):
+    from postrl.config import load_config
+    from postrl.errors import UserError
+
+    root = Path(__file__).resolve().parents[1]
+    recipe = str(root / "configs/qwen3_vl_30b_a3b_dapo.yaml")
+    assert load_config(recipe, [], check_paths=False).rollout.expert_parallel_size == 8
+    with pytest.raises(UserError, match=r"rollout.expert_parallel_size \(4\) must equal rollout.tensor_parallel_size \(8\)"):
+        load_config(recipe, ["rollout.expert_parallel_size=4"], check_paths=False)
+    # Until the trainer splits sequences, `train` refuses sequence parallelism with what to do (check-config estimates it).
+    overrides = ["model.path=builtin:tiny-qwen2", "cluster.devices_per_node=2", "train.sequence_parallel_size=2"]
+    assert main(["train", str(root / "configs/tiny_dapo.yaml"), *overrides]) != 0
+    assert "the trainer does not split sequences" in " ".join(capsys.readouterr().out.split())

@@ -21,8 +21,8 @@ Where it departs from a textbook reading:
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import math
 import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -30,11 +30,12 @@ from typing import Any, Iterator
 import torch
 
 from postrl import algorithms as algo
-from postrl import distributed
+from postrl import distributed, moe
 from postrl.experience import Batch
 from postrl.models import Policy, build_sequences, response_logprobs
 from postrl.partition import rank_rows, token_budget_micro_batches
 from postrl.runtime import Runtime
+from postrl.schedule import lr_lambda
 
 LOGPROB_KEYS = ("old_logp", "ref_logp", "engine_logp")  # [B, T] tensors sliced with each micro-batch
 VALUE_KEYS = ("values", "returns")  # [B, T], with a critic (critic.py), sliced likewise
@@ -92,6 +93,9 @@ class Actor:
         self.kl_penalty = functools.partial(algo.kl_penalty, estimator=a.kl.estimator)
         self._agg = dict(mode=a.loss_agg_mode, max_response_len=cfg.rollout.max_tokens)
         self._logprob_options = dict(remove_padding=t.use_remove_padding, chunk_tokens=t.logprob_chunk_tokens)
+        # MoE: the routers' load-balancing loss and per-expert load of each update forward (postrl.moe)
+        self.router = moe.RouterTrace(model) if moe.is_moe(model) else None
+        self.router_aux_coef = moe.aux_loss_coef(cfg.model.router_aux_loss_coef, model)
 
     # --------------------------------------------------------------------------------- tensors
     def pack(self, batch: Batch, adv_B: torch.Tensor) -> Packed:
@@ -229,6 +233,10 @@ class Actor:
         loss = pg = agg(pg_BT)
         if a.entropy_coef:
             loss = loss - a.entropy_coef * agg(entropy)
+        if self.router is not None:  # MoE: Switch Transformer's load-balancing loss, per micro-batch
+            aux, moe_stats = self.router.stats()
+            loss = loss + self.router_aux_coef * aux
+            stats = {**stats, **moe_stats}
         kl_value = 0.0
         if use_ref:
             kl = agg(self.kl_penalty(logp, mb["ref_logp"]))
@@ -251,7 +259,8 @@ class Actor:
 
     def _forward(self, mb: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropy [B, T] of a micro-batch's responses, with gradients, under the trained model."""
-        with self.runtime.autocast():  # the forward only: losses and backward run outside, in fp32
+        router = self.router or contextlib.nullcontext()  # MoE: records the routing for the aux loss and metrics
+        with self.runtime.autocast(), router:  # the forward only: losses and backward run outside, in fp32
             return response_logprobs(
                 self.train_model, mb["input_ids"], mb["attention_mask"], mb["position_ids"], mb["response_mask"].shape[1],
                 self.cfg.rollout.temperature, with_entropy=True, multi_modal=mb.get("multi_modal"), modality=self.modality,
@@ -336,16 +345,3 @@ class _WeightedSums:
         out = {k: total[f"{k}\0{0}"] / max(total[f"{k}\0{1}"], 1e-12) for k in self.sums}
         return out | {k: distributed.all_reduce_max(self.maxima[k]) for k in sorted(self.maxima)}
 
-
-def lr_lambda(warmup_steps: int, total_steps: int, schedule: str, min_ratio: float):
-    """Linear warmup to 1, then constant or cosine down to min_ratio (as a LambdaLR factor)."""
-
-    def f(step: int) -> float:
-        if warmup_steps and step < warmup_steps:
-            return (step + 1) / warmup_steps
-        if schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return f

@@ -1,4 +1,4 @@
-"""Command line: postrl train | sft | eval | doctor | preprocess | verify | export | check-config | convert-config | report | tiny-model.
+"""Command line: postrl train | sft | rm | eval | doctor | preprocess | verify | export | check-config | convert-config | report | tiny-model.
 
 Every command takes a YAML config and dotted overrides (`algorithm.clip_ratio_high=0.3`). A problem
 the user can fix is printed as one short paragraph per problem, without a traceback, and the
@@ -39,6 +39,15 @@ def cmd_train(args) -> int:
     from postrl.config import load_config
 
     cfg = load_config(args.config, args.overrides)
+    if cfg.train.sequence_parallel_size > 1:
+        from postrl.errors import UserError
+
+        raise UserError(
+            f"train.sequence_parallel_size is {cfg.train.sequence_parallel_size}, but the trainer does not split sequences "
+            "yet: Ulysses attention and sequence-split log-probs exist (postrl.sequence_parallel) and check-config "
+            "estimates their memory, but the actor's data layout and loss normalisation do not use them. "
+            "Fix: set train.sequence_parallel_size: 1 (and shorter sequences or more devices: postrl check-config)."
+        )
     _quiet_console(cfg)  # before torch is imported (postrl.console)
     if args.nproc and args.nproc > 1 or cfg.cluster.launcher != "local" or args.ray_address or "LOCAL_RANK" in os.environ:
         from postrl.launch import launch  # starts torchrun / Ray, or runs one rank under them
@@ -58,6 +67,14 @@ def cmd_sft(args) -> int:
     from postrl.sft import run_sft
 
     run_sft(cfg, console)
+    return 0
+
+
+def cmd_rm(args) -> int:
+    from postrl.config import load_config
+    from postrl.rm import run_rm
+
+    run_rm(load_config(args.config, args.overrides), console)
     return 0
 
 
@@ -176,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sft", help="supervised warm start (prompt tokens masked)")
     _config_args(p)
     p.set_defaults(fn=cmd_sft)
+    p = sub.add_parser("rm", help="train a reward model from preference pairs or labelled outcomes")
+    _config_args(p)
+    p.set_defaults(fn=cmd_rm)
     p = sub.add_parser("check-config", help="print the resolved config, or every problem in it")
     _config_args(p)
     p.add_argument("--no-path-check", action="store_true", help="do not check that model and data paths exist")

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from postrl.builtin.knobs import BuiltinTaskConfig, ShapesTaskConfig
+from postrl.builtin.knobs import BuiltinTaskConfig, ShapesTaskConfig, ToolArithmeticConfig
 from postrl.errors import UserError
 
 
@@ -32,7 +32,8 @@ class ModelConfig(Section):
     path: str = Field(
         description="Hugging Face model directory or hub id (e.g. Qwen/Qwen2.5-7B-Instruct, "
         "Qwen/Qwen2.5-VL-7B-Instruct), or 'builtin:tiny-qwen2' / 'builtin:tiny-qwen2.5-vl' for the built-in "
-        "tiny text / vision-language model (built locally and cached)."
+        "tiny text / vision-language model (built locally and cached), 'builtin:tiny-qwen3-moe' for a tiny "
+        "mixture-of-experts model."
     )
     tokenizer_path: str | None = Field(None, description="Tokenizer/processor location; defaults to `path`.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
@@ -53,6 +54,13 @@ class ModelConfig(Section):
         "train.use_remove_padding packs a micro-batch into one row for the varlen kernels (docs/performance.md).",
     )
     freeze_vision_tower: bool = Field(True, description="VLMs: keep the vision encoder frozen during RL.")
+    router_aux_loss_coef: float | None = Field(
+        None,
+        ge=0,
+        description="MoE models (Qwen3-MoE, Qwen3-VL-MoE): weight of the routers' load-balancing loss added to the "
+        "policy loss (Switch Transformer's, as transformers computes it); null: the model's config.json value "
+        "(Qwen3-MoE: 0.001); 0: off. The loss and the per-expert load are logged as moe/* either way.",
+    )
     lora_rank: int = Field(
         0,
         ge=0,
@@ -121,9 +129,53 @@ class DataConfig(Section):
     def _one_file(cls, v: Any) -> Any:
         return [v] if isinstance(v, str) else v  # verl writes data.train_files=$HOME/data/train.parquet
     shapes: ShapesTaskConfig = Field(default_factory=ShapesTaskConfig, description="Built-in visual task knobs.")
+    tool_arithmetic: ToolArithmeticConfig = Field(
+        default_factory=ToolArithmeticConfig, description="Knobs of the built-in task where tools matter."
+    )
 
 
 # ------------------------------------------------------------------------------------------- rollout
+class MultiTurnConfig(Section):
+    """The agent loop (docs/agents.md): the model calls tools and talks to an environment between its turns.
+
+    verl's names (actor_rollout_ref.rollout.multi_turn) are accepted as aliases where they mean the same.
+    """
+
+    enable: bool = Field(False, description="Roll out with the agent loop (tools, environments) instead of one generate call.")
+    max_turns: int = Field(
+        4, ge=1, validation_alias=AliasChoices("max_turns", "max_assistant_turns"),
+        description="Most model turns per trajectory (verl: max_assistant_turns).",
+    )  # fmt: skip
+    max_user_turns: int = Field(
+        4, ge=0, description="Most environment observations appended as user turns per trajectory (verl's name)."
+    )
+    max_tool_calls: int = Field(8, ge=0, description="Most tool calls per trajectory; a turn past it ends the trajectory.")
+    max_parallel_calls: int = Field(
+        4, ge=1, description="Most tool calls run from one model turn; further calls in it are answered with an error."
+    )
+    max_response_tokens: int | None = Field(
+        None, ge=1,
+        description="Total budget of response tokens across turns (model, tool and environment tokens); "
+        "default rollout.max_tokens (eval.max_tokens in validation), which it cannot exceed.",
+    )  # fmt: skip
+    tools: list[str] = Field(
+        default_factory=list,
+        description="Tools the model may call: 'builtin:python', 'builtin:calculator' or 'package.module:function' "
+        "(JSON schema from its type hints and docstring).",
+    )
+    tool_timeout_s: float = Field(10.0, gt=0, description="Time limit of one tool call; past it the model reads a timeout message.")
+    max_tool_response_tokens: int = Field(
+        256, ge=1, validation_alias=AliasChoices("max_tool_response_tokens", "max_tool_response_length"),
+        description="A tool's output is cut to this many tokens before it is shown to the model (verl: max_tool_response_length).",
+    )  # fmt: skip
+    tool_workers: int = Field(8, ge=1, description="Tool calls run concurrently across trajectories on this many threads.")
+    interaction: str | None = Field(
+        None,
+        description="Environment 'package.module:Class' with reset(row) and step(assistant_text) -> (observation, "
+        "reward, done); its observations are appended as user turns and its rewards add to the verifier score.",
+    )
+
+
 class RolloutConfig(Section):
     engine: Literal["auto", "hf", "vllm"] = Field(
         "auto", description="Rollout engine: vllm when it imports and supports the model (auto), else hf."
@@ -140,6 +192,14 @@ class RolloutConfig(Section):
     top_k: int = Field(-1, description="Top-k sampling; -1 disables.")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM on GPU: fraction of memory it may use.")
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism.")
+    expert_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="MoE models: vLLM expert parallelism (verl's rollout.expert_parallel_size). vLLM spreads the experts "
+        "over the engine's tensor-parallel ranks instead of slicing each one (enable_expert_parallel), so it must be 1 "
+        "or equal to tensor_parallel_size (each colocated engine is one tensor-parallel group; rollout data "
+        "parallelism is the engines side by side).",
+    )
     kv_cache_space_gb: float = Field(1.0, gt=0, description="vLLM on CPU: KV cache size (VLLM_CPU_KVCACHE_SPACE).")
     max_num_seqs: int = Field(256, ge=1, description="vLLM: sequences in flight.")
     max_num_batched_tokens: int | None = Field(
@@ -153,6 +213,7 @@ class RolloutConfig(Section):
         "steps ~1.4x faster on small models (docs/performance.md). True: no compile (short runs, debugging, no C++ "
         "compiler on a CPU machine).",
     )
+    multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig, description="The agent loop: tools, environments.")
 
 
 # ----------------------------------------------------------------------------------------- algorithm
@@ -390,14 +451,84 @@ class VerifierSpec(Section):
     weight: float = Field(1.0, description="Weight in the summed reward.")
 
 
+class RewardModelConfig(Section):
+    path: str = Field(
+        description="A Hugging Face sequence-classification model with one logit (the public reward models' format, "
+        "e.g. Skywork-Reward), or the output of `postrl rm`. It scores prompt + response rendered with its own "
+        "tokenizer and chat template."
+    )
+    weight: float = Field(1.0, description="Weight of the (normalised) RM score in the summed reward.")
+    normalize: bool = Field(
+        True,
+        description="Use (score - mean) / std over the generation batch (all ranks) as the RM reward, so its scale "
+        "matches the rule rewards'. The raw score is logged as rm_score (<algo>/score when an RM is on).",
+    )
+    micro_batch_size: int = Field(16, ge=1, description="Sequences per RM forward pass.")
+    max_length: int = Field(1024, ge=8, description="Longer prompt + response are cut from the left (the response end is kept).")
+    device: str = Field("auto", description="auto: the run's device; or cpu / cuda:N (an RM on a device of its own).")
+    offload: bool = Field(False, description="Keep the RM in host memory between scoring calls (moved to the device to score).")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(None, description="RM weights' dtype (default model.dtype).")
+
+
+class JudgeConfig(Section):
+    path: str = Field(description="A causal LM (Hugging Face directory or hub id) that judges each response.")
+    prompt_template: str = Field(
+        "Question: {prompt}\nAnswer: {response}\nRate the answer from 0 to 10. Score:",
+        description="The judge's prompt, sent as a user message; {prompt}, {response} and {ground_truth} are filled in.",
+    )
+    score_pattern: str = Field(
+        r"(-?\d+(?:\.\d+)?)",
+        description="A regex with one group: its first match in the judgement is the score (a float).",
+    )
+    max_tokens: int = Field(16, ge=1, description="Tokens the judge may write.")
+    weight: float = Field(1.0, description="Weight of the judge's score in the summed reward.")
+    fail_score: float = Field(0.0, description="Score of a judgement the pattern does not match (counted in reward/judge_unparsed).")
+    engine: Literal["auto", "hf", "vllm"] = Field("hf", description="Rollout engine that runs the judge (greedy).")
+
+    @field_validator("score_pattern")
+    @classmethod
+    def _one_group(cls, v: str) -> str:
+        import re
+
+        try:
+            groups = re.compile(v).groups
+        except re.error as exc:
+            raise ValueError(f"reward.judge.score_pattern '{v}' is not a regex ({exc}). Fix: escape it.") from None
+        if groups != 1:
+            raise ValueError(
+                f"reward.judge.score_pattern '{v}' has {groups} groups; it needs exactly one, holding the score. "
+                r"Fix: e.g. 'Score: (\d+)' (use (?:...) for other groups)."
+            )
+        return v
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _known_fields(cls, v: str) -> str:
+        try:
+            v.format(prompt="", response="", ground_truth="")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(
+                f"reward.judge.prompt_template cannot be filled in ({type(exc).__name__}: {exc}); it may name only "
+                "{prompt}, {response} and {ground_truth}. Fix: write other braces doubled, {{ and }}."
+            ) from None
+        return v
+
+
 class RewardConfig(Section):
     verifiers: list[VerifierSpec] = Field(
         default_factory=lambda: [VerifierSpec(name="math_17k_acc")],
         min_length=1,
-        description="Verifiers and weights (verifier_function / verifier_weight of the guides).",
+        description="Verifiers and weights (verifier_function / verifier_weight of the guides). They also give the "
+        "rule-checked accuracy of validation; weight 0 logs a verifier without rewarding it (an RM-only reward).",
     )
     timeout_s: float = Field(5.0, gt=0, description="Per-call time limit of an answer-equivalence check.")
     workers: int = Field(2, ge=1, description="Worker processes for verification.")
+    reward_model: RewardModelConfig | None = Field(
+        None, description="A reward model added to the rule verifiers by weight (training rewards only; docs/rewards.md)."
+    )
+    judge: JudgeConfig | None = Field(
+        None, description="An LLM judge (generative RM) added to the rule verifiers by weight (training rewards only)."
+    )
 
     @field_validator("verifiers", mode="before")
     @classmethod
@@ -447,6 +578,14 @@ class TrainConfig(Section):
     log_prob_max_token_len: int | None = Field(
         None, ge=1, description="Token budget of a log-prob micro-batch with use_dynamic_bsz (verl's "
         "log_prob_max_token_len_per_gpu; default max_token_len_per_device).",
+    )
+    sequence_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="Ulysses sequence parallelism (verl's ulysses_sequence_parallel_size): each micro-batch's tokens are "
+        "split across this many ranks, attention exchanges heads by all-to-all, so a 30k-token response fits; "
+        "with use_dynamic_bsz a micro-batch holds sequence_parallel_size x max_token_len_per_device tokens, each rank "
+        "max_token_len_per_device of them. Must divide the world size and the model's attention heads (docs/gpu.md).",
     )
     epochs_per_batch: int = Field(1, ge=1, description="PPO epochs over each batch.")
     lr: float = Field(1e-6, gt=0, description="Peak learning rate (AdamW).")
@@ -539,6 +678,33 @@ class SFTConfig(Section):
     max_length: int = Field(256, ge=8, description="Examples longer than this (tokens) are truncated.")
     seed: int = Field(0, description="Seed.")
     eval_prompts: int = Field(200, ge=0, description="Greedy held-out accuracy on this many val prompts at the end.")
+
+
+# ---------------------------------------------------------------------------------------------- rm
+class RMTrainConfig(Section):
+    """`postrl rm`: a reward model trained from preference pairs or labelled outcomes (docs/rewards.md)."""
+
+    train_files: list[str] = Field(
+        default_factory=lambda: ["builtin:arithmetic_pairs:train"],
+        description="Parquet / JSONL with prompt + chosen + rejected (pairs, Bradley-Terry) or prompt + response + "
+        "label (pointwise); builtin:arithmetic_pairs:train is the built-in task's pairs (data.builtin's knobs).",
+    )
+    val_files: list[str] = Field(
+        default_factory=lambda: ["builtin:arithmetic_pairs:val"], description="Held-out pairs: pairwise accuracy at the end."
+    )
+    objective: Literal["auto", "pairwise", "pointwise"] = Field(
+        "auto", description="pairwise (-log sigmoid(r_chosen - r_rejected)), pointwise (BCE on label), auto: by the columns."
+    )
+    output_dir: str = Field("runs/rm", description="Where the reward model is saved (HF format, in model/).")
+    steps: int = Field(300, ge=1, description="Optimizer steps.")
+    batch_size: int = Field(32, ge=1, description="Pairs (or labelled responses) per step.")
+    lr: float = Field(1e-4, gt=0, description="Peak learning rate.")
+    warmup_steps: int = Field(20, ge=0, description="Linear warmup steps.")
+    lr_schedule: Literal["constant", "cosine"] = Field("cosine", description="LR after warmup.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    max_length: int = Field(256, ge=8, description="Prompt + response tokens; longer ones are cut from the left.")
+    seed: int = Field(0, description="Seed.")
+    eval_pairs: int = Field(500, ge=0, description="Held-out pairs scored at the end (0: none).")
 
 
 # ---------------------------------------------------------------------------------------- checkpoint
@@ -669,6 +835,7 @@ class Config(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
+    rm: RMTrainConfig = Field(default_factory=RMTrainConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
@@ -693,6 +860,19 @@ class Config(Section):
                 f"algorithm.overlong_buffer.len ({ob.len}) must be smaller than rollout.max_tokens "
                 f"({self.rollout.max_tokens}): the penalty starts at max_tokens - len. "
                 "Fix: shorten the buffer or raise rollout.max_tokens."
+            )
+        ep, tp = self.rollout.expert_parallel_size, self.rollout.tensor_parallel_size
+        if ep > 1 and ep != tp:
+            problems.append(
+                f"rollout.expert_parallel_size ({ep}) must equal rollout.tensor_parallel_size ({tp}): vLLM's expert-parallel "
+                "group is the engine's tensor-parallel ranks (tensor x data parallel within one engine; postrl's colocated "
+                f"engines are one tensor-parallel group each). Fix: set rollout.expert_parallel_size: {tp}, or 1."
+            )
+        sp = self.train.sequence_parallel_size
+        if sp > 1 and self.world_size % sp:
+            problems.append(
+                f"train.sequence_parallel_size ({sp}) must divide the world size ({self.world_size} devices): each "
+                "sequence-parallel group is that many ranks. Fix: choose a divisor, or change cluster.devices_per_node / nnodes."
             )
         a = self.algorithm
         if a.use_kl_in_reward and not _needs_critic(a.adv_estimator):

@@ -24,9 +24,10 @@ import torch
 
 from postrl import algorithms as algo
 from postrl import distributed
-from postrl.actor import Actor, Packed, _WeightedSums, lr_lambda
+from postrl.actor import Actor, Packed, _WeightedSums
 from postrl.errors import UserError
 from postrl.runtime import Runtime
+from postrl.schedule import lr_lambda
 
 CRITIC_DIR = "critic"  # inside a checkpoint: model/ (HF format), optimizer_rank{r}.pt, scheduler.pt
 

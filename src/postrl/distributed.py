@@ -372,9 +372,9 @@ class _GenerateUnsharded:
     def __init__(self, engine: Any, model: torch.nn.Module):
         self.engine, self.model, self.name = engine, model, engine.name
 
-    def generate(self, prompts, params, multi_modal=None):
+    def generate(self, prompts, params, multi_modal=None, **kwargs):  # kwargs: the agent loop's rows
         with unsharded(self.model):
-            return self.engine.generate(prompts, params, multi_modal)
+            return self.engine.generate(prompts, params, multi_modal, **kwargs)
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         self.engine.sync_weights(model)

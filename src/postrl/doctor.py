@@ -23,6 +23,7 @@ TEMPERATURES = (0.6, 0.8, 1.0)
 
 def diagnose(cfg: Any, n_prompts: int = 48, log=print) -> dict[str, Any]:
     """Greedy / sampled accuracy and pass@k on `n_prompts` held-out prompts (training prompts without val files)."""
+    from postrl.agents.loop import tool_schemas
     from postrl.evaluate import evaluate, load_val_sets
     from postrl.models import load_policy
     from postrl.rewards import RewardFunction
@@ -39,7 +40,8 @@ def diagnose(cfg: Any, n_prompts: int = 48, log=print) -> dict[str, Any]:
         trust_remote_code=cfg.model.trust_remote_code, runtime=rt,
     )  # fmt: skip
     files = (cfg.eval.files or cfg.data.train_files)[:1]
-    name, examples = next(iter(load_val_sets(files, policy.tokenizer, cfg.data, n_prompts, policy.modality).items()))
+    tools = tool_schemas(cfg.rollout.multi_turn)
+    name, examples = next(iter(load_val_sets(files, policy.tokenizer, cfg.data, n_prompts, policy.modality, tools).items()))
     reward_fn = RewardFunction(cfg.reward)
     n = cfg.rollout.n_samples_per_prompt
     try:

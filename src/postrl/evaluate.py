@@ -8,8 +8,10 @@ Metrics, per validation set (named after the file's stem, or the built-in task's
     val/<name>/pass@k              k = 1, 2, 4, ..., n: chance that at least one of k samples is right,
                                    by the unbiased estimator 1 - C(n-c, k) / C(n, k) (Chen et al., 2021)
     val/<name>/score_mean          mean weighted verifier score
-    val/<name>/response_length_mean
-`eval.temperature: 0` is greedy decoding (one sample per prompt); with a temperature and
+    val/<name>/response_length_mean   the tokens the policy wrote (tool output not counted)
+    val/<name>/tool_calls_mean, tool_call_ratio   with rollout.multi_turn: calls per trajectory, share that call
+With `rollout.multi_turn.enable` the engine is the agent loop (docs/agents.md) and the verifiers read the
+policy's own tokens. `eval.temperature: 0` is greedy decoding (one sample per prompt); with a temperature and
 `eval.n_samples: n`, n samples per prompt are drawn from a fixed seed (train.seed).
 
     postrl eval CONFIG [overrides]            model.path of the config
@@ -107,14 +109,14 @@ def report_ks(n: int) -> list[int]:
 
 def evaluate(engine, tokenizer, reward_fn, examples: list, eval_cfg, name: str, seed: int = 0) -> dict[str, float]:
     """acc_mean@n and pass@k of the engine's completions on `examples` (see the module docstring)."""
-    from postrl.data.dataset import multi_modal_of
+    from postrl.agents.loop import generate_for, model_text, model_tokens
     from postrl.rollout import SamplingParams
 
     greedy = eval_cfg.temperature == 0
     n = 1 if greedy else eval_cfg.n_samples
     params = SamplingParams(temperature=eval_cfg.temperature or 1.0, max_tokens=eval_cfg.max_tokens, n=n, seed=seed, greedy=greedy)
-    completions = engine.generate([e.prompt_ids for e in examples], params, multi_modal=multi_modal_of(examples))
-    texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+    completions = generate_for(engine, examples, params)  # the agent loop too, when rollout.multi_turn is on
+    texts = [model_text(tokenizer, c) for c in completions]  # what the policy wrote, not the tools' output
     owners = [examples[c.prompt_index] for c in completions]
     res = reward_fn(texts, [e.ground_truth for e in owners], [e.row for e in owners])
     acc = res.metrics["acc"]
@@ -124,8 +126,12 @@ def evaluate(engine, tokenizer, reward_fn, examples: list, eval_cfg, name: str, 
     out = {f"val/{name}/acc_mean@{n}": sum(acc) / len(acc)}
     for k in report_ks(n):
         out[f"val/{name}/pass@{k}"] = sum(pass_at_k(n, c, k) for c in correct) / len(correct)
-    out[f"val/{name}/score_mean"] = sum(res.scores) / len(res.scores)
-    out[f"val/{name}/response_length_mean"] = sum(len(c.token_ids) for c in completions) / len(completions)
+    scores = [s + c.env_reward for s, c in zip(res.scores, completions)]  # + environments', as in training
+    out[f"val/{name}/score_mean"] = sum(scores) / len(scores)
+    out[f"val/{name}/response_length_mean"] = sum(model_tokens(c) for c in completions) / len(completions)
+    if any(c.turn_spans is not None for c in completions):  # the agent loop: how often the policy used its tools
+        out[f"val/{name}/tool_calls_mean"] = sum(c.tool_calls for c in completions) / len(completions)
+        out[f"val/{name}/tool_call_ratio"] = sum(c.tool_calls > 0 for c in completions) / len(completions)
     return out
 
 
@@ -133,16 +139,17 @@ def val_set_name(file: str, examples: list) -> str:
     return examples[0].data_source if file.startswith("builtin:") else Path(file).stem
 
 
-def load_val_sets(files: list[str], tokenizer, data_cfg, max_prompts: int, modality=None) -> dict[str, list]:
+def load_val_sets(files: list[str], tokenizer, data_cfg, max_prompts: int, modality=None, tools=None) -> dict[str, list]:
     """Validation sets by name (at most `max_prompts` prompts each): the trainer's, `postrl eval`'s, SFT's.
 
-    `modality` is the policy's adapter (None: text), which encodes prompts with images.
+    `modality` is the policy's adapter (None: text), which encodes prompts with images; `tools` the agent
+    loop's tool schemas (postrl.agents.loop.tool_schemas).
     """
     from postrl.data.dataset import load_prompts
 
     sets = {}
     for f in files:
-        examples, _ = load_prompts([f], tokenizer, data_cfg, max_rows=max_prompts, modality=modality)
+        examples, _ = load_prompts([f], tokenizer, data_cfg, max_rows=max_prompts, modality=modality, tools=tools)
         if not examples:
             raise UserError(f"eval file '{f}' holds no usable prompts (all empty or overlong). Fix: check the file.")
         sets[val_set_name(f, examples)] = examples
@@ -151,6 +158,7 @@ def load_val_sets(files: list[str], tokenizer, data_cfg, max_prompts: int, modal
 
 def evaluate_model(cfg, log: Any = None) -> tuple[dict[str, float], str]:
     """Load model.path (model directory or checkpoint) and evaluate it on every eval file."""
+    from postrl.agents.loop import tool_schemas
     from postrl.models import load_policy
     from postrl.rewards import RewardFunction
     from postrl.rollout import make_engine
@@ -171,7 +179,8 @@ def evaluate_model(cfg, log: Any = None) -> tuple[dict[str, float], str]:
     reward_fn = RewardFunction(cfg.reward)
     results: dict[str, float] = {}
     try:
-        for name, examples in load_val_sets(cfg.eval.files or [], tokenizer, cfg.data, cfg.eval.max_prompts, policy.modality).items():
+        val_sets = load_val_sets(cfg.eval.files or [], tokenizer, cfg.data, cfg.eval.max_prompts, policy.modality, tool_schemas(cfg.rollout.multi_turn))
+        for name, examples in val_sets.items():
             results.update(evaluate(engine, tokenizer, reward_fn, examples, cfg.eval, name, cfg.train.seed))
     finally:
         reward_fn.close()
@@ -186,10 +195,10 @@ def _resolve(path: str) -> Path:
 
 def _checkpoint_config(path: Path) -> tuple[Path, Path] | None:
     """(config.yaml, model dir) when `path` is a checkpoint (iter_* or a root with the tracker file)."""
-    from postrl.checkpoint import TRACKER, _read_tracker, iter_dir
+    from postrl.checkpoint import TRACKER, iter_dir, read_tracker
 
     if (path / TRACKER).exists():
-        path = iter_dir(path, _read_tracker(path))
+        path = iter_dir(path, read_tracker(path))
     if (path / "config.yaml").is_file() and (path / "model" / "config.json").is_file():
         return path / "config.yaml", path / "model"
     return None

@@ -24,7 +24,8 @@ import torch
 
 from postrl import algorithms as algo
 from postrl import distributed
-from postrl.data.dataset import PromptExample, PromptSampler, multi_modal_of
+from postrl.agents.loop import generate_for, model_text
+from postrl.data.dataset import PromptExample, PromptSampler
 from postrl.errors import UserError
 from postrl.metrics import Timer, summary_stats
 from postrl.partition import shard_range, shard_seed
@@ -108,7 +109,10 @@ class Experience:
         want = cfg.train.global_batch_size
         kept: list[Batch] = []
         n_kept = n_generated = num_gen_batches = 0
-        self.failures = {"reward/calls": 0, "reward/timeouts": 0, "reward/errors": 0, "reward/invalid": 0}
+        failures = {"reward/calls": 0, "reward/timeouts": 0, "reward/errors": 0, "reward/invalid": 0}  # generate_and_score adds to it
+        agent = cfg.rollout.multi_turn.enable
+        if agent:
+            self.engine.pop_metrics()  # drop what validation's rollouts counted
         while n_kept < want:
             num_gen_batches += 1
             if fg.enable and 0 < fg.max_num_gen_batches < num_gen_batches:
@@ -123,7 +127,7 @@ class Experience:
             examples = [self.examples[i] for i in self.sampler.next_indices(cfg.train.gen_batch_size)]
             lo, hi = shard_range(len(examples))  # this rank's prompts: a group stays on one rank
             seed = shard_seed(self._seed(step, num_gen_batches), lo)
-            batch = gather(self.generate_and_score(examples[lo:hi], seed, timer))  # every rank sees every score
+            batch = gather(self.generate_and_score(examples[lo:hi], seed, timer, failures))  # every rank sees every score
             n_generated += len(examples)
             if fg.enable:
                 keep = algo.group_keep_mask(torch.tensor(self._filter_metric(batch)), G)
@@ -132,28 +136,30 @@ class Experience:
             n_kept += batch.size // G
         full = select(concat(kept), list(range(want * G)))
         stats = {f"{self.prefix}/num_gen_batches": num_gen_batches, f"{self.prefix}/kept_groups_ratio": n_kept / n_generated}
-        stats.update(distributed.all_reduce_sum_dict({k: float(v) for k, v in self.failures.items()}))
+        stats.update(distributed.all_reduce_sum_dict({k: float(v) for k, v in failures.items()}))
+        if agent:  # agent/*, timing/agent_*: this rank's rollouts (docs/agents.md)
+            stats.update(self.engine.pop_metrics())
         return full, stats
 
     def _seed(self, step: int, gen_batch: int) -> int:
         """The sampling seed of one generation batch: a function of the step, so resume lines up."""
         return (self.cfg.train.seed * 1_000_003 + step * 1009 + gen_batch) % 2**31
 
-    def generate_and_score(self, examples: list[PromptExample], seed: int, timer: Timer) -> Batch:
+    def generate_and_score(self, examples: list[PromptExample], seed: int, timer: Timer, failures: dict[str, int]) -> Batch:
         cfg, G = self.cfg, self.G
         r = cfg.rollout
         params = SamplingParams(r.temperature, r.top_p, r.top_k, r.max_tokens, G, seed)
         with timer("rollout"):
-            completions = self.engine.generate([e.prompt_ids for e in examples], params, multi_modal=multi_modal_of(examples))
+            completions = generate_for(self.engine, examples, params)  # the agent loop when rollout.multi_turn is on
         masks = [trajectory_mask(c) for c in completions]  # 1 on the tokens the policy sampled
         with timer("reward"):
-            texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+            texts = [model_text(self.tokenizer, c) for c in completions]  # what the policy wrote, not tool output
             owners = [examples[c.prompt_index] for c in completions]
             out = self.reward_fn(texts, [e.ground_truth for e in owners], [e.row for e in owners])
-            self.failures["reward/calls"] += len(texts) * len(cfg.reward.verifiers)  # one call per verifier
+            failures["reward/calls"] += len(texts) * len(cfg.reward.verifiers)  # one call per verifier
             for key, n in out.failures.items():
-                self.failures[key] += n
-            scores = list(out.scores)
+                failures[key] = failures.get(key, 0) + n  # plus model rewards' counts (judge_unparsed)
+            scores = [s + c.env_reward for s, c in zip(out.scores, completions)]  # + environments'
             rewards = scores
             ob = cfg.algorithm.overlong_buffer
             if ob.enable:  # the length the model produced: its own tokens, not the tools'
@@ -208,6 +214,8 @@ def batch_metrics(batch: Batch, prefix: str, group_size: int) -> dict[str, float
     or tokens the policy did not sample.
     """
     m = {**summary_stats(f"{prefix}/rewards", batch.rewards), **summary_stats(f"{prefix}/score", batch.scores)}
+    if "rm_score" in batch.verifier_metrics[0]:  # the guides: score is the reward model's own when one is on
+        m.update(summary_stats(f"{prefix}/score", batch.metric("rm_score")))
     for key in batch.verifier_metrics[0]:
         m[f"{prefix}/{key}/mean"] = sum(batch.metric(key)) / batch.size
     m.update(summary_stats("response_length", [float(n) for n in batch.model_tokens]))

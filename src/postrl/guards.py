@@ -152,21 +152,31 @@ class Guards:
                 self.log(f"[yellow]warning (step {step}): {message}[/yellow]")
 
     @torch.no_grad()
-    def check_sync(self, engine: Any, model: torch.nn.Module, probe: list[int], autocast: Any = None) -> None:
-        """The engine scores a probe sequence as the trainer's model does, or the run stops."""
+    def check_sync(self, engine: Any, model: torch.nn.Module, probe: list[int], autocast: Any = None) -> dict[str, float]:
+        """The engine scores a probe sequence as the trainer's model does, or the run stops. MoE models:
+        returns moe/routing_mismatch, the share of (layer, token) pairs of the probe whose top-k experts
+        differ between the engine's routers and the trainer's (postrl.moe)."""
         from postrl.models import response_logprobs
+        from postrl.moe import RouterTrace, is_moe, routing_mismatch
 
         if not self.g.enable:
-            return
+            return {}
         engine_lp = engine.probe_logprobs(probe)
         if engine_lp is None:  # the engine generates with the trainer's own model
-            return
+            return {}
         device = next(model.parameters()).device
         ids = torch.tensor([probe], device=device)
         positions = torch.arange(len(probe), device=device)[None]
-        with autocast or contextlib.nullcontext():  # the trained model's compute dtype (runtime.autocast)
+        trace = RouterTrace(model) if is_moe(model) else None
+        with autocast or contextlib.nullcontext(), trace or contextlib.nullcontext():  # the model's compute dtype
             mine, _ = response_logprobs(model, ids, torch.ones_like(ids), positions, len(probe) - 1)
         diff = (mine[0].cpu() - torch.tensor(engine_lp)).abs()
         gap, statistic = (float(diff.max()), "largest") if self.exact else (float(diff.mean()), "mean")
         if (message := sync(gap, self.tolerance(self.g.sync_tol), engine.name, statistic)) is not None:
             raise UserError(message)
+        if trace is None:
+            return {}
+        engine_LNK = engine.probe_routing(probe, int(trace.routers[0].top_k))
+        if engine_LNK is None:
+            return {}
+        return {"moe/routing_mismatch": routing_mismatch(engine_LNK, trace.stacked()[1].cpu())}

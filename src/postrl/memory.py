@@ -21,6 +21,7 @@ Activations of one micro-batch of N tokens (the update pass; the log-prob passes
   (h + k), attention output (h), gate, up, silu(gate), and their product (4i), in the compute
   dtype, plus the two RMSNorms' fp32 inputs (2 x 4h bytes):
       A = b (5h + 3k + 4i) + 8h   bytes per token per layer
+  (with a q width other than h, as Qwen3's heads x head_dim: b (2h + 3q + 3k + 4i) + 8h)
   without checkpointing: N L A; with model.gradient_checkpointing (each layer's input kept, one
   layer recomputed at a time): N L r h + N A, r = 4 (fp32 residual stream under autocast) or b.
 Log-prob logits of one micro-batch's N_r response tokens (models.response_logprobs): the logits
@@ -29,12 +30,23 @@ Log-prob logits of one micro-batch's N_r response tokens (models.response_logpro
   fp32 [C x V] tensors at a time (scaled logits, softmax, gradient; algorithms.token_logprobs):
       2 N_r V b + 12 C V  bytes.
   N = micro_batch_size x (max_prompt_length + max_tokens), or max_token_len_per_device with dynamic
-  batch size; N_r = the response share of N, N x max_tokens / (max_prompt_length + max_tokens).
+  batch size (x u with sequence parallelism, verl's convention); N_r = the response share of N, N x max_tokens / (max_prompt_length + max_tokens).
 LoRA (model.lora_rank r > 0, adapters on a of the 7 projections, A = L r sum over them of in + out):
   parameters b P s + 4 A s (the frozen base in the compute dtype, fp32 adapters)   gradients 4 A s
   optimizer 8 A s   compute weights: 2 A on one device or DDP (the base computes as it is), the
   gathered blocks under FSDP2   reference 0 (the base with adapters off, unless
   checkpoint.ref_model_path names another model); activations as above.
+Mixture of experts (Qwen3-MoE, Qwen3-VL-MoE: E experts of width i_e, the router picks K per token):
+  each layer's MLP is a router (h x E) and E gated experts (3 h i_e each), so P counts every expert
+  and the active parameters P_a count K of them (what one token computes). FSDP2 shards the experts
+  like every other weight (4 P s of masters, gradients 4 P s, AdamW 8 P s); a gathered block holds
+  all E experts. Per token and layer the MoE MLP saves the router's logits (b E, softmax in fp32:
+  4 E) and, for each of its K experts, the routed input, gate, up, silu(gate), their product and
+  the weighted output: M = b (K (2h + 4 i_e) + E) + 4 E bytes in place of b 4i. Qwen3's per-head
+  q / k RMSNorms add their fp32 inputs, 4 (q + k) bytes.
+Ulysses sequence parallelism (train.sequence_parallel_size u): a micro-batch's N tokens are split
+  across u ranks (all-to-all over heads around attention), so activations and log-prob logits count
+  N / u tokens per rank; the weights stay sharded over all W devices by FSDP2.
 Rollout, on top of the resident state less the gradients (freed before each rollout):
   vLLM: its share of the device, gpu_memory_utilization x device memory (weights, KV cache, graphs;
   asleep during the update). HF generate: the compute weights and a KV cache of 2 L k b bytes per
@@ -64,6 +76,14 @@ class Shape:
     tied: bool  # tie_word_embeddings: the LM head is the embedding matrix
     qkv_bias: bool = True  # Qwen2: biases on q, k, v
     head_dim: int | None = None  # default hidden / heads
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k
+    experts: int = 0  # MoE: experts per layer (0: a dense MLP of width `intermediate`)
+    experts_per_token: int = 0  # MoE: the router's top-k
+    expert_intermediate: int = 0  # MoE: one expert's MLP width (moe_intermediate_size)
+
+    @property
+    def moe(self) -> bool:
+        return self.experts > 0
 
     @property
     def kv_dim(self) -> int:
@@ -73,20 +93,30 @@ class Shape:
     def q_dim(self) -> int:
         return self.heads * (self.head_dim or self.hidden // self.heads)
 
-    def block_params(self) -> int:
-        """One decoder layer: q, k, v, o projections, gated MLP, two RMSNorm weights."""
+    def block_params(self, active: bool = False) -> int:
+        """One decoder layer: q, k, v, o projections, gated MLP (MoE: router and experts, `active`:
+        only the top-k a token uses), two RMSNorm weights (and Qwen3's q / k norms)."""
         h, q, k, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
         attn = h * q + 2 * h * k + q * h + ((q + 2 * k) if self.qkv_bias else 0)
-        return attn + 3 * h * i + 2 * h
+        attn += 2 * (self.head_dim or h // self.heads) if self.qk_norm else 0
+        if self.moe:
+            mlp = h * self.experts + (self.experts_per_token if active else self.experts) * 3 * h * self.expert_intermediate
+        else:
+            mlp = 3 * h * i
+        return attn + mlp + 2 * h
 
-    def params(self) -> int:
+    def params(self, active: bool = False) -> int:
+        """Every parameter; `active`: those one token computes (MoE: K of the E experts per layer)."""
         embed = self.vocab * self.hidden
-        return embed * (1 if self.tied else 2) + self.layers * self.block_params() + self.hidden
+        return embed * (1 if self.tied else 2) + self.layers * self.block_params(active) + self.hidden
 
     def projections(self) -> dict[str, tuple[int, int]]:
         """(in, out) features of a decoder layer's linear layers, by module name (LoRA's targets)."""
         h, q, k, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
-        return {"q_proj": (h, q), "k_proj": (h, k), "v_proj": (h, k), "o_proj": (q, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+        attn = {"q_proj": (h, q), "k_proj": (h, k), "v_proj": (h, k), "o_proj": (q, h)}
+        if self.moe:  # transformers 5 holds the experts as 3-D parameters, not linear layers: attention only
+            return attn
+        return {**attn, "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
     def adapter_params(self, rank: int, target_modules: str | list[str] = "all-linear") -> int:
         """LoRA parameters of `rank` on `target_modules` ('all-linear': the 7 projections of every layer)."""
@@ -109,28 +139,52 @@ QWEN25 = {
 }
 
 
+# Published Qwen3 MoE configs (huggingface.co/Qwen/Qwen3-30B-A3B, Qwen3-235B-A22B; the Qwen3-VL MoE models'
+# text_config is the same decoder): 128 experts, 8 per token, q / k norms, no biases, untied head.
+QWEN3_MOE = {
+    "30b-a3b": Shape(hidden=2048, layers=48, heads=32, kv_heads=4, intermediate=6144, vocab=151_936, tied=False,
+                     qkv_bias=False, head_dim=128, qk_norm=True, experts=128, experts_per_token=8, expert_intermediate=768),
+    "235b-a22b": Shape(hidden=4096, layers=94, heads=64, kv_heads=4, intermediate=12288, vocab=151_936, tied=False,
+                       qkv_bias=False, head_dim=128, qk_norm=True, experts=128, experts_per_token=8, expert_intermediate=1536),
+}  # fmt: skip
+
+
 def shape_from_config(cfg: dict) -> Shape | None:
-    """The Shape of a config.json (a VLM's text model for Qwen2.5-VL); None for what it cannot describe (MoE)."""
+    """The Shape of a config.json (a VLM's text model for Qwen2.5-VL / Qwen3-VL); None for what it cannot
+    describe (MoE with shared experts or dense layers between sparse ones)."""
     text = cfg.get("text_config") or cfg
-    if "num_experts" in text or "num_local_experts" in text or "hidden_size" not in text:
+    if "hidden_size" not in text or text.get("shared_expert_intermediate_size"):
         return None
+    experts = text.get("num_experts") or text.get("num_local_experts") or 0  # transformers 5 writes the latter
+    if experts and (text.get("mlp_only_layers") or text.get("decoder_sparse_step", 1) != 1):
+        return None
+    model_type = str(text.get("model_type", ""))
     return Shape(
         hidden=text["hidden_size"],
         layers=text["num_hidden_layers"],
         heads=text["num_attention_heads"],
         kv_heads=text.get("num_key_value_heads") or text["num_attention_heads"],
-        intermediate=text["intermediate_size"],
+        intermediate=text.get("intermediate_size", 0),
         vocab=text.get("vocab_size") or cfg["vocab_size"],
         tied=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-        qkv_bias=bool(text.get("attention_bias", str(text.get("model_type", "")).startswith("qwen2"))),
+        qkv_bias=bool(text.get("attention_bias", model_type.startswith("qwen2"))),
         head_dim=text.get("head_dim"),
+        qk_norm=model_type.startswith("qwen3"),
+        experts=experts,
+        experts_per_token=text.get("num_experts_per_tok", 0) if experts else 0,
+        expert_intermediate=text.get("moe_intermediate_size", text.get("intermediate_size", 0)) if experts else 0,
     )
 
 
 def known_shape(path: str) -> Shape | None:
-    """The published shape of a Qwen2.5 hub id (Qwen/Qwen2.5-7B-Instruct -> 7b), else None."""
-    m = re.fullmatch(r"qwen2\.5-(\d+(?:\.\d+)?b)(-instruct)?", path.rsplit("/", 1)[-1].lower())
-    return QWEN25.get(m.group(1)) if m else None
+    """The published shape of a Qwen2.5 or Qwen3 MoE hub id (Qwen/Qwen2.5-7B-Instruct -> 7b,
+    Qwen/Qwen3-VL-30B-A3B-Instruct -> 30b-a3b's decoder), else None."""
+    name = path.rsplit("/", 1)[-1].lower()
+    if m := re.fullmatch(r"qwen2\.5-(\d+(?:\.\d+)?b)(-instruct)?", name):
+        return QWEN25.get(m.group(1))
+    if m := re.fullmatch(r"qwen3-(?:vl-)?(30b-a3b|235b-a22b)(-instruct|-thinking|-base)?(-2507)?", name):
+        return QWEN3_MOE[m.group(1)]
+    return None
 
 
 def find_shape(path: str) -> tuple[Shape | None, str]:
@@ -139,7 +193,8 @@ def find_shape(path: str) -> tuple[Shape | None, str]:
     if local.is_file():
         return shape_from_config(json.loads(local.read_text())), str(local)
     shape = known_shape(path)
-    return shape, ("the published Qwen2.5 config" if shape else "")
+    family = "Qwen3 MoE" if shape is not None and shape.moe else "Qwen2.5"
+    return shape, (f"the published {family} config" if shape else "")
 
 
 # -------------------------------------------------------------------------------------- estimate
@@ -157,9 +212,10 @@ class Estimate:
     activations: float
     logits: float
     rollout_extra: float  # vLLM's share, or HF's compute weights + KV cache
-    micro_tokens: int
+    micro_tokens: int  # per rank (a micro-batch's tokens / train.sequence_parallel_size)
     response_tokens: int
     adapter_params: int = 0  # LoRA: what trains (0: every weight)
+    sequence_parallel: int = 1
 
     @property
     def update(self) -> float:
@@ -175,9 +231,16 @@ class Estimate:
 
 
 def activation_bytes_per_token_layer(shape: Shape, b: int) -> int:
-    """A = b (5h + 3k + 4i) + 8h (module docstring)."""
-    h, k, i = shape.hidden, shape.kv_dim, shape.intermediate
-    return b * (5 * h + 3 * k + 4 * i) + 8 * h
+    """A = b (2h + 3q + 3k + M) + 8h, M = 4i dense, K (2h + 4 i_e) + E MoE, plus 4 E (the router's
+    fp32 softmax) and 4 (q + k) for Qwen3's q / k norms (module docstring); q = h gives b (5h + 3k + 4i) + 8h."""
+    h, q, k = shape.hidden, shape.q_dim, shape.kv_dim
+    if shape.moe:
+        E, K = shape.experts, shape.experts_per_token
+        mlp, extra = K * (2 * h + 4 * shape.expert_intermediate) + E, 4 * E
+    else:
+        mlp, extra = 4 * shape.intermediate, 0
+    norms = 4 * (q + k) if shape.qk_norm else 0
+    return b * (2 * h + 3 * q + 3 * k + mlp) + 8 * h + extra + norms
 
 
 def estimate(
@@ -198,9 +261,12 @@ def estimate(
     sequence_len: int = 0,
     logprob_chunk_tokens: int = 1024,
     adapter_params: int = 0,
+    sequence_parallel: int = 1,
 ) -> Estimate:
-    """Per-device bytes of a GRPO step (module docstring: the formulas); `adapter_params` > 0: LoRA."""
+    """Per-device bytes of a GRPO step (module docstring: the formulas); `adapter_params` > 0: LoRA;
+    `sequence_parallel` u > 1: each rank holds micro_tokens / u and response_tokens / u of a micro-batch."""
     P, b, a = shape.params(), compute_bytes, adapter_params
+    micro_tokens, response_tokens = -(-micro_tokens // sequence_parallel), -(-response_tokens // sequence_parallel)
     sharded = strategy == "fsdp2" and world > 1
     s = 1 / world if sharded else 1.0
     mixed = b < 4
@@ -234,6 +300,7 @@ def estimate(
         micro_tokens=micro_tokens,
         response_tokens=response_tokens,
         adapter_params=a,
+        sequence_parallel=sequence_parallel,
     )
 
 
@@ -249,11 +316,19 @@ def estimate_for_config(cfg, device_gib: float) -> tuple[Estimate | None, str]:
         )  # fmt: skip
         return None, f"no memory estimate for {cfg.model.path}: {why}"
     t, d, r, m = cfg.train, cfg.data, cfg.rollout, cfg.model
+    if shape.heads % t.sequence_parallel_size:
+        divisors = [u for u in range(2, shape.heads + 1) if shape.heads % u == 0 and cfg.world_size % u == 0]
+        return None, (
+            f"no memory estimate for {m.path}: train.sequence_parallel_size ({t.sequence_parallel_size}) does not divide its "
+            f"{shape.heads} attention heads, and Ulysses attention gives each rank of the group a whole share of them. "
+            f"Fix: choose one of {divisors or [1]}."
+        )
     adapters = shape.adapter_params(m.lora_rank, m.target_modules) if m.lora_rank else 0
     # a KL reference of its own: with LoRA the reference is the base (adapters off), unless ref_model_path names one
     separate_ref = cfg.algorithm.kl.coef > 0 and (not m.lora_rank or bool(cfg.checkpoint.ref_model_path))
     seq = d.max_prompt_length + r.max_tokens
-    micro = t.max_token_len_per_device if t.use_dynamic_bsz else t.micro_batch_size * seq
+    # verl's convention: with sequence parallelism u a dynamic micro-batch holds u x the per-device budget
+    micro = t.max_token_len_per_device * t.sequence_parallel_size if t.use_dynamic_bsz else t.micro_batch_size * seq
     world = cfg.world_size
     est = estimate(
         shape, world=world, strategy=t.strategy, compute_bytes=2 if cfg.model.dtype != "float32" else 4,
@@ -262,11 +337,20 @@ def estimate_for_config(cfg, device_gib: float) -> tuple[Estimate | None, str]:
         engine="hf" if r.engine == "hf" else "vllm", gpu_memory_utilization=r.gpu_memory_utilization,
         device_bytes=device_gib * GiB, rollout_sequences=-(-t.gen_batch_size * r.n_samples_per_prompt // world),
         sequence_len=seq, logprob_chunk_tokens=t.logprob_chunk_tokens, adapter_params=adapters,
+        sequence_parallel=t.sequence_parallel_size,
     )  # fmt: skip
     layout = f"{t.strategy} over {world} device(s)" if world > 1 else "one device"
+    if t.sequence_parallel_size > 1:
+        layout += f", Ulysses sequence parallel {t.sequence_parallel_size}"
     trains = f", LoRA rank {m.lora_rank} ({adapters / 1e6:.1f}M adapter parameters)" if adapters else ""
+    moe = ""
+    if shape.moe:
+        moe = (
+            f" ({shape.params(active=True) / 1e9:.2f}B active: {shape.experts_per_token} of {shape.experts} experts "
+            f"per token; every expert sharded by {t.strategy if world > 1 else 'nothing on one device'})"
+        )
     what = (
-        f"{m.path}: {shape.params() / 1e9:.2f}B parameters ({source}){trains}, {layout}, {m.dtype} compute, "
+        f"{m.path}: {shape.params() / 1e9:.2f}B parameters{moe} ({source}){trains}, {layout}, {m.dtype} compute, "
         f"gradient checkpointing {'on' if m.gradient_checkpointing else 'off'}"
     )
     return est, what
@@ -285,7 +369,7 @@ def report(
         (f"optimizer{trained} (AdamW: 2 fp32 moments)", est.optimizer),
         ("compute weights (half-precision copies)", est.compute_weights),
         ("reference model", est.reference),
-        (f"activations ({est.micro_tokens:,} tokens / micro-batch)", est.activations),
+        (f"activations ({est.micro_tokens:,} tokens / micro-batch{' / rank' if est.sequence_parallel > 1 else ''})", est.activations),
         (f"log-prob logits ({est.response_tokens:,} response tokens)", est.logits),
         ("= update peak", est.update),
         (f"rollout peak (resident state + {rollout})", est.rollout),

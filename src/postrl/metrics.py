@@ -1,6 +1,6 @@
 """Metric names, throughput formulas and sinks (console line, JSONL, TensorBoard, W&B, SwanLab).
 
-Names follow the guides (DESIGN.md section 5) so dashboards carry over:
+Names follow the guides (docs/metrics.md) so dashboards carry over:
 timing/*, actor/*, <algo>/rewards/*, <algo>/score/*, response_length/*, prompt_length/*,
 dapo/num_gen_batches, dapo/kept_groups_ratio, e2e_tps, update_tps, vllm_tps (rollout_tps), val/<ds>/*.
 `logging.metric_names: mindspeed | verl` renames them at the sinks (`rename_metrics`; docs/metrics.md).

@@ -49,15 +49,17 @@ def model_config(path: str) -> dict:
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):
-    """The tokenizer of `path`, left-padding, with a pad token (EOS when it has none)."""
+    """The tokenizer of `path`, left-padding, with a pad token (EOS when it has none); the policy's and
+    `postrl preprocess`'s."""
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as exc:
+        tok = AutoTokenizer.from_pretrained(str(Path(path).expanduser()), trust_remote_code=trust_remote_code)
+    except Exception as exc:  # noqa: BLE001 - transformers, tokenizers and sentencepiece each raise their own types
         raise UserError(
-            f"cannot load a tokenizer from '{path}' ({exc}). The directory needs tokenizer.json or "
-            "tokenizer_config.json. Fix: set model.tokenizer_path, or point model.path at a full model directory."
+            f"cannot load a tokenizer from '{path}' ({type(exc).__name__}: {exc}). The directory needs tokenizer.json "
+            "or tokenizer_config.json. Fix: point model.tokenizer_path (`postrl preprocess`: tokenizer_name_or_path) "
+            "at a directory that has them, or model.path at a full model directory."
         ) from None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
@@ -288,20 +290,56 @@ def _packed_forward(model, input_ids, attention_mask, T, temperature, with_entro
     own prompt copy), and units are packed first-fit decreasing into rows as wide as the widest unit
     (`partition.pack_sequences`).
     """
-    from postrl.algorithms import token_logprobs
+    attn = getattr(_config(model), "_attn_implementation", None) or "sdpa"
+    packed = _pack(input_ids, attention_mask, T, varlen=_varlen_attention(attn))
+    mask = None if packed.varlen else _shared_prompt_mask(packed, attn, model)
+    return _score_packed(model, packed, mask, input_ids.shape[0], T, temperature, with_entropy, chunk_tokens)
+
+
+@dataclass
+class _Packed:
+    """A micro-batch packed into R rows of C slots. Each response token _M is located by its sequence b_M,
+    its index k_M in the response, its slot (r_M, c_M) and the column pred_M of the slot predicting it."""
+
+    varlen: bool
+    ids_RC: torch.Tensor
+    pos_RC: torch.Tensor  # padding: position 0, a sequence of its own
+    seg_RC: torch.Tensor  # 0: prompt, b + 1: response of sequence b
+    unit_RC: torch.Tensor  # padding: a unit of its own
+    b_M: torch.Tensor
+    k_M: torch.Tensor
+    r_M: torch.Tensor
+    c_M: torch.Tensor
+    pred_M: torch.Tensor
+    one_per_unit: bool  # no prompt shared: each kept slot predicts one target
+
+
+@dataclass
+class _Units:
+    """Where each sequence goes: units (a prompt followed by the responses that share it), packed into rows."""
+
+    R: int
+    C: int
+    start_B: torch.Tensor  # first prompt column: where the left padding ends
+    plen_B: torch.Tensor
+    leader_B: torch.Tensor  # the sequence whose prompt its unit holds
+    unit_B: torch.Tensor
+    row_U: torch.Tensor
+    off_U: torch.Tensor
+    resp_off_B: torch.Tensor  # column of the first response token
+
+
+def _units(input_ids, attention_mask, T, varlen: bool) -> _Units:
+    """The units of a micro-batch (one response each with flash attention) and their place in the rows."""
     from postrl.partition import pack_sequences, share_prompts
 
     B, L = input_ids.shape
     device = input_ids.device
-    attn = getattr(_config(model), "_attn_implementation", None) or "sdpa"
-    varlen = _varlen_attention(attn)
     prompt_cols = L - T
     start_B = (attention_mask.cumsum(1) == 0).sum(1)  # first token: where the left padding ends
     plen_B = prompt_cols - start_B
     rlen_B = attention_mask[:, prompt_cols:].sum(1)
     assert bool((plen_B > 0).all()), "every sequence needs at least one prompt token"
-
-    # units: a prompt followed by the responses that share it (one response each with flash attention)
     same_B = torch.zeros(B, dtype=torch.bool, device=device)
     if not varlen and B > 1:
         same_B[1:] = ((input_ids[1:, :prompt_cols] == input_ids[:-1, :prompt_cols]) & (start_B[1:] == start_B[:-1])[:, None]).all(1)
@@ -317,60 +355,74 @@ def _packed_forward(model, input_ids, attention_mask, T, temperature, with_entro
     # each response starts after its unit's prompt and the responses of the unit before it
     before_B = rlen_B.cumsum(0) - rlen_B
     resp_off_B = off_U[unit_B] + plen_B + before_B - before_B[leader_B][unit_B]
+    return _Units(R, C, start_B, plen_B, leader_B, unit_B, row_U, off_U, resp_off_B)
 
+
+def _pack(input_ids, attention_mask, T, varlen: bool) -> _Packed:
+    """The rows: each unit's prompt (from its leader), then every response token after it."""
+    u = _units(input_ids, attention_mask, T, varlen)
+    R, C, device = u.R, u.C, input_ids.device
+    prompt_cols = input_ids.shape[1] - T
     ids_RC = torch.zeros((R, C), dtype=input_ids.dtype, device=device)
-    pos_RC = torch.zeros((R, C), dtype=torch.long, device=device)  # padding: position 0, a sequence of its own
-    seg_RC = torch.zeros((R, C), dtype=torch.long, device=device)  # 0: prompt, b + 1: response of sequence b
-    unit_RC = -1 - torch.arange(R * C, device=device).view(R, C)  # padding: a unit of its own
-    # prompt tokens of each unit (from its leader)
-    lead = leader_B.nonzero().squeeze(1)
-    b_P = torch.repeat_interleave(lead, plen_B[lead])
-    j_P = torch.arange(b_P.numel(), device=device) - torch.repeat_interleave(plen_B[lead].cumsum(0) - plen_B[lead], plen_B[lead])
-    r_P, c_P = row_U[unit_B[b_P]], off_U[unit_B[b_P]] + j_P
-    ids_RC[r_P, c_P] = input_ids[b_P, start_B[b_P] + j_P]
+    pos_RC = torch.zeros((R, C), dtype=torch.long, device=device)
+    seg_RC = torch.zeros((R, C), dtype=torch.long, device=device)
+    unit_RC = -1 - torch.arange(R * C, device=device).view(R, C)
+    lead = u.leader_B.nonzero().squeeze(1)
+    b_P = torch.repeat_interleave(lead, u.plen_B[lead])
+    j_P = torch.arange(b_P.numel(), device=device) - torch.repeat_interleave(u.plen_B[lead].cumsum(0) - u.plen_B[lead], u.plen_B[lead])
+    r_P, c_P = u.row_U[u.unit_B[b_P]], u.off_U[u.unit_B[b_P]] + j_P
+    ids_RC[r_P, c_P] = input_ids[b_P, u.start_B[b_P] + j_P]
     pos_RC[r_P, c_P] = j_P
-    unit_RC[r_P, c_P] = unit_B[b_P]
-    # response tokens of every sequence
+    unit_RC[r_P, c_P] = u.unit_B[b_P]
     b_M, k_M = attention_mask[:, prompt_cols:].nonzero(as_tuple=True)
-    r_M, c_M = row_U[unit_B[b_M]], resp_off_B[b_M] + k_M
+    r_M, c_M = u.row_U[u.unit_B[b_M]], u.resp_off_B[b_M] + k_M
     ids_RC[r_M, c_M] = input_ids[b_M, prompt_cols + k_M]
-    pos_RC[r_M, c_M] = plen_B[b_M] + k_M
+    pos_RC[r_M, c_M] = u.plen_B[b_M] + k_M
     seg_RC[r_M, c_M] = b_M + 1
-    unit_RC[r_M, c_M] = unit_B[b_M]
-
-    if varlen:
-        mask = None
-    else:
-        q, k = (seg_RC[:, :, None], unit_RC[:, :, None]), (seg_RC[:, None, :], unit_RC[:, None, :])
-        causal_CC = torch.ones((C, C), dtype=torch.bool, device=device).tril()
-        allowed_RCC = causal_CC & (q[1] == k[1]) & ((k[0] == 0) | (k[0] == q[0]))
-        mask = allowed_RCC[:, None]  # [R, 1, C, C]: True attends
-        if attn == "eager":  # eager adds the mask to the scores
-            dtype = next(model.parameters()).dtype
-            mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, torch.finfo(dtype).min)
-
+    unit_RC[r_M, c_M] = u.unit_B[b_M]
     # response token k of sequence b is predicted by the slot before it: the prompt's last for k = 0
-    pred_M = torch.where(k_M == 0, off_U[unit_B[b_M]] + plen_B[b_M] - 1, c_M - 1)
-    keep_K = torch.unique(pred_M)  # sorted columns that hold a predicting slot in some row
+    pred_M = torch.where(k_M == 0, u.off_U[u.unit_B[b_M]] + u.plen_B[b_M] - 1, c_M - 1)
+    return _Packed(varlen, ids_RC, pos_RC, seg_RC, unit_RC, b_M, k_M, r_M, c_M, pred_M, bool(u.leader_B.all()))
+
+
+def _shared_prompt_mask(p: _Packed, attn: str, model) -> torch.Tensor:
+    """[R, 1, C, C] for sdpa / eager: a slot attends its unit's prompt and its own response, causally."""
+    C, device = p.ids_RC.shape[1], p.ids_RC.device
+    q, k = (p.seg_RC[:, :, None], p.unit_RC[:, :, None]), (p.seg_RC[:, None, :], p.unit_RC[:, None, :])
+    causal_CC = torch.ones((C, C), dtype=torch.bool, device=device).tril()
+    allowed_RCC = causal_CC & (q[1] == k[1]) & ((k[0] == 0) | (k[0] == q[0]))
+    mask = allowed_RCC[:, None]  # True attends
+    if attn == "eager":  # eager adds the mask to the scores
+        dtype = next(model.parameters()).dtype
+        mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, torch.finfo(dtype).min)
+    return mask
+
+
+def _score_packed(model, p: _Packed, mask, B: int, T: int, temperature, with_entropy, chunk_tokens):
+    """One forward over the rows, keeping only the predicting slots' logits; log-probs back in [B, T]."""
+    from postrl.algorithms import token_logprobs
+
+    R, C = p.ids_RC.shape
+    device = p.ids_RC.device
+    keep_K = torch.unique(p.pred_M)  # sorted columns that hold a predicting slot in some row
     K = keep_K.numel()
     k_of_col = torch.full((C,), -1, dtype=torch.long, device=device)
     k_of_col[keep_K] = torch.arange(K, device=device)
-    out = model(input_ids=ids_RC, attention_mask=mask, position_ids=pos_RC, logits_to_keep=keep_K, use_cache=False)
+    out = model(input_ids=p.ids_RC, attention_mask=mask, position_ids=p.pos_RC, logits_to_keep=keep_K, use_cache=False)
     logits_NV = out.logits.view(R * K, -1)
-    flat_M = r_M * K + k_of_col[pred_M]
-    targets_M = ids_RC[r_M, c_M]
-    if leader_B.all():  # one target per kept slot: score the kept logits in place
-        targets_N = torch.zeros(R * K, dtype=input_ids.dtype, device=device)
+    flat_M = p.r_M * K + k_of_col[p.pred_M]
+    targets_M = p.ids_RC[p.r_M, p.c_M]
+    if p.one_per_unit:  # one target per kept slot: score the kept logits in place
+        targets_N = torch.zeros(R * K, dtype=p.ids_RC.dtype, device=device)
         targets_N[flat_M] = targets_M
         logp_N, entropy_N = token_logprobs(logits_NV, targets_N, temperature, chunk_tokens, with_entropy)
         logp_M, entropy_M = logp_N[flat_M], entropy_N[flat_M] if with_entropy else None
     else:  # a shared prompt's last slot predicts the first token of each of its responses
         logp_M, entropy_M = token_logprobs(logits_NV.index_select(0, flat_M), targets_M, temperature, chunk_tokens, with_entropy)
     zeros_BT = torch.zeros((B, T), dtype=torch.float32, device=device)
-    logp_BT = zeros_BT.index_put((b_M, k_M), logp_M)
-    entropy_BT = zeros_BT.index_put((b_M, k_M), entropy_M) if with_entropy else None
+    logp_BT = zeros_BT.index_put((p.b_M, p.k_M), logp_M)
+    entropy_BT = zeros_BT.index_put((p.b_M, p.k_M), entropy_M) if with_entropy else None
     return logp_BT, entropy_BT
-
 
 def _varlen_attention(attn: str) -> bool:
     """Whether the attention tells packed sequences apart by their position ids alone (no mask): flash

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +20,18 @@ from postrl.data.dataset import encode_prompt, file_dir, read_rows
 from postrl.errors import UserError
 from postrl.modality import Modality
 from postrl.models import Policy, load_policy
-from postrl.runtime import configure_threads, init_runtime, seed_everything
+from postrl.runtime import Runtime, configure_threads, init_runtime, seed_everything
+from postrl.schedule import lr_lambda
 from postrl.utils import get_dotted
 
 
 def build_examples(rows: list[dict], tokenizer, cfg: Config, source: str, modality: Modality | None = None) -> list[tuple]:
-    """(prompt ids, response ids) per row, plus the prompt's image inputs for rows with images."""
+    """(prompt ids, response ids) per row, plus the prompt's image inputs for rows with images; a tool trace
+    (a response that is a list of chat messages, data/traces.py) as (prompt ids, response ids, None, loss mask)."""
+    from postrl.agents.loop import tool_schemas
+    from postrl.data.traces import encode_trace, is_trace
+
+    tools = tool_schemas(cfg.rollout.multi_turn)
     out = []
     for i, row in enumerate(rows):
         prompt = get_dotted(row, cfg.data.prompt_key)
@@ -35,7 +42,11 @@ def build_examples(rows: list[dict], tokenizer, cfg: Config, source: str, modali
                 f"{source}, row {i}: no '{missing}' field; SFT needs a prompt (data.prompt_key) and a reference "
                 "response (data.response_key). Fix: set those keys to your columns."
             )
-        encoded = encode_prompt(tokenizer, row, prompt, cfg.data, f"{source}, row {i}", file_dir(source), modality)
+        if is_trace(response):
+            p, r, mask = encode_trace(tokenizer, prompt, list(response), tools, f"{source}, row {i}")
+            out.append((p, r, None, mask))
+            continue
+        encoded = encode_prompt(tokenizer, row, prompt, cfg.data, f"{source}, row {i}", file_dir(source), modality, tools)
         if encoded is None:  # malformed image row, skipped by data.skip_bad_rows
             continue
         p, multi_modal = encoded
@@ -55,87 +66,130 @@ def collate(pairs: list[tuple], pad_id: int, max_length: int) -> dict[str, torch
     input_ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
     labels = torch.full((len(seqs), L), -100, dtype=torch.long)
     attention = torch.zeros((len(seqs), L), dtype=torch.long)
-    for i, ((p, *_), s) in enumerate(zip(pairs, seqs)):
+    for i, ((p, *rest), s) in enumerate(zip(pairs, seqs)):
         input_ids[i, : len(s)] = torch.tensor(s)
         attention[i, : len(s)] = 1
         labels[i, len(p) : len(s)] = torch.tensor(s[len(p) :], dtype=torch.long)
+        if len(rest) > 2:  # a tool trace: only the assistant's tokens are trained
+            masked = [len(p) + k for k, m in enumerate(rest[2][: len(s) - len(p)]) if not m]
+            labels[i, masked] = -100
     return {"input_ids": input_ids, "attention_mask": attention, "labels": labels}
 
 
 def run_sft(cfg: Config, console: Any = None) -> dict[str, float]:
+    """Fine-tune model.path on the training files' reference responses; save it to sft.output_dir/model."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    from postrl.actor import lr_lambda
 
     console = console or Console()
     s = cfg.sft
     seed_everything(s.seed)
     rt = init_runtime(cfg.train.device, cfg.model.dtype)
     policy = load_policy(cfg.model, dtype="float32", device=rt.device)  # fp32 master weights; forwards in model.dtype (runtime.py)
-    model, tokenizer = policy.model, policy.tokenizer
-    model.to(rt.device)
-    configure_threads(model, cfg.train.num_threads, console.print)
-    model.train()
+    policy.model.to(rt.device)
+    configure_threads(policy.model, cfg.train.num_threads, console.print)
     pairs = []
     for f in cfg.data.train_files:
-        rows = read_rows(f, cfg.data.builtin.model_dump(), cfg.data.shapes.model_dump())
-        pairs += build_examples(rows, tokenizer, cfg, f, policy.modality)
+        rows = read_rows(f, cfg.data.builtin.model_dump(), cfg.data.shapes.model_dump(), cfg.data.tool_arithmetic.model_dump())
+        pairs += build_examples(rows, policy.tokenizer, cfg, f, policy.modality)
     console.print(f"SFT on {len(pairs)} examples from {', '.join(cfg.data.train_files)} (model {policy.path})")
-    params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters; a frozen vision tower stays out
-    opt = torch.optim.AdamW(params, lr=s.lr, weight_decay=s.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(s.warmup_steps, s.steps, s.lr_schedule, 0.0))
-    scaler = distributed.grad_scaler(model, rt.dtype, rt.device)  # fp16 loss scaling; else a no-op
-    rng = random.Random(s.seed)
-    progress = Progress(
-        TextColumn("[bold]SFT"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]:.4f}"),
-        TimeElapsedColumn(), TimeRemainingColumn(), console=console, disable=not cfg.logging.progress,
-    )  # fmt: skip
-    loss_ema = None
-    with progress:
-        task = progress.add_task("sft", total=s.steps, loss=float("nan"))
-        for step in range(s.steps):
-            sample = rng.sample(pairs, min(s.batch_size, len(pairs)))
-            batch = {k: v.to(rt.device) for k, v in collate(sample, tokenizer.pad_token_id, s.max_length).items()}
-            images = policy.modality.forward_kwargs(model, batch["input_ids"], [x[2] if len(x) > 2 else None for x in sample])
-            with rt.autocast():
-                loss = model(**batch, **images).loss
-            opt.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
-            scaler.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            scaler.step(opt)  # skipped (fp16) when the gradients overflowed
-            scaler.update()
-            sched.step()
-            loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
-            progress.update(task, advance=1, loss=loss_ema)
-    out = Path(s.output_dir) / "model"
-    tmp = out.with_name("model.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    distributed.save_pretrained(model, tmp, write=True)  # with LoRA: merged, a plain model
-    tokenizer.save_pretrained(tmp)  # VLMs: with the image processor (the policy's tokenizer writes it)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    console.print(f"SFT done: final loss {loss_ema:.4f}; model saved to {out}")
-    result = {"sft/loss": loss_ema or 0.0}
+    loss = fine_tune(policy, pairs, cfg, rt, console)
+    out = save_model(policy, Path(s.output_dir) / "model")
+    console.print(f"SFT done: final loss {loss:.4f}; model saved to {out}")
+    result = {"sft/loss": loss}
     if s.eval_prompts and cfg.data.val_files:
-        result.update(eval_greedy(policy, cfg, s.eval_prompts))
+        result.update(eval_greedy(policy, cfg, s.eval_prompts, rt))
         accs = ", ".join(f"{k.split('/')[1]} {v * 100:.1f}%" for k, v in result.items() if "acc_mean" in k)
         console.print(f"[bold]held-out greedy accuracy after SFT:[/bold] {accs}")
     return result
 
 
-def eval_greedy(policy: Policy, cfg: Config, max_prompts: int) -> dict[str, float]:
+def fine_tune(policy: Policy, pairs: list[tuple], cfg: Config, rt: Runtime, console: Any) -> float:
+    """sft.steps AdamW steps on random batches of `pairs`; returns the loss (an exponential moving average)."""
+    s, model = cfg.sft, policy.model
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters; a frozen vision tower stays out
+    opt = torch.optim.AdamW(params, lr=s.lr, weight_decay=s.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(s.warmup_steps, s.steps, s.lr_schedule, 0.0))
+    scaler = distributed.grad_scaler(model, rt.dtype, rt.device)  # fp16 loss scaling; else a no-op
+    rng = random.Random(s.seed)
+    loss_ema = None
+    with _Progress(console, s.steps, bar=cfg.logging.progress) as progress:
+        for step in range(s.steps):
+            sample = rng.sample(pairs, min(s.batch_size, len(pairs)))
+            batch = {k: v.to(rt.device) for k, v in collate(sample, policy.tokenizer.pad_token_id, s.max_length).items()}
+            images = policy.modality.forward_kwargs(model, batch["input_ids"], [x[2] if len(x) > 2 else None for x in sample])
+            with rt.autocast():
+                loss = model(**batch, **images).loss
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)  # fp16: the gradients at their true size before clipping
+            distributed.clip_grad_norm_(params, 1.0)
+            scaler.step(opt)  # skipped (fp16) when the gradients overflowed
+            scaler.update()
+            sched.step()
+            loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
+            progress.update(step + 1, loss_ema)
+    return loss_ema or 0.0
+
+
+class _Progress:
+    """A rich bar on a terminal (with logging.progress); a plain line every 5% of the steps otherwise,
+    so that output sent to a file or a job log shows the run is alive."""
+
+    def __init__(self, console: Any, total: int, bar: bool):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+        self.console, self.total = console, total
+        self.every = max(1, total // 20)
+        self.bar = Progress(
+            TextColumn("[bold]SFT"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]:.4f}"),
+            TimeElapsedColumn(), TimeRemainingColumn(), console=console, disable=not (bar and console.is_terminal),
+        )  # fmt: skip
+        self.task = self.bar.add_task("sft", total=total, loss=float("nan"))
+        self.lines = self.bar.disable
+        self.start = time.perf_counter()
+
+    def __enter__(self) -> "_Progress":
+        self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.bar.__exit__(*exc)
+
+    def update(self, step: int, loss: float) -> None:
+        self.bar.update(self.task, completed=step, loss=loss)
+        if self.lines and (step % self.every == 0 or step == self.total):
+            elapsed = time.perf_counter() - self.start
+            self.console.print(f"SFT step {step}/{self.total}  loss {loss:.4f}  {elapsed:.0f} s", markup=False, highlight=False)
+
+
+def save_model(policy: Policy, out: Path) -> Path:
+    """The fine-tuned model at `out` as a plain Hugging Face directory (written aside, then renamed)."""
+    tmp = out.with_name(f"{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    distributed.save_pretrained(policy.model, tmp, write=True)  # with LoRA: merged, a plain model
+    policy.tokenizer.save_pretrained(tmp)  # VLMs: with the image processor (the policy's tokenizer writes it)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def eval_greedy(policy: Policy, cfg: Config, max_prompts: int, rt: Runtime) -> dict[str, float]:
+    from postrl.evaluate import evaluate, load_val_sets
     from postrl.rewards import RewardFunction
     from postrl.rollout.hf import HFEngine
-    from postrl.evaluate import evaluate, load_val_sets
 
     tokenizer = policy.tokenizer
-    engine = HFEngine(policy.model, tokenizer, modality=policy.modality, runtime=init_runtime(cfg.train.device, cfg.model.dtype))
+    engine = HFEngine(policy.model, tokenizer, modality=policy.modality, runtime=rt)
+    tools = None
+    if cfg.rollout.multi_turn.enable:  # the agent loop, as validation in RL runs it
+        from postrl.agents.loop import AgentLoop, tool_schemas
+
+        engine, tools = AgentLoop(engine, tokenizer, cfg.rollout.multi_turn, model=policy.model), tool_schemas(cfg.rollout.multi_turn)
     reward_fn = RewardFunction(cfg.reward)
     out = {}
     greedy = cfg.eval.model_copy(update={"n_samples": 1, "temperature": 0.0})
-    for name, examples in load_val_sets(cfg.data.val_files, tokenizer, cfg.data, max_prompts, policy.modality).items():
+    for name, examples in load_val_sets(cfg.data.val_files, tokenizer, cfg.data, max_prompts, policy.modality, tools).items():
         out.update(evaluate(engine, tokenizer, reward_fn, examples, greedy, name))
     reward_fn.close()
     return out

@@ -6,22 +6,21 @@
     -> weight sync to the rollout engine -> metrics, validation, checkpoint                  here
 
 The trainer builds the pieces once (runtime, policy, reference, data, rewards, engine, actor) and
-then only composes them; formulas live in algorithms/, files in checkpoint.py.
+then only composes them; formulas live in algorithms/, files in checkpoint/.
 """
 
 from __future__ import annotations
 
-import copy
 import signal
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
-from postrl import checkpoint, distributed, guards, lora
+from postrl import checkpoint, distributed, guards, lora, reference
 from postrl.actor import Actor
+from postrl.agents.loop import tool_schemas
 from postrl.algorithms import needs_critic
 from postrl.config import Config
 from postrl.critic import CRITIC_DIR, Critic
@@ -30,9 +29,10 @@ from postrl.errors import Stopped, UserError
 from postrl.evaluate import ValidationHistory, evaluate, load_val_sets
 from postrl.experience import Batch, Experience, batch_metrics
 from postrl.metrics import MetricsLogger, Timer, plot_run, read_jsonl, step_line, throughput, val_line
-from postrl.models import cast_weights, load_model, load_policy
+from postrl.models import load_policy
 from postrl.rewards import RewardFunction
 from postrl.rewards.math import answer_format_problem
+from postrl.rewards.model_rewards import load_model_rewards
 from postrl.rollout import make_engine
 from postrl.runtime import StopOnSignal, configure_threads, init_runtime, rng_state, seed_everything, set_rng_state
 
@@ -63,7 +63,8 @@ class Trainer:
         configure_threads(self.model, cfg.train.num_threads, self.log)
         if lora.is_lora(self.model):
             self.log(lora.summary(self.model))
-        self.train_examples, summary = load_prompts(cfg.data.train_files, self.tokenizer, cfg.data, modality=self.policy.modality)
+        tools = tool_schemas(cfg.rollout.multi_turn)  # the agent loop's tools, rendered into the prompts
+        self.train_examples, summary = load_prompts(cfg.data.train_files, self.tokenizer, cfg.data, modality=self.policy.modality, tools=tools)
         bad = f", {summary['dropped_bad']} malformed image rows skipped" if summary.get("dropped_bad") else ""
         self.log(f"train prompts: {summary['kept']} ({summary['dropped_overlong']} dropped as overlong{bad})")
         head = [self.tokenizer.decode(e.prompt_ids) for e in self.train_examples[:32]]
@@ -72,7 +73,7 @@ class Trainer:
         if cfg.train.total_epochs:  # before the LR schedule is built
             cfg.train.total_steps = max(1, cfg.train.total_epochs * (len(self.train_examples) // cfg.train.global_batch_size))
             self.log(f"train.total_epochs {cfg.train.total_epochs}: {cfg.train.total_steps} steps")
-        self.ref_model = self._reference_model() if cfg.algorithm.kl.coef > 0 or cfg.algorithm.use_kl_in_reward else None
+        self.ref_model = reference.build(cfg, self.policy, rt) if cfg.algorithm.kl.coef > 0 or cfg.algorithm.use_kl_in_reward else None
         # FSDP2 shards self.model in place (before the optimizer sees its parameters); DDP wraps it.
         train_model = distributed.wrap_model(
             self.model, cfg.train.strategy, compute_dtype=rt.dtype, reshard_after_forward=cfg.train.reshard_after_forward
@@ -80,9 +81,10 @@ class Trainer:
         self.actor = Actor(cfg, self.policy, train_model, rt, self.log)
         self.critic = Critic(cfg, self.model_path, self.actor, rt, self.log) if needs_critic(cfg.algorithm.adv_estimator) else None
 
-        self.val_sets = load_val_sets(cfg.eval.files or [], self.tokenizer, cfg.data, cfg.eval.max_prompts, self.policy.modality)
+        self.val_sets = load_val_sets(cfg.eval.files or [], self.tokenizer, cfg.data, cfg.eval.max_prompts, self.policy.modality, tools)
         self.sampler = PromptSampler(len(self.train_examples), cfg.data.shuffle, cfg.data.seed)
-        self.reward_fn = RewardFunction(cfg.reward)
+        models = load_model_rewards(cfg, rt.device)  # reward model / judge, if any
+        self.reward_fn = RewardFunction(cfg.reward, models=models)
         engine = make_engine(
             cfg.rollout, self.model, self.tokenizer, log=self.log,
             max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_tokens, seed=cfg.train.seed,
@@ -112,41 +114,6 @@ class Trainer:
 
     def log(self, msg: str) -> None:
         self.console.print(msg)
-
-    def _reference_model(self) -> torch.nn.Module:
-        """The frozen reference, in the compute dtype (it never trains: no fp32 master copy).
-
-        With train.ref_offload it lives in host memory: FSDP2 keeps its shards there and copies each
-        block to the device for its forward; otherwise it moves to the device only for its pass
-        (`distributed.on_device`). With LoRA adapters it is the policy itself (`_reference`).
-        """
-        rt, ref_path = self.runtime, self.cfg.checkpoint.ref_model_path
-        if lora.is_lora(self.model) and not ref_path:
-            return self.model  # the base, without a copy: its adapters are switched off for the pass (`_reference`)
-        if ref_path:  # the policy's loading options, for another model
-            m, attn = self.cfg.model, self.model.config._attn_implementation
-            ref = load_model(ref_path, m.dtype, m.trust_remote_code, modality=self.policy.modality, attn_implementation=attn)
-        else:
-            ref = copy.deepcopy(self.model)
-        home = torch.device("cpu") if self.cfg.train.ref_offload else rt.device
-        cast_weights(ref.to(home), rt.dtype).eval().requires_grad_(False)  # buffers (RoPE) stay fp32
-        return distributed.wrap_model(ref, self.cfg.train.strategy, compute_dtype=rt.dtype, offload=self.cfg.train.ref_offload, device=rt.device)
-
-    @contextmanager
-    def _reference(self) -> Iterator[torch.nn.Module]:
-        """The reference model, ready for its log-prob pass: on the device, or the policy with its LoRA adapters off."""
-        if self.ref_model is self.model:
-            with lora.disabled(self.model):
-                yield self.model
-        else:  # timed apart: the reference's trips to and from host memory (train.ref_offload)
-            placed = distributed.on_device(self.ref_model, self.runtime)
-            with self.timer("ref_onload"):
-                placed.__enter__()
-            try:
-                yield self.ref_model
-            finally:
-                with self.timer("ref_offload"):
-                    placed.__exit__(None, None, None)
 
     # ----------------------------------------------------------------------------------- the loop
     def fit(self) -> dict[str, float]:
@@ -219,7 +186,7 @@ class Trainer:
                 with self.timer("old_log_p"):
                     local.tensors["old_logp"] = self.actor.compute_logprobs(self.model, local)
             if self.ref_model is not None:
-                with self.timer("reference_model"), self._reference() as ref:
+                with self.timer("reference_model"), reference.ready(self.ref_model, self.model, self.runtime, self.timer) as ref:
                     local.tensors["ref_logp"] = self.actor.compute_logprobs(ref, local)
             update_stats = {}
             if self.critic is not None:  # values, GAE advantages and returns, then the critic's update (verl's order)
@@ -232,7 +199,8 @@ class Trainer:
             with self.timer("resharding_to_infer"):
                 self.engine.sync_weights(self.model)
                 if not self.train_examples[0].multi_modal:  # the probe is a text prompt
-                    self.guards.check_sync(self.engine, self.model, self.train_examples[0].prompt_ids, self.runtime.autocast())
+                    probe = self.train_examples[0].prompt_ids
+                    update_stats.update(self.guards.check_sync(self.engine, self.model, probe, self.runtime.autocast()))
         return self._step_metrics(batch, gen_stats, update_stats)
 
     def _collect(self):
@@ -345,19 +313,11 @@ class Trainer:
         start = time.perf_counter()
         out = {}
         for name, examples in self.val_sets.items():
-            out.update(evaluate(self.engine, self.tokenizer, self.reward_fn, examples, self.cfg.eval, name, self.cfg.train.seed))
+            out.update(evaluate(self.engine, self.tokenizer, self.reward_fn.score_rules, examples, self.cfg.eval, name, self.cfg.train.seed))
         out["timing/eval"] = time.perf_counter() - start
-        self._track_best(out)
+        found = self.history.record(self.step, out)  # the headline metric (checkpoint.keep_best)
+        checkpoint.keep_if_best(self.cfg, self.model, self.tokenizer, self.step, found)
         return out
-
-    def _track_best(self, val: dict[str, float]) -> None:
-        """Record the headline validation metric; keep the best weights when checkpoint.keep_best names it."""
-        found = self.history.record(self.step, val)
-        if found is not None and self.cfg.checkpoint.keep_best:
-            name, value = found
-            best = checkpoint.best_so_far(self.cfg)
-            if best is None or best.get("metric") != name or value > best["value"]:
-                checkpoint.save_best(self.cfg, self.model, self.tokenizer, self.step, value, name)
 
 
 def train(cfg: Config, console: Any = None) -> dict[str, float]:

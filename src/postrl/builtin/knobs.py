@@ -72,3 +72,16 @@ class ShapesTaskConfig(TaskKnobs):
         if problems:
             raise ValueError("\n".join(problems))
         return self
+
+
+class ToolArithmeticConfig(_Knobs):
+    """Knobs of the built-in task where tools matter (`builtin:tool_arithmetic:<split>`): a * b +/- c."""
+
+    seed: int = Field(1234, description="Seed of the task's generator.")
+    train_size: int = Field(20000, ge=1, description="Number of training rows.")
+    val_size: int = Field(500, ge=1, description="Number of held-out rows (disjoint from training).")
+    tool_ratio: float = Field(
+        0.3, ge=0, le=1,
+        description="Fraction of training rows whose SFT reference is a calculator trace (the rest: a rough guess).",
+    )  # fmt: skip
+    max_digits: int = Field(4, ge=3, le=6, description="Most digits of the added / subtracted number c.")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from postrl.builtin import arithmetic, shapes
+from postrl.builtin import arithmetic, shapes, tool_arithmetic
 from postrl.errors import UserError
 
-TASKS = {"arithmetic": arithmetic.task_files, "shapes": shapes.task_files}
+TASKS = {"arithmetic": arithmetic.task_files, "shapes": shapes.task_files, "tool_arithmetic": tool_arithmetic.task_files}
 
 
 def task_file(path: str, knobs: dict[str, dict | None]) -> Path:
@@ -16,6 +16,6 @@ def task_file(path: str, knobs: dict[str, dict | None]) -> Path:
     if len(parts) != 3 or parts[0] != "builtin" or parts[1] not in TASKS or parts[2] not in ("train", "val"):
         raise UserError(
             f"unknown built-in data set '{path}'; use 'builtin:arithmetic:train' / ':val' (text) or "
-            "'builtin:shapes:train' / ':val' (images)."
+            "'builtin:shapes:train' / ':val' (images), or 'builtin:tool_arithmetic:train' / ':val' (tools)."
         )
     return TASKS[parts[1]](knobs.get(parts[1]) or {})[parts[2]]

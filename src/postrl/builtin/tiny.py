@@ -1,10 +1,17 @@
-"""The built-in tiny models: `builtin:tiny-qwen2` (text) and `builtin:tiny-qwen2.5-vl` (vision-language).
+"""The built-in tiny models: `builtin:tiny-qwen2` (text), `builtin:tiny-qwen2-tools` (text with tool calls)
+and `builtin:tiny-qwen2.5-vl` (vision-language).
 
 Both are random-initialised from a seed, with a byte-level BPE tokenizer (digits split one by one,
 as Qwen's are) trained on the built-in tasks' text and a ChatML chat template, built locally and
 cached under <cache>/models/<name>-<key of the spec>; `model.tiny` overrides the spec.
 
 - tiny-qwen2: a Qwen2 causal LM (4 layers, hidden 128), tokenizer trained on the arithmetic task.
+- tiny-qwen3-moe: a Qwen3-MoE causal LM (2 layers, hidden 128, 8 experts of width 64, 2 per token), the
+  tiny-qwen2 tokenizer: the mixture-of-experts path (router, expert weights, vLLM's fused MoE) on CPU.
+- tiny-qwen2-tools: the same Qwen2 with Qwen2.5's tool tokens (<tool_call>, </tool_call>, <tool_response>,
+  </tool_response>) and a ChatML template with `tools=` and `role: tool` in Qwen2.5's shape (a short tool
+  list instead of the JSON schemas: prompts of the tiny model stay short); tokenizer trained on the
+  arithmetic and tool-arithmetic tasks (docs/agents.md).
 - tiny-qwen2.5-vl: a Qwen2.5-VL (a 2-block vision tower and a 4-layer language model, about 1.1M
   parameters) plus the PIL image processor, tokenizer trained on the shapes and arithmetic tasks
   with the Qwen vision special tokens, and a template that renders {"type": "image"} parts.
@@ -20,12 +27,13 @@ from typing import Any, Callable
 
 import torch
 
-from postrl.builtin import arithmetic, cache, shapes
+from postrl.builtin import arithmetic, cache, shapes, tool_arithmetic
 from postrl.errors import UserError
 from postrl.utils import cache_dir
 
 TINY_VERSION = 2  # tiny-qwen2; bump when the architecture or the tokenizer corpus changes (invalidates the cache)
 TINY_VL_VERSION = 3  # tiny-qwen2.5-vl; same rule
+TINY_TOOLS_VERSION = 1  # tiny-qwen2-tools; same rule
 TINY_DEFAULTS: dict[str, Any] = {
     "vocab_size": 512,
     "hidden_size": 128,
@@ -34,6 +42,16 @@ TINY_DEFAULTS: dict[str, Any] = {
     "num_kv_heads": 2,
     "intermediate_size": 384,
     "max_position_embeddings": 512,
+    "seed": 0,
+}
+TINY_MOE_VERSION = 1  # tiny-qwen3-moe; same rule
+TINY_MOE_DEFAULTS: dict[str, Any] = {
+    **{k: v for k, v in TINY_DEFAULTS.items() if k not in ("num_layers", "seed")},
+    "num_layers": 2,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "router_aux_loss_coef": 0.001,  # Qwen3-MoE's published value
     "seed": 0,
 }
 TINY_VL_DEFAULTS: dict[str, Any] = {  # in the order of postrl_tiny.json of cached builds
@@ -48,6 +66,7 @@ TINY_VL_DEFAULTS: dict[str, Any] = {  # in the order of postrl_tiny.json of cach
     "seed": 0,
 }
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -64,6 +83,31 @@ VL_CHAT_TEMPLATE = (
     "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
     "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+# Qwen2.5's tool format (Hermes): an assistant turn's calls as <tool_call>{"name", "arguments"}</tool_call>,
+# consecutive tool messages in one user turn, each in <tool_response>; with `tools`, a system turn that
+# names them. The tool list names the tools only: the tiny model learns their use from SFT traces.
+TOOLS_CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n{% endif %}"
+    "Tools: {% for tool in tools %}{{ (tool['function'] or tool)['name'] }}{% if not loop.last %}, {% endif %}{% endfor %}"
+    "<|im_end|>\n"
+    "{% elif messages[0]['role'] == 'system' %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' and loop.first %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n' }}<tool_response>{{ message['content'] }}</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% elif message['role'] == 'assistant' %}<|im_start|>assistant\n{{ message['content'] or '' }}"
+    "{% for call in message['tool_calls'] or [] %}{% set f = call['function'] or call %}"
+    "<tool_call>{\"name\": \"{{ f['name'] }}\", \"arguments\": {{ f['arguments'] | tojson }}}</tool_call>"
+    "{% endfor %}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
@@ -104,6 +148,23 @@ def _qwen2(spec: dict, tokenizer: Any) -> tuple[torch.nn.Module, list[Any]]:
     config = Qwen2Config(**_language_model(spec, tokenizer))
     torch.manual_seed(spec["seed"])
     return Qwen2ForCausalLM(config), []
+
+
+def _qwen3_moe(spec: dict, tokenizer: Any) -> tuple[torch.nn.Module, list[Any]]:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        **_language_model(spec, tokenizer),
+        head_dim=spec["hidden_size"] // spec["num_heads"],
+        num_experts=spec["num_experts"],
+        num_experts_per_tok=spec["num_experts_per_tok"],
+        moe_intermediate_size=spec["moe_intermediate_size"],
+        router_aux_loss_coef=spec["router_aux_loss_coef"],
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+    )
+    torch.manual_seed(spec["seed"])
+    return Qwen3MoeForCausalLM(config), []
 
 
 def _qwen2_5_vl(spec: dict, tokenizer: Any) -> tuple[torch.nn.Module, list[Any]]:
@@ -149,6 +210,23 @@ TINY_MODELS: dict[str, TinyKind] = {
         special_tokens=SPECIAL_TOKENS,
         chat_template=CHATML_TEMPLATE,
         corpus=lambda seed: arithmetic.tokenizer_corpus(seed=seed),
+        build=_qwen2,
+        done_file="tokenizer.json",
+    ),
+    "tiny-qwen3-moe": TinyKind(
+        version=TINY_MOE_VERSION,
+        defaults=TINY_MOE_DEFAULTS,
+        special_tokens=SPECIAL_TOKENS,
+        chat_template=CHATML_TEMPLATE,
+        corpus=lambda seed: arithmetic.tokenizer_corpus(seed=seed),
+        build=_qwen3_moe,
+    ),
+    "tiny-qwen2-tools": TinyKind(
+        version=TINY_TOOLS_VERSION,
+        defaults=TINY_DEFAULTS,
+        special_tokens=SPECIAL_TOKENS + TOOL_TOKENS,
+        chat_template=TOOLS_CHAT_TEMPLATE,
+        corpus=lambda seed: arithmetic.tokenizer_corpus(n=1000, seed=seed) + tool_arithmetic.tokenizer_corpus(seed=seed),
         build=_qwen2,
         done_file="tokenizer.json",
     ),

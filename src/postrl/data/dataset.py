@@ -35,12 +35,14 @@ def multi_modal_of(examples: list[PromptExample]) -> list[dict | None] | None:
     return [e.multi_modal for e in examples] if any(e.multi_modal for e in examples) else None
 
 
-def read_rows(path: str, builtin_knobs: dict | None = None, shapes_knobs: dict | None = None) -> list[dict]:
+def read_rows(
+    path: str, builtin_knobs: dict | None = None, shapes_knobs: dict | None = None, tool_knobs: dict | None = None
+) -> list[dict]:
     """All rows of one data file (parquet, jsonl, json list) or built-in split."""
     if path.startswith("builtin:"):
         from postrl.builtin.tasks import task_file
 
-        path = str(task_file(path, {"arithmetic": builtin_knobs, "shapes": shapes_knobs}))
+        path = str(task_file(path, {"arithmetic": builtin_knobs, "shapes": shapes_knobs, "tool_arithmetic": tool_knobs}))
     try:
         from postrl.data.readers import read_records  # full readers (row-numbered errors)
 
@@ -59,15 +61,17 @@ def read_rows(path: str, builtin_knobs: dict | None = None, shapes_knobs: dict |
     raise UserError(f"{path}: unsupported file type '{p.suffix}'. Use .parquet, .jsonl or .json.")
 
 
-def render_prompt(tokenizer, prompt: Any) -> list[int]:
-    """Token ids of a prompt: chat messages through the chat template (plain text, said once, without one)."""
+def render_prompt(tokenizer, prompt: Any, tools: list[dict] | None = None) -> list[int]:
+    """Token ids of a prompt: chat messages through the chat template (plain text, said once, without one);
+    `tools`: the agent loop's tool schemas, for the template's `tools=`."""
     from postrl.data.templates import render_chat
 
-    return render_chat(tokenizer, prompt)
+    return render_chat(tokenizer, prompt, tools)
 
 
 def encode_prompt(
-    tokenizer, row: dict, prompt: Any, data_cfg, where: str, base_dir: Path | None = None, modality: Modality | None = None
+    tokenizer, row: dict, prompt: Any, data_cfg, where: str, base_dir: Path | None = None, modality: Modality | None = None,
+    tools: list[dict] | None = None,
 ):
     """(token ids, image inputs or None) of a row's prompt; None for a malformed image row when
     data.skip_bad_rows is set (else a UserError that names the row: `where`).
@@ -78,7 +82,7 @@ def encode_prompt(
     modality = modality or TEXT
     images = row.get(data_cfg.image_key) if data_cfg.image_key else None
     if not has_image_data(images) and not (modality.takes_images and mentions_images(prompt)):
-        return render_prompt(tokenizer, prompt), None
+        return render_prompt(tokenizer, prompt, tools), None
     try:
         return modality.encode_prompt(tokenizer, prompt, images, data_cfg, base_dir)
     except BadImageRow as exc:
@@ -88,17 +92,19 @@ def encode_prompt(
 
 
 def load_prompts(
-    files: list[str], tokenizer, data_cfg, max_rows: int | None = None, modality: Modality | None = None
+    files: list[str], tokenizer, data_cfg, max_rows: int | None = None, modality: Modality | None = None,
+    tools: list[dict] | None = None,
 ) -> tuple[list[PromptExample], dict]:
     """Tokenised prompts of `files` and a summary {rows, dropped_overlong, dropped_bad, kept}.
 
-    `modality` is the policy's adapter (None: text); it encodes the rows with images.
+    `modality` is the policy's adapter (None: text); it encodes the rows with images. `tools` are the agent
+    loop's tool schemas (postrl.agents.loop.tool_schemas), rendered by the chat template.
     """
     examples: list[PromptExample] = []
     dropped, total, bad = 0, 0, 0
     knobs = data_cfg.builtin.model_dump()
     for f in files:
-        rows = read_rows(f, knobs, data_cfg.shapes.model_dump())
+        rows = read_rows(f, knobs, data_cfg.shapes.model_dump(), data_cfg.tool_arithmetic.model_dump())
         name = _dataset_name(f)
         for i, row in enumerate(rows):
             if max_rows is not None and i >= max_rows:
@@ -113,7 +119,7 @@ def load_prompts(
                     f"('{data_cfg.prompt_key}') and the ground truth from data.answer_key ('{data_cfg.answer_key}'). "
                     "Fix: set those keys to your columns, or convert the file with `postrl preprocess`."
                 )
-            encoded = encode_prompt(tokenizer, row, prompt, data_cfg, f"{f}, row {i}", file_dir(f), modality)
+            encoded = encode_prompt(tokenizer, row, prompt, data_cfg, f"{f}, row {i}", file_dir(f), modality, tools)
             if encoded is None:  # malformed image row, skipped by data.skip_bad_rows
                 bad += 1
                 continue

@@ -39,6 +39,7 @@ from postrl.data.handlers import MAP_KEY_NAMES, Context, RowError, get_handler
 from postrl.data.readers import expand_inputs, iter_records
 from postrl.data.templates import get_template, has_chat_template
 from postrl.errors import UserError
+from postrl.models import load_tokenizer
 
 CHUNK_ROWS = 256
 
@@ -145,7 +146,13 @@ def _tokenizer_path(name: str | None, config_dir: Path) -> str | None:
         from postrl.models import resolve_model_path
 
         return resolve_model_path(name)
-    return _resolve(name, config_dir)
+    path = _resolve(name, config_dir)
+    if not Path(path).exists():
+        raise UserError(
+            f"tokenizer_name_or_path: '{name}' does not exist. Preprocessing loads the tokenizer from a local "
+            "directory (no downloads). Fix: point it at a model or tokenizer directory with tokenizer.json."
+        )
+    return path
 
 
 # --------------------------------------------------------------------------------- row pipeline
@@ -240,24 +247,6 @@ class RowProcessor:
             out.rows.append(row)
             out.lengths.append(n_tokens)
         return out
-
-
-def load_tokenizer(path: str):
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise UserError(
-            f"tokenizer_name_or_path: '{path}' does not exist. Preprocessing loads the tokenizer from a local "
-            "directory (no downloads). Fix: point it at a model or tokenizer directory with tokenizer.json."
-        )
-    try:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(str(p))
-    except Exception as exc:  # noqa: BLE001
-        raise UserError(
-            f"tokenizer_name_or_path: cannot load a tokenizer from '{path}' ({type(exc).__name__}: {exc}). "
-            "Fix: point it at a directory holding tokenizer.json / tokenizer_config.json."
-        ) from None
 
 
 _WORKER: RowProcessor | None = None

@@ -162,12 +162,13 @@ def has_chat_template(tokenizer: Any, instead: str = PLAIN_TEXT) -> bool:
     return False
 
 
-def render_chat(tokenizer: Any, prompt: Any) -> list[int]:
+def render_chat(tokenizer: Any, prompt: Any, tools: list[dict] | None = None) -> list[int]:
     """Token ids of a prompt (chat messages, or a plain string taken as one user message): through the
-    tokenizer's chat template, else as plain text (warned once per tokenizer)."""
+    tokenizer's chat template, else as plain text (warned once per tokenizer). `tools` (JSON schemas of
+    the agent loop's tools) reach the template's `tools=`."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     if has_chat_template(tokenizer):
-        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+        ids = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=True, return_dict=False)
         return list(ids)
     text = "\n".join(m["content"] for m in messages)
     return list(tokenizer(text, add_special_tokens=True)["input_ids"])

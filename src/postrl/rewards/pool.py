@@ -153,7 +153,6 @@ class VerifierPool:
         self._ctx = mp.get_context("spawn")
         self._workers: list[_Worker] = []
         self._boot_failures = 0
-        self.timeouts_total = 0
         self.restarts = 0
 
     # ------------------------------------------------------------------ lifecycle
@@ -224,7 +223,6 @@ class VerifierPool:
             for w in list(self._workers):
                 if w.task is not None and now > w.deadline:
                     results[w.task] = Outcome("timeout", message=f"hard time limit ({self.timeout_s:g} s)")
-                    self.timeouts_total += 1
                     w.task = None
                     self._replace(w)
                 elif not w.ready and now > w.started + BOOT_TIMEOUT_S:
@@ -244,8 +242,6 @@ class VerifierPool:
         task_id, outcome = msg
         if task_id == w.task:
             results[task_id] = outcome
-            if outcome.status == "timeout":
-                self.timeouts_total += 1
             w.task = None
 
     def _on_death(self, w: _Worker, results: list[Outcome | None]) -> None:

@@ -42,6 +42,7 @@ from postrl.rewards.verdict import (  # noqa: F401
 
 if TYPE_CHECKING:
     from postrl.rewards.pool import VerifierPool
+    from postrl.rewards.reward_model import ModelScorer
 
 log = logging.getLogger("postrl.rewards")
 
@@ -116,9 +117,11 @@ FAIL_ALL_MIN_CALLS = 4  # ... when the batch gave it at least this many calls
 class RewardOutput:
     """Scores of a batch of completions.
 
-    `scores[i]` is the weighted sum over verifiers; `metrics[name][i]` holds per-completion values:
-    `acc` (from the first accuracy verifier that reports it; dynamic sampling filters on it) and, for
-    each verifier, its own score under the verifier's name. `timeouts`, `errors` and `invalid` count
+    `scores[i]` is the weighted sum over verifiers (plus the model rewards by weight);
+    `metrics[name][i]` holds per-completion values: `acc` (from the first accuracy verifier that
+    reports it; dynamic sampling filters on it) and, for each verifier, its own score under the verifier's name; with model rewards also rule_score,
+    rm_score / judge_score (raw), their *_reward (as summed) and rm_rule_max / rm_rule_min (see
+    `RewardFunction._add_model_rewards`). `timeouts`, `errors` and `invalid` count
     verifier calls that hit the time limit, raised, or returned no finite number (all score the
     verifier's fail_score); `timed_out[i]` says whether any call of completion i timed out.
     """
@@ -129,11 +132,12 @@ class RewardOutput:
     errors: int = 0
     timed_out: list[bool] = field(default_factory=list)
     invalid: int = 0
+    counts: dict[str, int] = field(default_factory=dict)  # model rewards' counts, e.g. reward/judge_unparsed
 
     @property
     def failures(self) -> dict[str, int]:
-        """Failed verifier calls of this batch by kind, under their metric names (logged per step)."""
-        return {"reward/timeouts": self.timeouts, "reward/errors": self.errors, "reward/invalid": self.invalid}
+        """Failed calls of this batch by kind, under their metric names (logged per step)."""
+        return {"reward/timeouts": self.timeouts, "reward/errors": self.errors, "reward/invalid": self.invalid, **self.counts}
 
     def means(self) -> dict[str, float]:
         """Mean of every per-completion metric (the trainer logs them as <algo>/<name>/mean)."""
@@ -156,15 +160,30 @@ def _picklable(fn: Callable) -> bool:
         return False
 
 
+def _coerce_inputs(completions: list, ground_truths: list, rows: list) -> tuple[list[str], list[str], list[dict]]:
+    """Strings and dicts, whatever the caller passed (None becomes "")."""
+    n = len(completions)
+    assert len(ground_truths) == n and len(rows) == n, (
+        f"reward inputs differ in length: {n} completions, {len(ground_truths)} ground truths, {len(rows)} rows"
+    )
+    texts = [c if isinstance(c, str) else ("" if c is None else str(c)) for c in completions]
+    truths = [g if isinstance(g, str) else ("" if g is None else str(g)) for g in ground_truths]
+    return texts, truths, [r if isinstance(r, dict) else {} for r in rows]
+
+
 class RewardFunction:
-    """The weighted sum of the verifiers listed in `reward.verifiers`.
+    """The weighted sum of the verifiers listed in `reward.verifiers`, plus any model rewards by weight.
+
+    `models` are the scorers of `reward.reward_model` / `reward.judge` (`load_model_rewards`); with
+    them, `score_rules` still gives the rules alone (validation stays rule-checked).
 
     Create once and reuse: the worker pool is started on the first call that needs it and lives
     until `close()`.
     """
 
-    def __init__(self, cfg: RewardSettings, memory_limit_mb: int | None = 4096):
+    def __init__(self, cfg: RewardSettings, memory_limit_mb: int | None = 4096, models: Sequence["ModelScorer"] = ()):
         self.cfg = cfg
+        self.models = list(models)  # reward model / judge (postrl.rewards.reward_model), added by weight
         self.verifiers: list[tuple[str, float, VerifierEntry]] = [
             (v.name, float(v.weight), get_entry(v.name)) for v in cfg.verifiers
         ]
@@ -181,8 +200,6 @@ class RewardFunction:
                     "module level to get the time limit.",
                     name,
                 )
-        self.timeouts_total = 0
-        self.calls_total = 0
 
     @property
     def pool(self) -> "VerifierPool":
@@ -230,44 +247,51 @@ class RewardFunction:
         )
 
     def __call__(self, completions: list[str], ground_truths: list[str], rows: list[dict]) -> RewardOutput:
+        """Rule verdicts (tiered, time-limited), their weighted sum, then the model rewards by weight."""
+        return self._score(completions, ground_truths, rows, self.models)
+
+    def score_rules(self, completions: list[str], ground_truths: list[str], rows: list[dict]) -> RewardOutput:
+        """The rule verifiers alone: validation's rule-checked accuracy, whatever model rewards train."""
+        return self._score(completions, ground_truths, rows, [])
+
+    def _score(self, completions: list, ground_truths: list, rows: list, models: list) -> RewardOutput:
+        texts, truths, rows = _coerce_inputs(completions, ground_truths, rows)
+        results, failed, timed_out = self._verdicts(texts, truths, rows)
+        for v, (name, weight, _) in enumerate(self.verifiers):
+            if weight != 0:  # a weight-0 verifier is only logged: its failures are counted, not fatal
+                self._check_not_all_failing(name, len(texts), failed[v])
+        scores, metrics = self._combine(results)
+        count = {kind: sum(len(f.get(kind, [])) for f in failed) for kind in FAILURE_METRICS}
+        out = RewardOutput(scores, metrics, count["timeout"], count["error"], timed_out, count["invalid"])
+        if models:
+            self._add_model_rewards(out, models, texts, truths, rows)
+        return out
+
+    def _verdicts(self, texts: list[str], truths: list[str], rows: list[dict]):
+        """results[v][i] (verifier v on completion i), failed[v][kind] (messages), timed_out[i]."""
         from postrl.rewards.pool import Call
 
-        n = len(completions)
-        assert len(ground_truths) == n and len(rows) == n, (
-            f"reward inputs differ in length: {n} completions, {len(ground_truths)} ground truths, {len(rows)} rows"
-        )
-        texts = [c if isinstance(c, str) else ("" if c is None else str(c)) for c in completions]
-        truths = [g if isinstance(g, str) else ("" if g is None else str(g)) for g in ground_truths]
-        rows = [r if isinstance(r, dict) else {} for r in rows]
-
-        # results[v][i]: the verdict of verifier v on completion i (None until known)
+        n = len(texts)
         results: list[list[VerifierResult | None]] = [[None] * n for _ in self.verifiers]
-        # failed[v][kind]: messages of verifier v's failed calls, by kind (timeout / error / invalid)
         failed: list[dict[str, list[str]]] = [{} for _ in self.verifiers]
         timed_out = [False] * n
         queued: list[tuple[int, int]] = []
         calls: list[Call] = []
-
         for v, (name, _, entry) in enumerate(self.verifiers):
             for i in range(n):
                 try:
-                    if entry.in_process or name in self._in_process_only:
-                        results[v][i] = to_result(entry.fn(texts[i], truths[i], rows[i]))
-                        continue
-                    if entry.fast is not None:
-                        quick = entry.fast(texts[i], truths[i], rows[i])
-                        if quick is not None:
-                            results[v][i] = to_result(quick)
-                            continue
+                    quick = self._in_process(name, entry, texts[i], truths[i], rows[i])
                 except Exception as exc:  # noqa: BLE001 - a verifier's bug scores fail_score, counted
                     kind = "invalid" if isinstance(exc, InvalidVerdict) else "error"
                     detail = str(exc) if kind == "invalid" else f"{type(exc).__name__}: {exc}"
                     self._fail(failed[v], name, kind, detail[:300])
                     results[v][i] = VerifierResult(entry.fail_score, {"acc": 0.0})
                     continue
+                if quick is not None:
+                    results[v][i] = quick
+                    continue
                 queued.append((v, i))
                 calls.append(Call(entry.fn, texts[i], truths[i], rows[i] if entry.uses_row else {}))
-
         if calls:
             for (v, i), outcome in zip(queued, self.pool.run(calls)):
                 name, _, entry = self.verifiers[v]
@@ -278,11 +302,21 @@ class RewardFunction:
                 timed_out[i] |= kind == "timeout"
                 self._fail(failed[v], name, kind, outcome.message or "no result")
                 results[v][i] = VerifierResult(entry.fail_score, {"acc": 0.0})
+        return results, failed, timed_out
 
-        for v, (name, weight, _) in enumerate(self.verifiers):
-            if weight != 0:  # a weight-0 verifier is only logged: its failures are counted, not fatal
-                self._check_not_all_failing(name, n, failed[v])
+    def _in_process(self, name: str, entry: VerifierEntry, text: str, truth: str, row: dict) -> VerifierResult | None:
+        """Tier 1: the verdict in this process (in-process verifier, or its fast path), None: ask the pool."""
+        if entry.in_process or name in self._in_process_only:
+            return to_result(entry.fn(text, truth, row))
+        if entry.fast is not None:
+            quick = entry.fast(text, truth, row)
+            if quick is not None:
+                return to_result(quick)
+        return None
 
+    def _combine(self, results: list[list[VerifierResult | None]]) -> tuple[list[float], dict[str, list[float]]]:
+        """The weighted sum per completion, each verifier's score, and `acc` (first accuracy verifier's)."""
+        n = len(results[0]) if results else 0
         scores = [0.0] * n
         metrics: dict[str, list[float]] = {name: [0.0] * n for name, _, _ in self.verifiers}
         acc: list[float | None] = [None] * n
@@ -302,13 +336,38 @@ class RewardFunction:
             a if a is not None else (f if f is not None else float(s > 0))
             for a, f, s in zip(acc, fallback_acc, scores)
         ]
-        count = {kind: sum(len(f.get(kind, [])) for f in failed) for kind in FAILURE_METRICS}
-        self.timeouts_total += count["timeout"]
-        self.calls_total += n * len(self.verifiers)
-        return RewardOutput(scores, metrics, count["timeout"], count["error"], timed_out, count["invalid"])
+        return scores, metrics
+
+    def _add_model_rewards(self, out: RewardOutput, models: list, texts: list[str], truths: list[str], rows: list[dict]) -> None:
+        """Add weight x (normalised) model score to each completion's rule sum; log the guides' metrics.
+
+        Per completion: rule_score (the rules' weighted sum), <scorer.name> (raw score, e.g. rm_score),
+        <scorer.name>_reward (what enters the sum: normalised when asked), and rm_rule_max / rm_rule_min
+        (the larger / smaller of the model and the rule reward of that completion).
+        """
+        from postrl.rewards.reward_model import global_mean_std, normalized
+
+        rule = list(out.scores)
+        out.metrics["rule_score"] = rule
+        model_total = [0.0] * len(texts)
+        for scorer in models:
+            result = scorer.score(texts, truths, rows)
+            raw = result.scores
+            reward = normalized(raw, *global_mean_std(raw)) if scorer.normalize else list(raw)
+            out.metrics[scorer.name] = raw
+            out.metrics[f"{scorer.name}_reward"] = reward
+            out.counts.update(result.counts)
+            for i, r in enumerate(reward):
+                model_total[i] += scorer.weight * r
+        out.scores = [r + m for r, m in zip(rule, model_total)]
+        model_reward = [sum(out.metrics[f"{s.name}_reward"][i] for s in models) for i in range(len(texts))]
+        out.metrics["rm_rule_max"] = [max(m, r) for m, r in zip(model_reward, rule)]
+        out.metrics["rm_rule_min"] = [min(m, r) for m, r in zip(model_reward, rule)]
 
     def close(self) -> None:
-        """Stop the worker processes (safe to call twice)."""
+        """Stop the worker processes and release the model rewards (safe to call twice)."""
+        for scorer in self.models:
+            scorer.close()
         if self._pool is not None:
             self._pool.close()
             self._pool = None

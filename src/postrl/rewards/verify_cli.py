@@ -174,44 +174,85 @@ def main_verify(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.timeout <= 0 or args.workers < 1:
         raise UserError("--timeout must be > 0 and --workers >= 1.")
-
-    from pydantic import ValidationError
-
-    from postrl.config import RewardConfig
-    from postrl.data.readers import iter_records
-    from postrl.rewards.registry import RewardFunction
-
-    try:
-        cfg = RewardConfig(
-            verifiers=parse_verifiers(args.verifier, args.weights), timeout_s=args.timeout, workers=args.workers
-        )
-    except ValidationError as exc:
-        raise UserError(*(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())) from None
-
-    records = []
-    for rec in iter_records(args.input):
-        if rec.number == 0:
-            raise UserError(f"{rec.where}: {rec.problem}", title="cannot read the input")
-        records.append(rec)
-        if args.limit is not None and len(records) >= args.limit:
-            break
-    if not records:
-        raise UserError(f"{args.input}: no records. Fix: pass a file with one completion per record.")
+    cfg = _reward_config(args)
+    records = _read_records(args.input, args.limit)
     good_rows = [r.row for r in records if r.row is not None]
     resp_key = _pick_key(good_rows, args.response_key or "response", args.response_key is not None, RESPONSE_FALLBACKS, "--response-key")
     ans_key = _pick_key(good_rows, args.answer_key or "answer", args.answer_key is not None, ANSWER_FALLBACKS, "--answer-key")
 
     # Per record: (completion, ground truth, row), or why it cannot be scored.
     items = [_extract(rec.row, resp_key, ans_key) if rec.row is not None else (rec.problem or "unreadable") for rec in records]
-
-    names = [v.name for v in cfg.verifiers]
     t0 = time.perf_counter()
+    scored, timeouts, errors = _score(cfg, items)
+    elapsed = time.perf_counter() - t0
+
+    lines = [
+        {"index": k, "score": None, "acc": None, "error": it} if isinstance(it, str) else {"index": k, **scored[k]}
+        for k, it in enumerate(items)
+    ]
+    bad = [f"{records[k].where}: {it}" for k, it in enumerate(items) if isinstance(it, str)]
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            for ln in lines:
+                f.write(json.dumps(ln, ensure_ascii=False) + "\n")
+    for msg in bad[:10]:
+        print(f"skipped {msg}", file=sys.stderr)
+    if len(bad) > 10:
+        print(f"skipped ... and {len(bad) - 10} more records", file=sys.stderr)
+    ok = [ln for ln in lines if ln["score"] is not None]
+    if not ok:
+        raise UserError(f"{args.input}: none of the {len(records)} records could be scored (see above).")
+
+    print(f"input: {args.input} (response: {resp_key}, answer: {ans_key})")
+    print(f"verifiers: {', '.join(f'{v.name} (weight {v.weight:g})' for v in cfg.verifiers)}")
+    print(f"records: {len(records)} ({len(ok)} scored, {len(bad)} skipped)")
+    _print_means(ok, [v.name for v in cfg.verifiers])
+    print(f"timeouts: {timeouts}")
+    if errors:
+        print(f"verifier errors: {errors} (scored as failures; see the warning above)")
+    print(f"time: {elapsed:.2f} s ({len(ok) * len(cfg.verifiers) / elapsed:.1f} verifications/s)")
+    if args.output:
+        print(f"wrote {len(lines)} lines to {args.output}")
+    return 0
+
+
+def _reward_config(args: argparse.Namespace) -> Any:
+    """The reward section the command line describes (config.RewardConfig), its problems as a UserError."""
+    from pydantic import ValidationError
+
+    from postrl.config import RewardConfig
+
+    try:
+        return RewardConfig(verifiers=parse_verifiers(args.verifier, args.weights), timeout_s=args.timeout, workers=args.workers)
+    except ValidationError as exc:
+        raise UserError(*(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())) from None
+
+
+def _read_records(path: str, limit: int | None) -> list:
+    """The input's records (at most `limit`); an unreadable file is a UserError, a bad line a record."""
+    from postrl.data.readers import iter_records
+
+    records = []
+    for rec in iter_records(path):
+        if rec.number == 0:
+            raise UserError(f"{rec.where}: {rec.problem}", title="cannot read the input")
+        records.append(rec)
+        if limit is not None and len(records) >= limit:
+            break
+    if not records:
+        raise UserError(f"{path}: no records. Fix: pass a file with one completion per record.")
+    return records
+
+
+def _score(cfg: Any, items: list) -> tuple[dict[int, dict], int, int]:
+    """The scorable items' results by index, in batches of BATCH, and the time-outs and verifier errors."""
+    from postrl.rewards.registry import RewardFunction
+
     reward = RewardFunction(cfg)
-    lines: list[dict] = []
+    scored: dict[int, dict] = {}
     timeouts = errors = 0
     try:
         todo = [(k, it) for k, it in enumerate(items) if not isinstance(it, str)]
-        scored: dict[int, dict] = {}
         for b in range(0, len(todo), BATCH):
             chunk = todo[b : b + BATCH]
             out = reward([it[0] for _, it in chunk], [it[1] for _, it in chunk], [it[2] for _, it in chunk])
@@ -226,43 +267,11 @@ def main_verify(argv: list[str]) -> int:
                 }
     finally:
         reward.close()
-    elapsed = time.perf_counter() - t0
+    return scored, timeouts, errors
 
-    bad = []
-    for k, it in enumerate(items):
-        if isinstance(it, str):
-            lines.append({"index": k, "score": None, "acc": None, "error": it})
-            bad.append(f"{records[k].where}: {it}")
-        else:
-            lines.append({"index": k, **scored[k]})
-    ok = [ln for ln in lines if ln["score"] is not None]
 
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            for ln in lines:
-                f.write(json.dumps(ln, ensure_ascii=False) + "\n")
-
-    for msg in bad[:10]:
-        print(f"skipped {msg}", file=sys.stderr)
-    if len(bad) > 10:
-        print(f"skipped ... and {len(bad) - 10} more records", file=sys.stderr)
-    if not ok:
-        raise UserError(f"{args.input}: none of the {len(records)} records could be scored (see above).")
-
-    n_calls = len(ok) * len(names)
-    mean = sum(ln["score"] for ln in ok) / len(ok)
-    acc = sum(ln["acc"] for ln in ok) / len(ok)
-    print(f"input: {args.input} (response: {resp_key}, answer: {ans_key})")
-    print(f"verifiers: {', '.join(f'{v.name} (weight {v.weight:g})' for v in cfg.verifiers)}")
-    print(f"records: {len(records)} ({len(ok)} scored, {len(bad)} skipped)")
-    print(f"mean score: {mean:.4f}")
-    print(f"acc: {acc:.4f}")
+def _print_means(ok: list[dict], names: list[str]) -> None:
+    print(f"mean score: {sum(ln['score'] for ln in ok) / len(ok):.4f}")
+    print(f"acc: {sum(ln['acc'] for ln in ok) / len(ok):.4f}")
     for name in dict.fromkeys(names):
         print(f"{name}/mean: {sum(ln['metrics'][name] for ln in ok) / len(ok):.4f}")
-    print(f"timeouts: {timeouts}")
-    if errors:
-        print(f"verifier errors: {errors} (scored as failures; see the warning above)")
-    print(f"time: {elapsed:.2f} s ({n_calls / elapsed:.1f} verifications/s)")
-    if args.output:
-        print(f"wrote {len(lines)} lines to {args.output}")
-    return 0

@@ -40,7 +40,18 @@ def make_engine(
     `trust_remote_code` is the user's `model.trust_remote_code`, passed to vLLM as is.
     `runtime` gives the compute dtype: HF generates under its autocast, vLLM holds weights in it
     (None: the dtype of the model's parameters, no autocast).
+    With `cfg.multi_turn.enable` the engine is wrapped in the agent loop (postrl.agents.loop.AgentLoop),
+    so training, validation, `postrl eval` and `postrl doctor` all roll out multi-turn.
     """
+    engine = _engine(cfg, model, tokenizer, log, max_model_len, seed, modality, trust_remote_code, runtime)
+    if not cfg.multi_turn.enable:
+        return engine
+    from postrl.agents.loop import AgentLoop
+
+    return AgentLoop(engine, tokenizer, cfg.multi_turn, model=model, log=log)
+
+
+def _engine(cfg, model, tokenizer, log, max_model_len, seed, modality, trust_remote_code, runtime) -> RolloutEngine:
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if max_model_len is not None and isinstance(limit, int) and max_model_len > limit:
         max_model_len = limit
@@ -75,4 +86,8 @@ def make_engine(
         say(f"[yellow]rollout engine: hf (falling back: {exc})[/yellow]")
         return HFEngine(model, tokenizer, modality=modality, runtime=runtime)
     say(f"rollout engine: vllm ({'eager' if cfg.enforce_eager else 'compiled'})")
+    if engine.moe:
+        from postrl.moe import REPLAY_UNAVAILABLE
+
+        say(REPLAY_UNAVAILABLE)
     return engine

@@ -25,6 +25,7 @@ class SamplingParams:
     n: int = 1
     seed: int | None = None  # seeds the whole call; the same seed gives the same completions
     greedy: bool = False  # temperature 0: argmax decoding, n must be 1
+    stop_token_ids: tuple[int, ...] = ()  # extra ids that end a completion like EOS, kept in it (agents: </tool_call>)
 
 
 @dataclass
@@ -49,6 +50,8 @@ class Completion:
     logprobs: list[float] | None = None
     loss_mask: list[int] | None = None
     turn_spans: list[tuple[int, int]] | None = None
+    tool_calls: int = 0  # the agent loop: tool calls this trajectory made
+    env_reward: float = 0.0  # the agent loop: what its environment (rollout.multi_turn.interaction) returned, summed
 
 
 @runtime_checkable
@@ -75,6 +78,11 @@ class RolloutEngine(Protocol):
     def probe_logprobs(self, token_ids: list[int]) -> list[float] | None:
         """Log-probs of token_ids[1:] under the engine's weights at temperature 1 (the sync guard), or
         None when the engine shares the trainer's model object."""
+        ...
+
+    def probe_routing(self, token_ids: list[int], top_k: int) -> Any:
+        """MoE: the experts [L, N, K] the engine's routers pick for each token (the sync guard's routing
+        mismatch), or None (a dense model, or an engine that shares the trainer's model)."""
         ...
 
     def sleep(self) -> None:

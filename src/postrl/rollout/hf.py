@@ -43,6 +43,10 @@ class HFEngine:
         """None: this engine generates with the trainer's own model, so a weight sync cannot be missed."""
         return None
 
+    def probe_routing(self, token_ids: list[int], top_k: int) -> None:
+        """None: the trainer's own routers route the rollout, so there is no mismatch to measure."""
+        return None
+
     def sleep(self) -> None:
         """Nothing to free: the engine is the trainer's model."""
 
@@ -61,7 +65,7 @@ class HFEngine:
             top_k=params.top_k if (params.top_k > 0 and not params.greedy) else 0,
             max_new_tokens=params.max_tokens,
             num_return_sequences=n,
-            eos_token_id=self.eos_ids,
+            eos_token_id=self.eos_ids + [t for t in params.stop_token_ids if t not in self.eos_ids],
             pad_token_id=self.pad_id,
             suppress_tokens=self.suppress_ids,
             use_cache=True,
@@ -77,11 +81,12 @@ class HFEngine:
                 torch.manual_seed(params.seed)
             for start in range(0, len(prompts), chunk):
                 batch = prompts[start : start + chunk]
-                out.extend(self._generate_chunk(batch, start, n, gen_cfg, multi_modal[start : start + chunk] if multi_modal else None))
+                mm = multi_modal[start : start + chunk] if multi_modal else None
+                out.extend(self._generate_chunk(batch, start, n, gen_cfg, mm, params.stop_token_ids))
         self.model.train(was_training)
         return out
 
-    def _generate_chunk(self, batch, offset, n, gen_cfg, multi_modal) -> list[Completion]:
+    def _generate_chunk(self, batch, offset, n, gen_cfg, multi_modal, stop_ids=()) -> list[Completion]:
         input_ids, attention_mask = left_pad(batch, self.pad_id)  # [len(batch), P]
         device = next(self.model.parameters()).device
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
@@ -91,7 +96,7 @@ class HFEngine:
             input_ids=input_ids, attention_mask=attention_mask, generation_config=gen_cfg, **extra
         )  # [len(batch) * n, P + new]
         completions = []
-        eos = set(self.eos_ids)
+        eos = set(self.eos_ids) | set(stop_ids)
         for row in range(seqs.shape[0]):
             tokens = seqs[row, P:].tolist()
             finished = False

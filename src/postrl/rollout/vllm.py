@@ -35,6 +35,7 @@ import torch
 from postrl import distributed
 from postrl.config import RolloutConfig
 from postrl.modality import TEXT, Modality
+from postrl.moe import is_moe
 from postrl.rollout.base import Completion, SamplingParams, eos_token_ids
 from postrl.rollout.vllm_platform import (
     MAX_TEMPERATURE,
@@ -43,7 +44,10 @@ from postrl.rollout.vllm_platform import (
     engine_dtype,
     engine_kwargs,
     keep_rng,
+    repack_cpu_moe,
     start_engine,
+    start_router_capture,
+    stop_router_capture,
 )
 from postrl.runtime import accelerator
 
@@ -104,6 +108,7 @@ class VLLMEngine:
         # Generation runs with the process's thread count (runtime.configure_threads decided it once).
         self.rollout_threads = torch.get_num_threads()
         self._sampling_cls = vllm.SamplingParams
+        self.moe = is_moe(model)
         self.sync_weights(model)
 
     # ------------------------------------------------------------------------------ generation
@@ -162,7 +167,7 @@ class VLLMEngine:
             n=n,
             max_tokens=params.max_tokens,
             seed=seed,
-            stop_token_ids=self.eos_ids,  # generation_config + tokenizer EOS ids; the EOS token is kept
+            stop_token_ids=self.eos_ids + [t for t in params.stop_token_ids if t not in self.eos_ids],  # the stop token is kept
             logprobs=0,  # only the sampled token's log-prob
             flat_logprobs=True,  # a few flat lists per request instead of a dict per token
             detokenize=False,  # the trainer wants ids; skips per-token decoding
@@ -189,6 +194,8 @@ class VLLMEngine:
         if "weights" in self._asleep:
             self.wake_up(tags=["weights"])
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": _hf_weights(model, self.dtype)})
+        if self.moe and not self.accelerator.is_device:
+            self.llm.collective_rpc(repack_cpu_moe)  # vLLM 0.32 leaves CPU expert weights unpacked after a reload
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
 
     @torch.no_grad()
@@ -200,6 +207,25 @@ class VLLMEngine:
         with self._rollout_threads(), keep_rng():
             out = self.llm.generate([{"prompt_token_ids": list(token_ids)}], sampling_params=params, use_tqdm=False)[0]
         return [float(step[tok].logprob) for step, tok in zip(out.prompt_logprobs[1:], token_ids[1:])]
+
+    @torch.no_grad()
+    def probe_routing(self, token_ids: list[int], top_k: int) -> torch.Tensor | None:
+        """MoE: the experts [L, N, K] vLLM's routers pick for each token of `token_ids` (the top-k of its router
+        logits, captured by forward hooks in the prefill of one scoring request); None for a dense model."""
+        if not self.moe:
+            return None
+        if self._asleep:
+            self.wake_up()
+        self.llm.reset_prefix_cache()  # every probe token goes through the routers
+        self.llm.collective_rpc(start_router_capture)
+        params = self._sampling_cls(max_tokens=1, temperature=1.0, detokenize=False, seed=0)
+        try:
+            with self._rollout_threads(), keep_rng():
+                self.llm.generate([{"prompt_token_ids": list(token_ids)}], sampling_params=params, use_tqdm=False)
+        finally:
+            calls = self.llm.collective_rpc(stop_router_capture)[0]  # tensor-parallel ranks agree: rank 0's
+        prefill = [c for c in calls if c.shape[0] == len(token_ids)]  # the decode step's 1-token calls left out
+        return torch.stack([torch.topk(c, top_k, dim=-1).indices for c in prefill])
 
     # ------------------------------------------------------------------------------ sleep mode
 

@@ -94,6 +94,8 @@ def engine_kwargs(
         # tensors), and so does the compiled CPU model (tests/test_vllm_engine.py syncs an updated model into it).
         enforce_eager=cfg.enforce_eager,
     )
+    if cfg.expert_parallel_size > 1:  # config.py checked it equals tensor_parallel_size
+        kwargs["enable_expert_parallel"] = True
     if acc.is_device:
         kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization, enable_sleep_mode=cfg.enable_sleep_mode)
         if cfg.max_num_batched_tokens is not None:  # the guides' prefill chunk; else vLLM's own default
@@ -136,6 +138,55 @@ def start_engine(vllm: Any, kwargs: dict[str, Any], cfg: RolloutConfig):
         # thread for serving; the trainer shares this process and wants its threads back.
         torch.set_num_threads = torch._C.set_num_threads
         torch.set_num_threads(n_threads)
+
+
+def repack_cpu_moe(worker: Any) -> int:
+    """Re-pack the fused-MoE expert weights after `reload_weights` on CPU (run through `collective_rpc`);
+    returns how many MoE layers it packed.
+
+    vLLM 0.32's CPU experts keep w13 / w2 in a pre-packed grouped-GEMM layout, made once at load time
+    (CPUUnquantizedExperts.process_weights_after_loading). On a weight update its unquantized MoE method
+    copies the reloaded weights in checkpoint layout and skips that packing (unquantized_fused_moe_method
+    `_setup_kernel`: `if not is_weight_update`), so the kernel reads plain weights as packed ones: measured
+    on the tiny Qwen3-MoE, log-probs off by 0.08 after every sync. Packing them again here fixes it.
+    """
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    packed = 0
+    for module in worker.model_runner.get_model().modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts):
+            experts.process_weights_after_loading(module)
+            packed += 1
+    return packed
+
+
+_ROUTER_CAPTURE: dict[str, Any] = {}  # per worker process: the hooks and the captured router logits
+
+
+def start_router_capture(worker: Any) -> int:
+    """Hook every MoE router (`GateLinear`) of the worker's model to record its logits (`collective_rpc`);
+    returns the number of routers hooked."""
+    from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+
+    logits: list[torch.Tensor] = []
+
+    def hook(module: Any, args: Any, out: Any) -> None:
+        logits.append((out[0] if isinstance(out, tuple) else out).detach().float().cpu())
+
+    gates = [m for m in worker.model_runner.get_model().modules() if isinstance(m, GateLinear)]
+    _ROUTER_CAPTURE.update(logits=logits, handles=[g.register_forward_hook(hook) for g in gates], layers=len(gates))
+    return len(gates)
+
+
+def stop_router_capture(worker: Any) -> list[torch.Tensor]:
+    """Remove the hooks; the router logits [N, E] of each router call since `start_router_capture`, in call order."""
+    for h in _ROUTER_CAPTURE.get("handles", []):
+        h.remove()
+    logits = _ROUTER_CAPTURE.get("logits", [])
+    _ROUTER_CAPTURE.clear()
+    return logits
 
 
 @contextlib.contextmanager

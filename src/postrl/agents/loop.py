@@ -1,0 +1,318 @@
+"""The agent loop: multi-turn rollout with tools and environments, token in, token out.
+
+    prompt -> model turn (until EOS or </tool_call>) -> tool results (masked) -> model turn -> ... -> EOS
+
+Every turn, one engine call generates for all trajectories still running (the first turn samples the
+n completions of each prompt in one request, as single-turn rollout does). A turn that stops at
+`</tool_call>` has its calls parsed (Hermes / Qwen: <tool_call>{"name", "arguments"}</tool_call>) and
+run concurrently across trajectories, each under `tool_timeout_s`; their results are rendered with
+the model's own chat template (`role: tool`, agents/render.py) and appended with loss mask 0. A
+malformed call is answered with an error message for the model, never a crash. A turn that ends with
+EOS goes to the environment, when there is one (agents/env.py), else ends the trajectory.
+
+The sampled ids are never re-tokenised: the trajectory is the prompt, then the engine's ids of each
+model turn (mask 1, the engine's log-probs) and the rendered ids of what came between (mask 0,
+log-prob 0.0). Limits: `max_turns` model turns, `max_tool_calls` per trajectory, a total budget of
+response tokens (`max_response_tokens`, every token after the prompt), tool output cut to
+`max_tool_response_tokens`. A trajectory cut by a limit is not `finished` (like a completion cut at
+max_tokens). Decisions (docs/agents.md): verifiers read the model's tokens only (what the policy
+wrote, not what the tools printed); an environment's rewards add to the verifier score.
+
+`AgentLoop` is a rollout engine (rollout/base.py's protocol) around the real one, so validation,
+`postrl eval` and `postrl doctor` run the same loop; `make_engine` builds it when
+`rollout.multi_turn.enable` is set.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from postrl.agents.env import checked_step, load_environment
+from postrl.agents.render import TurnRenderer, truncate_text
+from postrl.errors import UserError
+from postrl.rollout.base import Completion, SamplingParams, eos_token_ids
+
+if TYPE_CHECKING:
+    import torch
+
+    from postrl.config import MultiTurnConfig
+
+CALL_END = "</tool_call>"
+
+
+@dataclass
+class Trajectory:
+    """One rollout in progress: the ids after the prompt, which the policy sampled, and its counters."""
+
+    prompt_index: int
+    prompt: list[int]
+    ids: list[int] = field(default_factory=list)  # everything after the prompt
+    mask: list[int] = field(default_factory=list)  # 1 = sampled by the policy
+    logprobs: list[float] | None = field(default_factory=list)  # None once a turn came without them
+    spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each model turn in ids
+    tool_calls: int = 0
+    user_turns: int = 0
+    env: Any = None
+    env_reward: float = 0.0
+    finished: bool = False  # ended by itself (EOS, or the environment said done), not cut by a limit
+    done: bool = False
+
+    def append(self, ids: list[int], sampled: bool, logprobs: list[float] | None = None) -> None:
+        if sampled:
+            self.spans.append((len(self.ids), len(self.ids) + len(ids)))
+        self.ids += ids
+        self.mask += [int(sampled)] * len(ids)
+        if self.logprobs is not None:
+            if sampled and logprobs is None:
+                self.logprobs = None
+            else:
+                self.logprobs += list(logprobs[: len(ids)]) if sampled else [0.0] * len(ids)
+
+    def stop(self, finished: bool) -> None:
+        self.done, self.finished = True, finished
+
+
+class AgentLoop:
+    """A rollout engine that runs the agent loop on `engine` (the same protocol; docs/agents.md)."""
+
+    takes_rows = True  # generate(..., rows=) resets the environments (`generate_for`)
+
+    def __init__(self, engine: Any, tokenizer: Any, cfg: "MultiTurnConfig", model: Any = None, log: Any = None):
+        from postrl.agents.tools import load_tools
+
+        self.engine, self.tokenizer, self.cfg = engine, tokenizer, cfg
+        self.name = engine.name
+        self.tools = load_tools(list(cfg.tools))
+        self.env_cls = load_environment(cfg.interaction) if cfg.interaction else None
+        self.renderer = TurnRenderer(tokenizer)
+        self.eos_ids = set(eos_token_ids(model, tokenizer)) if model is not None else {tokenizer.eos_token_id}
+        end = tokenizer.convert_tokens_to_ids(CALL_END)
+        # One token (Qwen2.5, the tiny tools model): the engines stop on it. Otherwise the turn is cut after
+        # the token that completes the text "</tool_call>" (the engine generates on to EOS; slower, same ids).
+        self.call_end_id = end if isinstance(end, int) and end != tokenizer.unk_token_id else None
+        self.stop_ids = (self.call_end_id,) if self.call_end_id is not None and self.tools else ()
+        self._pool = ThreadPoolExecutor(max_workers=cfg.tool_workers, thread_name_prefix="postrl-tool") if self.tools else None
+        self.stats: dict[str, float] = {}
+        self.reset_stats()
+        if "python" in self.tools and log is not None:
+            from postrl.agents.sandbox import sandbox_description
+
+            log(sandbox_description())  # once, at start: what the sandbox isolates on this machine
+
+    # ------------------------------------------------------------------ the engine protocol
+    def sync_weights(self, model: "torch.nn.Module") -> None:
+        self.engine.sync_weights(model)
+
+    def probe_logprobs(self, token_ids: list[int]) -> list[float] | None:
+        return self.engine.probe_logprobs(token_ids)
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        self.engine.close()
+
+    # ------------------------------------------------------------------------- the loop
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, multi_modal: list[dict] | None = None,
+        rows: list[dict] | None = None,
+    ) -> list[Completion]:  # fmt: skip
+        """`params.n` trajectories per prompt, prompt-major (as `engine.generate`); `rows` (the prompts' dataset
+        rows) reset the environment. `params.max_tokens` is the response budget across turns (capped by
+        `max_response_tokens`)."""
+        cfg = self.cfg
+        n = 1 if params.greedy else params.n
+        budget = min(params.max_tokens, cfg.max_response_tokens or params.max_tokens)
+        trajs = [Trajectory(i, list(p)) for i, p in enumerate(prompts) for _ in range(n)]
+        if self.env_cls is not None:
+            if rows is None:
+                raise UserError("rollout.multi_turn.interaction needs the prompts' dataset rows; this caller passed none.")
+            for t in trajs:
+                t.env = self.env_cls()
+                t.env.reset(rows[t.prompt_index])
+        turn_params = replace(params, stop_token_ids=tuple(params.stop_token_ids) + self.stop_ids)
+        for turn in range(cfg.max_turns):
+            live = [t for t in trajs if not t.done]
+            if not live:
+                break
+            start = time.perf_counter()
+            room = max(budget - len(t.ids) for t in live)
+            if turn == 0:  # the n samples of a prompt in one request (shared prefix), as single-turn rollout
+                outs = self.engine.generate(prompts, replace(turn_params, max_tokens=room), multi_modal=multi_modal)
+            else:
+                seed = None if params.seed is None else (params.seed + 7919 * turn) % 2**31
+                mm = [multi_modal[t.prompt_index] for t in live] if multi_modal else None
+                outs = self.engine.generate(
+                    [t.prompt + t.ids for t in live], replace(turn_params, n=1, max_tokens=room, seed=seed), multi_modal=mm
+                )
+            self.stats["timing/agent_generate"] += time.perf_counter() - start
+            calls = [(t, parsed) for t, out in zip(live, outs) if (parsed := self._end_turn(t, out, budget, last_turn=turn == cfg.max_turns - 1))]
+            if calls:
+                start = time.perf_counter()
+                self._run_tools(calls, budget)
+                self.stats["timing/agent_tools"] += time.perf_counter() - start
+        for t in trajs:
+            if not t.done:
+                t.stop(finished=False)  # max_turns reached with a tool call or an environment turn pending
+        self._record(trajs)
+        return [
+            Completion(
+                prompt_index=t.prompt_index, token_ids=t.ids, finished=t.finished, logprobs=t.logprobs,
+                loss_mask=t.mask, turn_spans=t.spans,
+                tool_calls=t.tool_calls, env_reward=t.env_reward,
+            )  # fmt: skip
+            for t in trajs
+        ]
+
+    def _end_turn(self, t: Trajectory, out: Completion, budget: int, last_turn: bool) -> list | None:
+        """Append one model turn; returns its parsed tool calls when the loop should run them, else None."""
+        room = budget - len(t.ids)
+        ids, lps = list(out.token_ids), out.logprobs
+        cut = len(ids) > room
+        ids = ids[:room]
+        at_call = bool(ids) and self.call_end_id is not None and ids[-1] == self.call_end_id and bool(self.tools)
+        if not at_call and self.tools and self.call_end_id is None:
+            ids, at_call = self._cut_at_call_text(ids)
+        t.append(ids, sampled=True, logprobs=lps)
+        if at_call:
+            if last_turn or t.tool_calls >= self.cfg.max_tool_calls:
+                t.stop(finished=False)
+                return None
+            return self._parse(ids)
+        last = ids[-1] if ids else None
+        if cut or last not in self.eos_ids:
+            t.stop(finished=False)  # cut at the budget
+            return None
+        if t.env is None:
+            t.stop(finished=True)
+            return None
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        obs, reward, env_done = checked_step(t.env, text, self.cfg.interaction)
+        t.env_reward += reward
+        if env_done:
+            t.stop(finished=True)
+        elif t.user_turns >= self.cfg.max_user_turns or last_turn:
+            t.stop(finished=False)
+        else:
+            t.user_turns += 1
+            self._append_masked(t, self.renderer.user_turn(obs, last), budget)
+        return None
+
+    def _cut_at_call_text(self, ids: list[int]) -> tuple[list[int], bool]:
+        """Without a single </tool_call> token: the ids up to the one that completes that text."""
+        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        if CALL_END not in text:
+            return ids, False
+        for k in range(1, len(ids) + 1):
+            if CALL_END in self.tokenizer.decode(ids[:k], skip_special_tokens=False):
+                return ids[:k], True
+        return ids, False
+
+    def _parse(self, ids: list[int]) -> list[tuple[str | None, dict | None, str | None]]:
+        """(name, arguments, error) of each call in a model turn; a malformed turn is one error for the model."""
+        from postrl.agents.parse import ParseError, parse_tool_calls
+
+        parsed = parse_tool_calls(self.tokenizer.decode(ids, skip_special_tokens=False), self.tools)
+        if isinstance(parsed, ParseError):
+            return [(None, None, parsed.message)]
+        return [(c.name, c.arguments, None) for c in parsed]
+
+    def _run_tools(self, calls: list[tuple[Trajectory, list]], budget: int) -> None:
+        """Run every call of this turn, across trajectories, concurrently; append each trajectory's results."""
+        from postrl.agents.tools import ToolResult, call_tool
+
+        cfg = self.cfg
+        jobs = []
+        for t, parsed in calls:
+            for k, (name, arguments, error) in enumerate(parsed or [(None, None, "no tool call found between <tool_call> and </tool_call>")]):
+                if error is None and k >= cfg.max_parallel_calls:
+                    error = f"at most {cfg.max_parallel_calls} tool calls per turn; this one was not run"
+                if error is None and t.tool_calls >= cfg.max_tool_calls:
+                    error = f"the limit of {cfg.max_tool_calls} tool calls is reached; answer without tools"
+                if error is None:
+                    t.tool_calls += 1
+                    future = self._pool.submit(call_tool, self.tools, name, arguments, cfg.tool_timeout_s)
+                else:
+                    future = None
+                jobs.append((t, name or "error", future, error))
+        results: dict[int, list[tuple[str, str]]] = {}
+        for t, name, future, error in jobs:
+            res = future.result() if future is not None else ToolResult(error, "error")
+            self.stats[f"agent/tool_{res.status}"] += 1
+            text = truncate_text(self.tokenizer, res.text, cfg.max_tool_response_tokens)
+            results.setdefault(id(t), []).append((name, text))
+        for t, _ in calls:
+            self._append_masked(t, self.renderer.tool_turn(results[id(t)], t.ids[-1] if t.ids else None), budget)
+
+    def _append_masked(self, t: Trajectory, ids: list[int], budget: int) -> None:
+        if len(t.ids) + len(ids) >= budget:
+            t.stop(finished=False)  # no room left for another model turn
+            return
+        t.append(ids, sampled=False)
+
+    # ------------------------------------------------------------------------------ metrics
+    def reset_stats(self) -> None:
+        self.stats = {k: 0.0 for k in ("agent/tool_ok", "agent/tool_error", "agent/tool_timeout", "timing/agent_generate", "timing/agent_tools")}
+        self._n = self._turns = self._calls = self._with_call = self._model = self._total = 0
+        self._env_reward = 0.0
+
+    def _record(self, trajs: list[Trajectory]) -> None:
+        self._n += len(trajs)
+        self._turns += sum(len(t.spans) for t in trajs)
+        self._calls += sum(t.tool_calls for t in trajs)
+        self._with_call += sum(t.tool_calls > 0 for t in trajs)
+        self._model += sum(sum(t.mask) for t in trajs)
+        self._total += sum(len(t.ids) for t in trajs)
+        self._env_reward += sum(t.env_reward for t in trajs)
+
+    def pop_metrics(self) -> dict[str, float]:
+        """agent/* and timing/agent_* since the last call (then reset): per-trajectory means and tool outcomes."""
+        n = max(self._n, 1)
+        m = dict(self.stats)
+        m.update({
+            "agent/turns_mean": self._turns / n, "agent/tool_calls_mean": self._calls / n,
+            "agent/tool_call_ratio": self._with_call / n, "agent/model_tokens_mean": self._model / n,
+            "agent/total_tokens_mean": self._total / n,
+        })  # fmt: skip
+        if self.env_cls is not None:
+            m["agent/env_reward_mean"] = self._env_reward / n
+        self.reset_stats()
+        return m
+
+
+def model_text(tokenizer: Any, completion: Completion) -> str:
+    """What the policy wrote in a completion (its tokens only, special tokens skipped): what verifiers read."""
+    mask = completion.loss_mask
+    ids = completion.token_ids if mask is None else [i for i, m in zip(completion.token_ids, mask) if m]
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def model_tokens(completion: Completion) -> int:
+    """The number of tokens the policy sampled in a completion."""
+    return len(completion.token_ids) if completion.loss_mask is None else sum(completion.loss_mask)
+
+
+def tool_schemas(multi_turn: "MultiTurnConfig") -> list[dict] | None:
+    """The JSON schemas of `rollout.multi_turn.tools` for the chat template's `tools=` (None when the loop is
+    off or has no tools): prompts are rendered with them for rollout, validation and SFT alike."""
+    if not multi_turn.enable or not multi_turn.tools:
+        return None
+    from postrl.agents.tools import load_tools
+
+    return [t.schema for t in load_tools(list(multi_turn.tools)).values()]
+
+
+def generate_for(engine: Any, examples: list, params: SamplingParams) -> list[Completion]:
+    """`engine.generate` on prompt examples (data/dataset.py's PromptExample); the agent loop also gets their
+    dataset rows, from which environments reset."""
+    from postrl.data.dataset import multi_modal_of
+
+    prompts, mm = [e.prompt_ids for e in examples], multi_modal_of(examples)
+    if getattr(engine, "takes_rows", False):
+        return engine.generate(prompts, params, multi_modal=mm, rows=[e.row for e in examples])
+    return engine.generate(prompts, params, multi_modal=mm)

@@ -1,0 +1,63 @@
+"""The best weights of a run (`checkpoint.keep_best`): <checkpoint.dir>/best, replaced whenever the
+headline validation metric beats the kept one.
+
+    <checkpoint.dir>/best/
+      model/          Hugging Face format (merged, with LoRA), what `postrl export` copies
+      best.json       {"step", "metric", "value"}
+      config.yaml     the run's config (export reads its model.dtype)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from postrl import distributed
+from postrl.checkpoint.files import fsync_dir, fsync_tree, remove
+from postrl.checkpoint.store import save_weights
+
+BEST = "best"
+
+
+def best_so_far(cfg: Any) -> dict | None:
+    """{"step", "metric", "value"} of the weights in <checkpoint.dir>/best, or None."""
+    info = Path(cfg.checkpoint.dir) / BEST / "best.json"
+    return json.loads(info.read_text()) if info.is_file() else None
+
+
+def save_best(cfg: Any, model: Any, tokenizer: Any, step: int, value: float, metric: str) -> Path:
+    """Replace <checkpoint.dir>/best with these weights (a Hugging Face model dir in best/model) and the
+    run's config.yaml beside them (export reads its model.dtype)."""
+    from postrl.config import dump_config
+
+    root = Path(cfg.checkpoint.dir)
+    final, tmp = root / BEST, root / f".tmp_{BEST}"
+    write = distributed.rank() == 0
+    if write:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    distributed.barrier()
+    save_weights(cfg, model, tokenizer, tmp, write)
+    if write:
+        (tmp / "best.json").write_text(json.dumps({"step": step, "metric": metric, "value": value}))
+        (tmp / "config.yaml").write_text(dump_config(cfg))
+        fsync_tree(tmp)
+        remove(final)
+        os.replace(tmp, final)
+        fsync_dir(root)
+    distributed.barrier()
+    return final
+
+
+def keep_if_best(cfg: Any, model: Any, tokenizer: Any, step: int, found: tuple[str, float] | None) -> None:
+    """Save these weights as the best when `found` (the headline metric's name and value of this
+    validation) beats the kept one; a no-op without checkpoint.keep_best."""
+    if found is None or not cfg.checkpoint.keep_best:
+        return
+    name, value = found
+    best = best_so_far(cfg)
+    if best is None or best.get("metric") != name or value > best["value"]:
+        save_best(cfg, model, tokenizer, step, value, name)

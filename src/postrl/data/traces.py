@@ -1,0 +1,87 @@
+"""Tool traces for SFT: chat messages with `tool_calls` and `tool` turns, trained on the assistant's tokens only.
+
+A trace is the list of messages after the prompt (OpenAI / transformers format):
+
+    [{"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function":
+         {"name": "calculator", "arguments": {"expression": "347 * 28 + 1205"}}}]},
+     {"role": "tool", "name": "calculator", "content": "10921"},
+     {"role": "assistant", "content": "\\boxed{10921}"}]
+
+The whole conversation is rendered once with the model's chat template (with the tools' schemas, as
+rollout prompts are); each assistant message's tokens are the difference between the render up to its
+header and the render through it. They are trained up to and including the first token that ends a
+model turn in the agent loop (EOS, or </tool_call> when a tool call stops the turn); everything else
+(the prompt, tool results, the tokens the template adds after a turn) is masked. So SFT trains exactly
+the tokens the policy samples in the agent loop, and RL continues from the same trajectories.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from postrl.errors import UserError
+
+CALL_END = "</tool_call>"
+
+
+def is_trace(response: Any) -> bool:
+    """Whether a row's SFT response is a trace (a list of chat messages) rather than a text."""
+    return isinstance(response, (list, tuple)) and all(isinstance(m, dict) and "role" in m for m in response)
+
+
+def encode_trace(
+    tokenizer: Any, prompt: Any, turns: list[dict], tools: list[dict] | None = None, where: str = "trace"
+) -> tuple[list[int], list[int], list[int]]:
+    """(prompt ids, response ids, response loss mask) of a prompt and the trace that follows it."""
+    prompt_msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    turns = [_clean(m) for m in turns]
+
+    def render(messages: list[dict], generation_prompt: bool) -> list[int]:
+        return list(tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=True, add_generation_prompt=generation_prompt, return_dict=False
+        ))  # fmt: skip
+
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError(f"{where}: a tool trace needs the tokenizer's chat template, and it has none. Fix: use a chat model's tokenizer.")
+    prompt_ids = render(prompt_msgs, True)
+    ids = render(prompt_msgs + turns, False)
+    stops = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(CALL_END)} - {None, tokenizer.unk_token_id}
+    mask = [0] * len(ids)
+    for k, m in enumerate(turns):
+        if m["role"] != "assistant":
+            continue
+        head = render(prompt_msgs + turns[:k], True)
+        upto = render(prompt_msgs + turns[: k + 1], False)
+        if ids[: len(head)] != head or ids[: len(upto)] != upto or upto[: len(head)] != head:
+            raise UserError(
+                f"{where}: the chat template renders the conversation so that an earlier part changes when a later "
+                "turn is added, so assistant tokens cannot be told apart. Fix: use a template whose earlier turns stay "
+                "as they are (Qwen2.5, Llama 3 and ChatML do)."
+            )
+        for pos in range(len(head), len(upto)):
+            mask[pos] = 1
+            if ids[pos] in stops:
+                break
+    if ids[: len(prompt_ids)] != prompt_ids:
+        raise UserError(f"{where}: the prompt renders differently inside the whole conversation. Fix: check the chat template.")
+    return prompt_ids, ids[len(prompt_ids) :], mask[len(prompt_ids) :]
+
+
+def _clean(message: dict) -> dict:
+    """A message as the template expects it: no None-valued keys (parquet fills missing fields with None)."""
+    out = {k: v for k, v in message.items() if v is not None}
+    if out.get("role") == "assistant" and "content" not in out:
+        out["content"] = ""
+    if "tool_calls" in out:
+        out["tool_calls"] = [
+            {k: (_drop_none(v) if k == "function" else v) for k, v in call.items() if v is not None}
+            for call in out["tool_calls"]
+        ]  # fmt: skip
+    return out
+
+
+def _drop_none(value: Any) -> Any:
+    """A nested dict without None values (the fields parquet adds for other rows' keys)."""
+    if isinstance(value, dict):
+        return {k: _drop_none(v) for k, v in value.items() if v is not None}
+    return value

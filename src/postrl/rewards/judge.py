@@ -1,0 +1,100 @@
+"""An LLM judge (generative reward model): a second causal LM reads each response and writes a score.
+
+`reward.judge` names the model, a prompt template ({prompt}, {response}, {ground_truth}) sent as a user
+message through the judge's chat template, and `score_pattern`, a regex whose one group is the score.
+The judge decodes greedily through a rollout engine (`postrl.rollout.make_engine`: HF, or vLLM) and is
+frozen. A judgement the pattern does not match, or whose group is not a finite number, scores
+`fail_score` and is counted (reward/judge_unparsed): a judge that never answers in the expected form
+would otherwise hand the policy a constant reward without anyone noticing.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from typing import Any
+
+import torch
+
+from postrl.rewards.reward_model import ModelScores, prompt_messages
+
+log = logging.getLogger("postrl.rewards")
+
+UNPARSED_METRIC = "reward/judge_unparsed"
+
+
+def parse_score(judgement: str, pattern: re.Pattern) -> float | None:
+    """The number in the pattern's group at its first match, or None (no match, or not a finite number)."""
+    m = pattern.search(judgement)
+    if m is None or m.group(1) is None:
+        return None
+    try:
+        value = float(m.group(1))
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def fill_template(template: str, messages: list[dict], response: str, ground_truth: str) -> str:
+    prompt = "\n".join(m["content"] for m in messages)
+    return template.format(prompt=prompt, response=response, ground_truth=ground_truth)
+
+
+class Judge:
+    """Scores responses with a second model's greedy judgement (`reward.judge`)."""
+
+    name = "judge_score"
+    normalize = False
+
+    def __init__(self, cfg: Any, device: torch.device, prompt_key: str = "prompt", rollout_cfg: Any = None):
+        """`rollout_cfg`: the engine's settings (postrl.config.RolloutConfig); None: the HF engine."""
+        from postrl.models import load_model, load_tokenizer, resolve_model_path
+        from postrl.rollout import make_engine
+
+        self.cfg, self.weight, self.prompt_key = cfg, float(cfg.weight), prompt_key
+        self.pattern = re.compile(cfg.score_pattern)
+        path = resolve_model_path(cfg.path)
+        self.tokenizer = load_tokenizer(path)
+        model = load_model(path).to(device).eval().requires_grad_(False)
+        if rollout_cfg is None:
+            from postrl.rollout.hf import HFEngine
+
+            self.engine = HFEngine(model, self.tokenizer)
+        else:
+            self.engine = make_engine(rollout_cfg, model, self.tokenizer, log=log.info)
+        self.unparsed_total = 0
+        self._warned = False
+
+    def prompt_ids(self, response: str, ground_truth: str, row: dict) -> list[int]:
+        text = fill_template(self.cfg.prompt_template, prompt_messages(row, self.prompt_key), response, ground_truth)
+        if getattr(self.tokenizer, "chat_template", None):
+            return self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def judgements(self, responses: list[str], ground_truths: list[str], rows: list[dict]) -> list[str]:
+        from postrl.rollout import SamplingParams
+
+        prompts = [self.prompt_ids(c, g, r) for c, g, r in zip(responses, ground_truths, rows)]
+        completions = self.engine.generate(prompts, SamplingParams(max_tokens=self.cfg.max_tokens, n=1, greedy=True))
+        by_prompt = sorted(completions, key=lambda c: c.prompt_index)
+        return self.tokenizer.batch_decode([c.token_ids for c in by_prompt], skip_special_tokens=True)
+
+    def score(self, responses: list[str], ground_truths: list[str], rows: list[dict]) -> ModelScores:
+        judgements = self.judgements(responses, ground_truths, rows)
+        parsed = [parse_score(j, self.pattern) for j in judgements]
+        unparsed = sum(p is None for p in parsed)
+        if unparsed and not self._warned:
+            self._warned = True
+            example = next(j for j, p in zip(judgements, parsed) if p is None)
+            log.warning(
+                "reward: the judge's answer %r does not match reward.judge.score_pattern %r; it scores the fail "
+                "score (%g), counted in %s from now on.", example[:200], self.cfg.score_pattern, self.cfg.fail_score,
+                UNPARSED_METRIC,
+            )  # fmt: skip
+        self.unparsed_total += unparsed
+        scores = [self.cfg.fail_score if p is None else p for p in parsed]
+        return ModelScores(scores, {UNPARSED_METRIC: unparsed})
+
+    def close(self) -> None:
+        self.engine.close()
