@@ -38,6 +38,7 @@ from postrl.runtime import Runtime
 from postrl.schedule import lr_lambda
 
 LOGPROB_KEYS = ("old_logp", "ref_logp", "engine_logp")  # [B, T] tensors sliced with each micro-batch
+VALUE_KEYS = ("values", "returns")  # [B, T], with a critic (critic.py), sliced likewise
 
 
 @dataclass
@@ -45,8 +46,9 @@ class Packed:
     """This rank's rows as tensors on the runtime device: prompts left-padded to P, responses right-padded to T.
 
     tensors: input_ids / attention_mask / position_ids [B, P+T], response_mask [B, T] (the loss mask:
-    1 only on tokens the policy sampled, so a trajectory's tool results are 0), adv [B], and the [B, T]
-    log-prob tensors of LOGPROB_KEYS once computed. Log-probs cover every real response token, aligned
+    1 only on tokens the policy sampled, so a trajectory's tool results are 0), reward [B], adv [B] (or [B, T]
+    per-token advantages, which a critic's GAE puts in its place), and the [B, T] tensors of LOGPROB_KEYS
+    and VALUE_KEYS once computed. Log-probs cover every real response token, aligned
     with the response ids; the loss reads them where response_mask is 1.
     """
 
@@ -107,6 +109,7 @@ class Actor:
         responses = [batch.response_ids[i] for i in rows]
         t = build_sequences(prompts, responses, self.pad_id, [batch.loss_masks[i] for i in rows])
         t["adv"] = adv_B[rows]
+        t["reward"] = torch.tensor(batch.rewards, dtype=torch.float32)[rows]
         if batch.has_engine_logprobs:  # one per response token (0.0 on tool tokens, which the mask drops)
             lp = torch.zeros_like(t["response_mask"], dtype=torch.float32)
             for i, row in enumerate(rows):
@@ -153,9 +156,9 @@ class Actor:
                 "attention_mask": attn[:, left : P + T],
                 "position_ids": x["position_ids"][ix, left : P + T],
                 "response_mask": resp_mask[:, :T].float(),
-                "adv": x["adv"][ix],
+                "adv": x["adv"][ix] if x["adv"].dim() == 1 else x["adv"][ix, :T],
             }
-            for key in LOGPROB_KEYS:
+            for key in LOGPROB_KEYS + VALUE_KEYS:
                 if key in x:
                     mb[key] = x[key][ix, :T]
             if packed.multi_modal is not None:
@@ -219,7 +222,8 @@ class Actor:
         a, mask = self.cfg.algorithm, mb["response_mask"]
         logp, entropy = self._forward(mb)
         old_logp = logp.detach() if self.on_policy else mb["old_logp"]
-        pg_BT, stats = self.policy_loss(logp, old_logp, mb["adv"].unsqueeze(1).expand_as(logp), mask)
+        adv_BT = mb["adv"] if mb["adv"].dim() == 2 else mb["adv"].unsqueeze(1).expand_as(logp)  # per token, or per row
+        pg_BT, stats = self.policy_loss(logp, old_logp, adv_BT, mask)
         loss_mask = mask
         if self.rollout_correction is not None and "engine_logp" in mb:  # the trainer's policy over the engine's
             weight_BT, rc_stats = self.rollout_correction(old_logp, mb["engine_logp"], mask)

@@ -241,7 +241,7 @@ class RolloutConfig(Section):
 
 
 # ----------------------------------------------------------------------------------------- algorithm
-def _registered_name(kind: str, value: str, registry: str, user_fn: bool = False) -> str:
+def _registered_name(kind: str, value: str, registry: str | tuple[str, ...], user_fn: bool = False) -> str:
     """`value` if postrl.algorithms registers it in `registry`; else a ValueError with the valid names
     (and, with `user_fn`, the 'package.module:function' alternative).
 
@@ -250,7 +250,7 @@ def _registered_name(kind: str, value: str, registry: str, user_fn: bool = False
     """
     from postrl import algorithms
 
-    valid = list(getattr(algorithms, registry))
+    valid = [name for r in (registry if isinstance(registry, tuple) else (registry,)) for name in getattr(algorithms, r)]
     if value not in valid:
         guess = difflib.get_close_matches(str(value), valid, n=1)
         hint = f" Did you mean '{guess[0]}'?" if guess else ""
@@ -267,6 +267,11 @@ class KLConfig(Section):
     @classmethod
     def _known_estimator(cls, v: str) -> str:
         return _registered_name("KL estimator", v, "KL_ESTIMATORS")
+
+
+class KLControlConfig(Section):
+    type: Literal["fixed"] = Field("fixed", description="fixed: a constant coefficient (verl's adaptive controller is not here).")
+    kl_coef: float = Field(0.001, ge=0, description="Weight of the per-token KL penalty in the reward (use_kl_in_reward).")
 
 
 class RolloutCorrectionConfig(Section):
@@ -358,9 +363,17 @@ class AlgorithmConfig(Section):
     name: Literal["grpo", "dapo"] = Field("grpo", description="grpo or dapo; dapo only changes defaults.")
     adv_estimator: str = Field(
         "grpo",
-        description="Advantage estimator: grpo, drgrpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline "
-        "(docs/algorithms.md).",
+        description="Advantage estimator: grpo, drgrpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, "
+        "or gae (PPO: a critic, see the `critic` section, gives per-token GAE advantages; docs/algorithms.md).",
     )
+    gamma: float = Field(1.0, ge=0, le=1, description="GAE: discount per model token (verl's algorithm.gamma).")
+    lam: float = Field(1.0, ge=0, le=1, description="GAE: lambda, the bias-variance trade-off (verl's algorithm.lam).")
+    use_kl_in_reward: bool = Field(
+        False,
+        description="PPO (gae) only: subtract kl_ctrl.kl_coef x KL(policy || reference) (estimator algorithm.kl.estimator) "
+        "from the reward of every model token, as verl's use_kl_in_reward; loads the reference model.",
+    )
+    kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig, description="KL-in-reward coefficient.")
     policy_loss: str | None = Field(
         None,
         description="Policy loss: a name registered in postrl.algorithms (docs/algorithms.md lists each with its "
@@ -409,7 +422,7 @@ class AlgorithmConfig(Section):
     @field_validator("adv_estimator")
     @classmethod
     def _known_estimator(cls, v: str) -> str:
-        return _registered_name("advantage estimator", v, "ADV_ESTIMATORS")
+        return _registered_name("advantage estimator", v, ("ADV_ESTIMATORS", "CRITIC_ADV_ESTIMATORS"))
 
     @field_validator("policy_loss")
     @classmethod
@@ -824,6 +837,19 @@ class ClusterConfig(Section):
     )
 
 
+class CriticConfig(Section):
+    """The value model of PPO (algorithm.adv_estimator: gae); ignored by the critic-free estimators."""
+
+    model_path: str | None = Field(
+        None,
+        description="A token-classification model with one label (a critic saved by postrl: <checkpoint>/critic/model). "
+        "Default: the policy's initial weights with a fresh value head.",
+    )
+    lr: float = Field(1e-5, gt=0, description="Critic learning rate (AdamW; betas, weight decay and grad clip: train's).")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup of the critic's learning rate, then constant.")
+    cliprange_value: float = Field(0.5, gt=0, description="Value clipping: V stays within V_old +- this in the loss.")
+
+
 class Config(Section):
     model: ModelConfig
     data: DataConfig = Field(default_factory=DataConfig)
@@ -831,6 +857,7 @@ class Config(Section):
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
     rm: RMTrainConfig = Field(default_factory=RMTrainConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
@@ -871,6 +898,13 @@ class Config(Section):
                 f"train.sequence_parallel_size ({sp}) must divide the world size ({self.world_size} devices): each "
                 "sequence-parallel group is that many ranks. Fix: choose a divisor, or change cluster.devices_per_node / nnodes."
             )
+        a = self.algorithm
+        if a.use_kl_in_reward and not _needs_critic(a.adv_estimator):
+            problems.append(
+                f"algorithm.use_kl_in_reward puts a KL penalty on every token's reward, which only a per-token estimator "
+                f"with a critic uses; adv_estimator '{a.adv_estimator}' reads one reward per sequence. Fix: set "
+                "algorithm.adv_estimator: gae, or use the KL loss (algorithm.kl.coef) instead."
+            )
         if problems:
             raise ValueError("\n".join(problems))
         return self
@@ -878,6 +912,12 @@ class Config(Section):
     @property
     def world_size(self) -> int:
         return self.cluster.nnodes * self.cluster.devices_per_node
+
+
+def _needs_critic(adv_estimator: str) -> bool:
+    from postrl import algorithms
+
+    return algorithms.needs_critic(adv_estimator)
 
 
 # ------------------------------------------------------------------------------------------ loading

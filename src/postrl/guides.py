@@ -30,7 +30,7 @@ MEGATRON = "a Megatron-LM training switch with no meaning for a Hugging Face mod
 ARCH = "model architecture: postrl reads it from the model's config.json (model.path)"
 PLACEMENT = "Ray placement of separate workers: postrl colocates every role (rollout, reference, actor) on each device"
 ASCEND = "an Ascend / MindSpeed runtime switch; on Ascend postrl runs the NPU through torch.distributed (train.device: npu)"
-GAE = "a GAE / critic setting: postrl's estimators are critic-free (grpo, drgrpo, rloo, reinforce_plus_plus...)"
+GAE = "a critic setting postrl does not map: set its critic section (critic.lr, critic.cliprange_value, critic.warmup_steps, critic.model_path)"
 LOGGING = "logging detail; postrl logs its metrics to logging.sinks (logging.metric_names picks the guide's names)"
 WRAP = "postrl shards one FSDP2 unit per transformer block (the model's _no_split_modules, as verl's default transformer-layer policy); a size-based wrap policy is not offered"
 DATA = "postrl trains on parquet / JSONL in the verl schema: run `postrl preprocess` (e.g. `postrl preprocess math_17k`) and set data.train_files"
@@ -126,7 +126,7 @@ def _kl(v: Any) -> dict | None:
 
 def _adv(v: Any) -> dict | None:
     names = {"grpo": "grpo", "group_norm": "grpo", "rloo": "rloo", "reinforce_plus_plus": "reinforce_plus_plus",
-             "reinforce_plus_plus_baseline": "reinforce_plus_plus_baseline", "drgrpo": "drgrpo"}  # fmt: skip
+             "reinforce_plus_plus_baseline": "reinforce_plus_plus_baseline", "drgrpo": "drgrpo", "gae": "gae"}  # fmt: skip
     return {"algorithm.adv_estimator": names[v]} if v in names else None
 
 
@@ -261,12 +261,14 @@ VERL: dict[str, Rule] = {
     "actor_rollout_ref.rollout.val_kwargs.top_k": drop("validation samples with rollout.top_k"),
     "actor_rollout_ref.ref.fsdp_config.param_offload": to("train.ref_offload"),
     "actor_rollout_ref.ref.ulysses_sequence_parallel_size": drop("sequence parallelism: see actor_rollout_ref.actor.ulysses_sequence_parallel_size"),
-    "algorithm.adv_estimator": via(_adv, "gae needs a critic; " + GAE),
+    "algorithm.adv_estimator": via(_adv, "an estimator postrl does not have"),
     "algorithm.norm_adv_by_std_in_grpo": to("algorithm.norm_adv_by_std"),
-    "algorithm.use_kl_in_reward": via(lambda v: {} if not _bool(v) else None, "KL in the reward: postrl applies KL as a loss (algorithm.kl.coef)"),
-    "algorithm.kl_penalty": via(_kl, "used only with use_kl_in_reward; mapped to the KL loss's estimator"),
-    "algorithm.gamma": drop(GAE),
-    "algorithm.lam": drop(GAE),
+    "algorithm.use_kl_in_reward": to("algorithm.use_kl_in_reward", "PPO (gae) only in postrl"),
+    "algorithm.kl_penalty": via(_kl, "the estimator of the KL in the reward and of the KL loss"),
+    "algorithm.kl_ctrl.kl_coef": to("algorithm.kl_ctrl.kl_coef"),
+    "algorithm.kl_ctrl.type": via(lambda v: {} if v == "fixed" else None, "postrl's KL-in-reward coefficient is fixed"),
+    "algorithm.gamma": to("algorithm.gamma"),
+    "algorithm.lam": to("algorithm.lam"),
     "algorithm.filter_groups.enable": to("algorithm.filter_groups.enable"),
     "algorithm.filter_groups.metric": via(_filter_metric),
     "algorithm.filter_groups.max_num_gen_batches": to("algorithm.filter_groups.max_num_gen_batches"),
@@ -309,7 +311,7 @@ VERL_PREFIXES: dict[str, str] = {
     "actor_rollout_ref.rollout.engine_kwargs.": "engine-specific arguments: postrl's rollout section names the vLLM settings it passes",
     "actor_rollout_ref.rollout.multi_turn.": "multi-turn agent rollouts are not in this postrl version",
     "actor_rollout_ref.rollout.agent.": "multi-turn agent rollouts are not in this postrl version",
-    "algorithm.kl_ctrl.": "KL in the reward with an adaptive controller: postrl applies a fixed-coefficient KL loss (algorithm.kl.coef)",
+    "algorithm.kl_ctrl.": "the adaptive KL controller: postrl's KL-in-reward coefficient is fixed (algorithm.kl_ctrl.kl_coef)",
     "reward_model.model.": "a model-based reward: postrl scores with rule verifiers (reward.verifiers)",
     "ray_init.": PLACEMENT,
     "ray_kwargs.": PLACEMENT,
@@ -694,7 +696,7 @@ def split_overrides(overrides: list[str], is_postrl_key: Callable[[str], bool]) 
     for item in overrides:
         key = item.split("=", 1)[0].lstrip("+")
         known = key in VERL or key.startswith(tuple(VERL_PREFIXES))
-        is_verl = key.startswith(VERL_HEADS) or (known and not is_postrl_key(key))
+        is_verl = (key.startswith(VERL_HEADS) or known) and not is_postrl_key(key)  # postrl has a critic section too
         (verl if is_verl else native).append(item)
     return verl, native
 

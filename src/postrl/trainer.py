@@ -21,7 +21,9 @@ import torch
 from postrl import checkpoint, distributed, guards, lora, reference
 from postrl.actor import Actor
 from postrl.agents.loop import tool_schemas
+from postrl.algorithms import needs_critic
 from postrl.config import Config
+from postrl.critic import CRITIC_DIR, Critic
 from postrl.data.dataset import PromptSampler, load_prompts
 from postrl.errors import Stopped, UserError
 from postrl.evaluate import ValidationHistory, evaluate, load_val_sets
@@ -71,12 +73,13 @@ class Trainer:
         if cfg.train.total_epochs:  # before the LR schedule is built
             cfg.train.total_steps = max(1, cfg.train.total_epochs * (len(self.train_examples) // cfg.train.global_batch_size))
             self.log(f"train.total_epochs {cfg.train.total_epochs}: {cfg.train.total_steps} steps")
-        self.ref_model = reference.build(cfg, self.policy, rt) if cfg.algorithm.kl.coef > 0 else None
+        self.ref_model = reference.build(cfg, self.policy, rt) if cfg.algorithm.kl.coef > 0 or cfg.algorithm.use_kl_in_reward else None
         # FSDP2 shards self.model in place (before the optimizer sees its parameters); DDP wraps it.
         train_model = distributed.wrap_model(
             self.model, cfg.train.strategy, compute_dtype=rt.dtype, reshard_after_forward=cfg.train.reshard_after_forward
         )
         self.actor = Actor(cfg, self.policy, train_model, rt, self.log)
+        self.critic = Critic(cfg, self.model_path, self.actor, rt, self.log) if needs_critic(cfg.algorithm.adv_estimator) else None
 
         self.val_sets = load_val_sets(cfg.eval.files or [], self.tokenizer, cfg.data, cfg.eval.max_prompts, self.policy.modality, tools)
         self.sampler = PromptSampler(len(self.train_examples), cfg.data.shuffle, cfg.data.seed)
@@ -170,21 +173,29 @@ class Trainer:
 
     def train_step(self) -> dict[str, float]:
         self.timer = Timer()
-        self.actor.free_grads()  # the last update's fp32 gradients: rollout needs the memory more
+        for part in (self.actor, self.critic) if self.critic else (self.actor,):
+            part.free_grads()  # the last update's fp32 gradients: rollout needs the memory more
         with self.timer("all"):
             batch, gen_stats = self._collect()  # the global batch, the same on every rank
             with self.timer("resharding_to_train"):
                 self.engine.sleep()  # GPU vLLM: free the KV cache and offload weights for the update
             with self.timer("adv"):
-                local = self.actor.pack(batch, self.experience.advantages(batch))  # this rank's rows
-            if not self.actor.on_policy:
+                adv_B = self.experience.advantages(batch) if self.critic is None else torch.zeros(batch.size)  # GAE: below
+                local = self.actor.pack(batch, adv_B)  # this rank's rows
+            if not self.actor.on_policy or self.cfg.algorithm.use_kl_in_reward:  # PPO's KL in the reward reads them
                 with self.timer("old_log_p"):
                     local.tensors["old_logp"] = self.actor.compute_logprobs(self.model, local)
             if self.ref_model is not None:
                 with self.timer("reference_model"), reference.ready(self.ref_model, self.model, self.runtime, self.timer) as ref:
                     local.tensors["ref_logp"] = self.actor.compute_logprobs(ref, local)
+            update_stats = {}
+            if self.critic is not None:  # values, GAE advantages and returns, then the critic's update (verl's order)
+                with self.timer("values"):
+                    update_stats = self.critic.advantages(local)
+                with self.timer("update_critic"):
+                    update_stats.update(self.critic.update(local))
             with self.timer("update"):
-                update_stats = self.actor.update(local, use_ref=self.ref_model is not None)
+                update_stats.update(self.actor.update(local, use_ref=self.cfg.algorithm.kl.coef > 0))
             with self.timer("resharding_to_infer"):
                 self.engine.sync_weights(self.model)
                 if not self.train_examples[0].multi_modal:  # the probe is a text prompt
@@ -239,6 +250,7 @@ class Trainer:
             "model": self.model,
             "tokenizer": self.tokenizer,
             **self.actor.state_dict(),
+            **({"critic": self.critic.state_dict()} if self.critic is not None else {}),
             "sampler": self.sampler.state_dict(),
             "rng": rng_state(),
             "train_prompts": len(self.train_examples),
@@ -257,6 +269,8 @@ class Trainer:
             self.actor.load_state_dict({"optimizer": restored.optimizer, "scheduler": restored.scheduler})
         else:
             self.actor.skip_schedule_to(self.step)
+        if self.critic is not None:
+            self.critic.load(restored.path / CRITIC_DIR, restored.critic_optimizer, restored.critic_scheduler, self.step)
         if restored.rng is not None:
             set_rng_state(restored.rng)
         self.sampler.load_state_dict(restored.sampler)

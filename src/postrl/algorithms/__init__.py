@@ -8,6 +8,8 @@ ValueError that lists the valid ones); this package is the one place that holds 
 - advantage estimators (`get_adv_estimator`): grpo, drgrpo, rloo, reinforce_plus_plus,
   reinforce_plus_plus_baseline; one signature `fn(rewards_B, group_size, *, norm_adv_by_std, epsilon,
   num_tokens_B)` (loss tokens per sequence: reinforce_plus_plus whitens over tokens; the others ignore it);
+  those that need a value model (`CRITIC_ADV_ESTIMATORS`: gae) are token-level, `fn(token_rewards_BT,
+  values_BT, mask_BT, gamma, lam) -> (adv_BT, returns_BT)`, with PPO's clipped `value_loss`;
 - policy losses (`get_policy_loss_fn`): vanilla, gspo, cispo, or a user's 'package.module:function'; one
   signature `fn(logp_BT, old_logp_BT, adv_BT, mask_BT, *, clip_ratio_low, clip_ratio_high, clip_ratio_c,
   **params)`. Each declares with its registration (`LossSpec`) its own hyperparameters (`Param`: default,
@@ -51,6 +53,12 @@ from postrl.algorithms.advantages import (  # noqa: F401
     reinforce_plus_plus_baseline_advantages,
     overlong_penalty,
     group_keep_mask,
+    CRITIC_ADV_ESTIMATORS,
+    gae_advantages,
+    needs_critic,
+    terminal_rewards,
+    masked_whiten,
+    whiten_totals,
 )
 from postrl.algorithms.losses import (  # noqa: F401
     PolicyLossFn,
@@ -68,6 +76,7 @@ from postrl.algorithms.losses import (  # noqa: F401
     policy_loss,
     gspo_policy_loss,
     cispo_policy_loss,
+    value_loss,
 )
 from postrl.algorithms.correction import (  # noqa: F401
     RolloutCorrectionFn,

@@ -162,3 +162,74 @@ def group_keep_mask(metric_B: torch.Tensor, group_size: int) -> torch.Tensor:
     """Dynamic sampling: True for groups whose metric varies (std > 0), one entry per group."""
     metric_BG = metric_B.float().view(-1, group_size)
     return metric_BG.std(dim=1, unbiased=True) > 0
+
+
+# Estimators that need a value model (the critic, critic.py): token-level, so not of `AdvEstimator`'s
+# signature. The config accepts their names as `algorithm.adv_estimator` too.
+CRITIC_ADV_ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {}
+
+
+def gae_advantages(
+    token_rewards_BT: torch.Tensor, values_BT: torch.Tensor, mask_BT: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE (Schulman et al., 2016) over the model tokens of each row: (advantages_BT, returns_BT).
+
+    delta_t = r_t + gamma V_next - V_t and A_t = delta_t + gamma lam A_next, where "next" is the next
+    token with mask 1: tool / environment tokens (mask 0) and trailing padding are skipped, their
+    values and TD errors ignored (verl's multi-turn GAE). Past the last model token V_next = A_next = 0.
+    returns = A + V. Both are 0 where the mask is 0 (the loss never reads them). Not whitened here:
+    `masked_whiten` does that over the batch.
+    """
+    mask_BT = mask_BT.float()
+    rewards_BT, values_BT = token_rewards_BT.float(), values_BT.float()
+    next_value_B = torch.zeros_like(values_BT[:, 0])
+    next_adv_B = torch.zeros_like(values_BT[:, 0])
+    adv_BT = torch.zeros_like(values_BT)
+    for t in reversed(range(values_BT.shape[1])):
+        m_B = mask_BT[:, t]
+        delta_B = rewards_BT[:, t] + gamma * next_value_B - values_BT[:, t]
+        adv_B = delta_B + gamma * lam * next_adv_B
+        next_value_B = m_B * values_BT[:, t] + (1 - m_B) * next_value_B  # masked tokens pass "next" through
+        next_adv_B = m_B * adv_B + (1 - m_B) * next_adv_B
+        adv_BT[:, t] = adv_B * m_B
+    return adv_BT, (adv_BT + values_BT) * mask_BT
+
+
+CRITIC_ADV_ESTIMATORS["gae"] = gae_advantages
+
+
+def needs_critic(adv_estimator: str) -> bool:
+    """True for an estimator that reads a value model (`CRITIC_ADV_ESTIMATORS`)."""
+    return adv_estimator in CRITIC_ADV_ESTIMATORS
+
+
+def terminal_rewards(rewards_B: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    """Token rewards [B, T]: each row's outcome reward on its last model token (mask 1), 0 elsewhere."""
+    mask_BT = mask_BT.float()
+    positions_T = torch.arange(mask_BT.shape[1], device=mask_BT.device, dtype=torch.float32)
+    last_B = (mask_BT * (positions_T + 1)).argmax(dim=1)  # the last index whose mask is 1
+    out_BT = torch.zeros_like(mask_BT)
+    has_B = mask_BT.sum(1) > 0
+    out_BT[has_B, last_B[has_B]] = rewards_B.float().to(mask_BT.device)[has_B]
+    return out_BT
+
+
+def masked_whiten(x_BT: torch.Tensor, mask_BT: torch.Tensor, totals: tuple[float, float, float] | None = None) -> torch.Tensor:
+    """(x - mean) / sqrt(var + 1e-8) over the tokens where mask is 1 (verl's masked_whiten: unbiased var).
+
+    `totals` = (count, sum, sum of squares) over the whole batch (all ranks); default: this tensor's.
+    Masked positions come out 0.
+    """
+    mask_BT = mask_BT.float()
+    if totals is None:
+        totals = whiten_totals(x_BT, mask_BT)
+    n, s, sq = totals
+    mean = s / max(n, 1.0)
+    var = (sq / max(n, 1.0) - mean * mean) * n / max(n - 1.0, 1.0)
+    return (x_BT - mean) * torch.rsqrt(torch.tensor(max(var, 0.0) + 1e-8, dtype=x_BT.dtype)) * mask_BT
+
+
+def whiten_totals(x_BT: torch.Tensor, mask_BT: torch.Tensor) -> tuple[float, float, float]:
+    """(count, sum, sum of squares) of x over the mask: sum these over ranks for `masked_whiten`."""
+    mask_BT = mask_BT.float()
+    return float(mask_BT.sum()), float((x_BT * mask_BT).sum()), float((x_BT.square() * mask_BT).sum())

@@ -229,3 +229,16 @@ def cispo_policy_loss(logp_BT: Tensor, old_logp_BT: Tensor, adv_BT: Tensor, mask
     loss_BT = -weight_BT * adv_BT * logp_BT
     truncated_BT = (ratio_BT > 1.0 + clip_ratio_high) | (ratio_BT < 1.0 - clip_ratio_low)
     return loss_BT, _loss_stats(truncated_BT, torch.zeros_like(loss_BT), log_ratio_BT, mask_BT)
+
+
+def value_loss(values_BT: Tensor, old_values_BT: Tensor, returns_BT: Tensor, mask_BT: Tensor, *, cliprange_value: float) -> LossAndStats:
+    """PPO's clipped value loss per token: 0.5 max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2).
+
+    Aggregate it like the policy loss (`aggregate_loss`). vf_clipfrac: the share of model tokens where
+    the clipped term is the larger one (verl's critic/vf_clipfrac).
+    """
+    clipped_BT = old_values_BT + (values_BT - old_values_BT).clamp(-cliprange_value, cliprange_value)
+    unclipped_sq_BT = (values_BT - returns_BT).square()
+    clipped_sq_BT = (clipped_BT - returns_BT).square()
+    loss_BT = 0.5 * torch.maximum(unclipped_sq_BT, clipped_sq_BT)
+    return loss_BT, {"critic/vf_clipfrac": masked_mean((clipped_sq_BT > unclipped_sq_BT).float(), mask_BT)}

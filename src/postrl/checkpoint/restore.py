@@ -104,6 +104,8 @@ class Restored:
     scheduler: dict | None = None
     rng: dict | None = None
     sampler: dict | None = None
+    critic_optimizer: dict | None = None  # PPO: the critic's, when the checkpoint has one (critic/)
+    critic_scheduler: dict | None = None
 
     @property
     def model_dir(self) -> Path:
@@ -147,6 +149,9 @@ def resume(cfg: Any, train_prompts: int, log=print) -> Restored | None:
             )
         restored.optimizer = read(opt_file, torch_load)
         restored.scheduler = read(path / "scheduler.pt", torch_load)
+        if (path / "critic" / f"optimizer_rank{rank}.pt").exists():
+            restored.critic_optimizer = read(path / "critic" / f"optimizer_rank{rank}.pt", torch_load)
+            restored.critic_scheduler = read(path / "critic" / "scheduler.pt", torch_load)
     rng_file = path / f"rng_rank{rank}.pt"
     if ck.load_rng and rng_file.exists():
         restored.rng = read(rng_file, torch_load)

@@ -63,6 +63,14 @@ def save_weights(cfg: Any, model: Any, tokenizer: Any, out: Path, write: bool) -
             lora.save_adapter(distributed.unwrap(model), adapters, out / lora.ADAPTER_DIR, cfg.model.path)
 
 
+def _save_critic(critic: dict[str, Any], out: Path, rank: int) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    distributed.save_pretrained(critic["model"], out / "model", write=rank == 0)
+    torch.save(critic["optimizer"], out / f"optimizer_rank{rank}.pt")
+    if rank == 0:
+        torch.save(critic["scheduler"], out / "scheduler.pt")
+
+
 def disk_full(exc: BaseException) -> bool:
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return True
@@ -94,6 +102,8 @@ def write_iteration(cfg: Any, state: dict[str, Any]) -> Path:
 
     save_weights(cfg, state["model"], state["tokenizer"], tmp, write=rank == 0)
     torch.save(state["optimizer"], tmp / "optimizer" / f"rank{rank}.pt")
+    if "critic" in state:  # PPO's value model: critic/model (HF format), its optimizer per rank, its scheduler
+        _save_critic(state["critic"], tmp / "critic", rank)
     _test_crash_point(step)
     torch.save(state["rng"], tmp / f"rng_rank{rank}.pt")
     if rank == 0:
