@@ -129,6 +129,19 @@ def _eval(node: ast.AST) -> int | float:
     raise _CalcError(f"{what} is not allowed: use numbers, + - * / // % **, and parentheses")
 
 
+MAX_EXPR_DEPTH = 200  # nested operations an expression may have
+
+
+def _depth(tree: ast.AST) -> int:
+    """How deeply the nodes of `tree` nest, counted without recursion."""
+    deepest, todo = 0, [(tree, 1)]
+    while todo:
+        node, d = todo.pop()
+        deepest = max(deepest, d)
+        todo.extend((child, d + 1) for child in ast.iter_child_nodes(node))
+    return deepest
+
+
 def calculator(expression: str) -> ToolResult:
     """Evaluate an arithmetic expression exactly (integers stay exact) and return the result.
 
@@ -141,6 +154,8 @@ def calculator(expression: str) -> ToolResult:
         return ToolResult(f"the expression is too long ({len(expression)} characters; limit {MAX_EXPR_CHARS})", "error")
     try:
         tree = ast.parse(expression.strip(), mode="eval")
+        if _depth(tree) > MAX_EXPR_DEPTH:  # explicit: a RecursionError depends on the caller's stack and limit
+            raise RecursionError
         value = _eval(tree)
     except SyntaxError as exc:
         return ToolResult(f"not an arithmetic expression: {exc.msg}", "error")
