@@ -180,3 +180,12 @@ class Guards:
         if engine_LNK is None:
             return {}
         return {"moe/routing_mismatch": routing_mismatch(engine_LNK, trace.stacked()[1].cpu())}
+
+
+def note_uncorrectable(cfg, engine, log) -> None:
+    """Say at start when algorithm.rollout_correction is on but the engine reports no sampling log-probs."""
+    if cfg.algorithm.rollout_correction.enable and not engine.capabilities.reports_logprobs:
+        log(
+            f"[yellow]algorithm.rollout_correction is on, but the {engine.name} engine reports no sampling log-probs "
+            "(it samples with the trainer's own model, so there is no gap to correct): no correction is applied.[/yellow]"
+        )

@@ -13,7 +13,7 @@ import logging
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 log = logging.getLogger("postrl.metrics")
 
@@ -298,3 +298,21 @@ def val_line(when: str, m: dict[str, float]) -> str:
     accs = [f"{k.split('/')[1]} {v * 100:.1f}%" for k, v in m.items() if k.startswith("val/") and "acc_mean@" in k]
     return f"[bold]held-out accuracy {when}:[/bold] " + ", ".join(accs)
 
+
+
+def progress_bar(console: Any, enabled: bool):
+    """The training loop's rich progress bar (transient: the step lines stay, the bar goes)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    return Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        TimeRemainingColumn(), console=console, disable=not enabled, transient=True,
+    )  # fmt: skip
+
+
+def plot_logged(logging_cfg: Any, algo: str, log) -> None:
+    """Plot the run's metrics.jsonl to training.png next to it, when the jsonl sink wrote one."""
+    metrics_path = Path(logging_cfg.dir) / "metrics.jsonl"
+    if "jsonl" in logging_cfg.sinks and metrics_path.exists():
+        png = plot_run(metrics_path, Path(logging_cfg.dir) / "training.png", algo)
+        log(f"metrics: {metrics_path}; plot: {png}")

@@ -24,14 +24,13 @@ from postrl.agents.loop import tool_schemas
 from postrl.algorithms import needs_critic
 from postrl.config import Config
 from postrl.critic import CRITIC_DIR, Critic
-from postrl.data.dataset import PromptSampler, load_prompts
+from postrl.data.dataset import PromptSampler, load_train_prompts
 from postrl.errors import Stopped, UserError
 from postrl.evaluate import ValidationHistory, evaluate, load_val_sets
 from postrl.experience import Batch, Experience, batch_metrics, staleness_metrics
-from postrl.metrics import MetricsLogger, Timer, plot_run, read_jsonl, step_line, throughput, val_line
+from postrl.metrics import MetricsLogger, Timer, plot_logged, progress_bar, read_jsonl, step_line, throughput, val_line
 from postrl.models import load_policy
 from postrl.rewards import RewardFunction
-from postrl.rewards.math import answer_format_problem
 from postrl.rewards.model_rewards import load_model_rewards
 from postrl.rollout import make_engine
 from postrl.runtime import StopOnSignal, configure_threads, init_runtime, rng_state, seed_everything, set_rng_state
@@ -64,15 +63,7 @@ class Trainer:
         if lora.is_lora(self.model):
             self.log(lora.summary(self.model))
         tools = tool_schemas(cfg.rollout.multi_turn)  # the agent loop's tools, rendered into the prompts
-        self.train_examples, summary = load_prompts(cfg.data.train_files, self.tokenizer, cfg.data, modality=self.policy.modality, tools=tools)
-        bad = f", {summary['dropped_bad']} malformed image rows skipped" if summary.get("dropped_bad") else ""
-        self.log(f"train prompts: {summary['kept']} ({summary['dropped_overlong']} dropped as overlong{bad})")
-        head = [self.tokenizer.decode(e.prompt_ids) for e in self.train_examples[:32]]
-        if (problem := answer_format_problem(head, [v.name for v in cfg.reward.verifiers])) is not None:
-            self.log(f"[yellow]{problem}[/yellow]")  # e.g. DAPO-Math-17k's "Answer:" prompts with math_17k_acc
-        if cfg.train.total_epochs:  # before the LR schedule is built
-            cfg.train.total_steps = max(1, cfg.train.total_epochs * (len(self.train_examples) // cfg.train.global_batch_size))
-            self.log(f"train.total_epochs {cfg.train.total_epochs}: {cfg.train.total_steps} steps")
+        self.train_examples = load_train_prompts(cfg, self.tokenizer, self.policy.modality, tools, self.log)
         self.ref_model = reference.build(cfg, self.policy, rt) if cfg.algorithm.kl.coef > 0 or cfg.algorithm.use_kl_in_reward else None
         # FSDP2 shards self.model in place (before the optimizer sees its parameters); DDP wraps it.
         train_model = distributed.wrap_model(
@@ -91,16 +82,10 @@ class Trainer:
             modality=self.policy.modality, trust_remote_code=cfg.model.trust_remote_code, runtime=rt,
         )  # fmt: skip
         self.engine = distributed.colocate(engine, self.model)
-        if cfg.algorithm.rollout_correction.enable and not engine.capabilities.reports_logprobs:
-            self.log(
-                f"[yellow]algorithm.rollout_correction is on, but the {engine.name} engine reports no sampling log-probs "
-                "(it samples with the trainer's own model, so there is no gap to correct): no correction is applied.[/yellow]"
-            )
+        guards.note_uncorrectable(cfg, engine, self.log)
         self.experience = Experience(cfg, self.engine, self.tokenizer, self.reward_fn, self.train_examples, self.sampler)
-        self.logger = MetricsLogger(
-            cfg.logging.dir, cfg.logging.sinks, cfg.model_dump(mode="json"), enabled=rt.is_main,
-            metric_names=cfg.logging.metric_names, algo=self.algo_name,
-        )  # fmt: skip
+        self.logger = MetricsLogger(cfg.logging.dir, cfg.logging.sinks, cfg.model_dump(mode="json"), enabled=rt.is_main,
+                                    metric_names=cfg.logging.metric_names, algo=self.algo_name)  # fmt: skip
         self.step = 0
         self.timer = Timer()
         self._closed = False
@@ -126,19 +111,13 @@ class Trainer:
             raise
 
     def _fit(self) -> dict[str, float]:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
         cfg = self.cfg
         last: dict[str, float] = {}
         if cfg.eval.before_train and self.step == 0 and self.val_sets:
             last.update(self.validate())
             self.logger.log(0, last)
             self.log(val_line("before RL", last))
-        progress = Progress(
-            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            TimeRemainingColumn(), console=self.console, disable=not cfg.logging.progress, transient=True,
-        )  # fmt: skip
-        with progress, StopOnSignal() as stop:
+        with progress_bar(self.console, cfg.logging.progress) as progress, StopOnSignal() as stop:
             task = progress.add_task(f"{self.algo_name} training", total=cfg.train.total_steps, completed=self.step)
             while self.step < cfg.train.total_steps:
                 metrics = self.train_step()
@@ -168,7 +147,8 @@ class Trainer:
         if (summary := self.history.summary(best_dir)) is not None:
             self.log(summary)
         self.close()
-        self._plot()
+        if self.runtime.is_main:
+            plot_logged(cfg.logging, self.algo_name, self.log)
         return {**last, **final}
 
     def train_step(self) -> dict[str, float]:
@@ -295,19 +275,9 @@ class Trainer:
         m.update(update_stats)
         timing = self.timer.timing()
         m.update(timing)
-        m.update(
-            throughput(
-                m["response_length/total_mean"], m["prompt_length/mean"], cfg.train.global_batch_size, self.G,
-                cfg.world_size, timing, self.engine.name,
-            )
-        )  # fmt: skip
+        m.update(throughput(m["response_length/total_mean"], m["prompt_length/mean"], cfg.train.global_batch_size,
+                            self.G, cfg.world_size, timing, self.engine.name))  # fmt: skip
         return m
-
-    def _plot(self) -> None:
-        metrics_path = Path(self.cfg.logging.dir) / "metrics.jsonl"
-        if self.runtime.is_main and "jsonl" in self.cfg.logging.sinks and metrics_path.exists():
-            png = plot_run(metrics_path, Path(self.cfg.logging.dir) / "training.png", self.algo_name)
-            self.log(f"metrics: {metrics_path}; plot: {png}")
 
     # -------------------------------------------------------------------------------- validation
     def validate(self) -> dict[str, float]:

@@ -192,3 +192,20 @@ class PromptSampler:
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.position = state["epoch"], state["position"]
         self._order = self._make_order()
+
+
+def load_train_prompts(cfg, tokenizer, modality: Modality | None, tools: list[dict] | None, log) -> list[PromptExample]:
+    """The run's training prompts (`load_prompts`), said at start; `train.total_epochs` turned into steps here,
+    before the LR schedule is built; a warning when the prompts ask for an answer format no verifier reads."""
+    from postrl.rewards.math import answer_format_problem
+
+    examples, summary = load_prompts(cfg.data.train_files, tokenizer, cfg.data, modality=modality, tools=tools)
+    bad = f", {summary['dropped_bad']} malformed image rows skipped" if summary.get("dropped_bad") else ""
+    log(f"train prompts: {summary['kept']} ({summary['dropped_overlong']} dropped as overlong{bad})")
+    head = [tokenizer.decode(e.prompt_ids) for e in examples[:32]]
+    if (problem := answer_format_problem(head, [v.name for v in cfg.reward.verifiers])) is not None:
+        log(f"[yellow]{problem}[/yellow]")  # e.g. DAPO-Math-17k's "Answer:" prompts with math_17k_acc
+    if cfg.train.total_epochs:
+        cfg.train.total_steps = max(1, cfg.train.total_epochs * (len(examples) // cfg.train.global_batch_size))
+        log(f"train.total_epochs {cfg.train.total_epochs}: {cfg.train.total_steps} steps")
+    return examples
