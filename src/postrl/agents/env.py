@@ -15,10 +15,10 @@ verifier score of the trajectory (so an environment alone, with `reward.verifier
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, Protocol, runtime_checkable
 
 from postrl.errors import UserError
+from postrl.utils import import_named
 
 
 @runtime_checkable
@@ -41,12 +41,9 @@ def load_environment(spec: str) -> type:
             "Fix: name a class with reset(row) and step(assistant_text) -> (observation, reward, done)."
         )
     try:
-        cls = getattr(importlib.import_module(module_name), attr)
-    except Exception as exc:  # noqa: BLE001 - ImportError, AttributeError or the module's own error on import
-        raise UserError(
-            f"rollout.multi_turn.interaction '{spec}' could not be loaded ({type(exc).__name__}: {exc}). "
-            "Fix: make the module importable (install it or add its directory to PYTHONPATH) and check the name."
-        ) from None
+        cls = import_named(spec, f"rollout.multi_turn.interaction '{spec}'", function=False)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
     missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
     if missing:
         raise UserError(

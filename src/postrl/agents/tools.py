@@ -20,7 +20,6 @@ whose sandbox is a separate, killable process tree.
 from __future__ import annotations
 
 import ast
-import importlib
 import json
 import logging
 import math
@@ -31,6 +30,7 @@ from typing import Any, Callable, Literal
 
 from postrl.agents.sandbox import CallStats, run_python
 from postrl.errors import UserError
+from postrl.utils import import_named
 
 log = logging.getLogger("postrl.agents")
 
@@ -220,15 +220,9 @@ def load_tool(spec: str, sandbox_limits: dict | None = None) -> Tool:
             "Fix: use one of those forms."
         )
     try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except Exception as exc:  # noqa: BLE001 - ImportError, AttributeError, or the module's own error on import
-        raise UserError(
-            f"tool '{spec}' could not be loaded ({type(exc).__name__}: {exc}). A user tool is named "
-            "'package.module:function' and the module must be importable from the current environment. "
-            "Fix: install the package, or add its directory to PYTHONPATH, and check the function's name."
-        ) from None
-    if not callable(fn):
-        raise UserError(f"tool '{spec}' is a {type(fn).__name__}, not a function. Fix: name a function.")
+        fn = import_named(spec, f"tool '{spec}'")
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
     schema = _schema(fn, spec)
     return Tool(schema["function"]["name"], schema, fn, spec)
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol
 
 import torch
 from torch import Tensor
 from postrl.algorithms.common import _lookup, _register_into, masked_mean
+from postrl.utils import import_named
 
 
 class PolicyLossFn(Protocol):
@@ -118,18 +118,7 @@ def get_policy_loss_fn(name: str) -> PolicyLossFn:
     """
     if ":" not in name:
         return _lookup(POLICY_LOSSES, "policy loss", name)
-    module_name, _, attr = name.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(
-            f"policy loss '{name}' could not be loaded ({type(exc).__name__}: {exc}). A user loss is named "
-            "'package.module:function' and the module must be importable from the current environment (install the "
-            "package, or add its directory to PYTHONPATH)."
-        ) from None
-    if not callable(fn):
-        raise ValueError(f"policy loss '{name}' is a {type(fn).__name__}, not a function. Fix: name a function.")
-    return fn
+    return import_named(name, f"policy loss '{name}'")
 
 
 def policy_loss_spec(fn: PolicyLossFn) -> LossSpec:

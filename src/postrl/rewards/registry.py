@@ -21,7 +21,6 @@ fail score teaches the policy nothing.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import pickle
 from dataclasses import dataclass, field
@@ -39,6 +38,7 @@ from postrl.rewards.verdict import (  # noqa: F401
     register,
     to_result,
 )
+from postrl.utils import import_named
 
 if TYPE_CHECKING:
     from postrl.rewards.pool import VerifierPool
@@ -67,17 +67,10 @@ def get_entry(name: str) -> VerifierEntry:
     if name in _REGISTRY:
         return _REGISTRY[name]
     if ":" in name:
-        module_name, _, attr = name.partition(":")
         try:
-            fn = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as exc:
-            raise UserError(
-                f"verifier '{name}' could not be loaded ({type(exc).__name__}: {exc}). A user verifier is named "
-                "'package.module:function' and the module must be importable from the current environment "
-                "(install the package, or add its directory to PYTHONPATH)."
-            ) from None
-        if not callable(fn):
-            raise UserError(f"verifier '{name}' is a {type(fn).__name__}, not a function. Fix: name a function.")
+            fn = import_named(name, f"verifier '{name}'")
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
         return VerifierEntry(fn)
     import difflib
 
