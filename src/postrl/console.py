@@ -69,7 +69,19 @@ def quiet_console(logging_cfg: Any) -> Path | None:
     logging.captureWarnings(False)
     logging.captureWarnings(True)
     _route_transformers()
+    _route_vllm()
     return path
+
+
+def _route_vllm() -> None:
+    """A vLLM imported before this call configured its own stderr handler and stopped propagating
+    (VLLM_CONFIGURE_LOGGING was not yet 0): hand its records to the root logger too."""
+    if "vllm" not in logging.root.manager.loggerDict:
+        return
+    vllm_logger = logging.getLogger("vllm")
+    for handler in list(vllm_logger.handlers):
+        vllm_logger.removeHandler(handler)
+    vllm_logger.propagate = True
 
 
 def _for_the_terminal(record: logging.LogRecord) -> bool:
