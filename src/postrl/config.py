@@ -691,21 +691,26 @@ class TrainConfig(Section):
         return self
 
 
-class SFTConfig(Section):
-    output_dir: str = Field("runs/sft", description="Where the fine-tuned model is saved (HF format, in model/).")
+class _Finetune(Section):
+    """The optimizer settings the SFT warm start and `postrl rm` share (defaults: SFT's)."""
+
     steps: int = Field(1000, ge=1, description="Optimizer steps.")
-    batch_size: int = Field(64, ge=1, description="Examples per step.")
+    batch_size: int = Field(64, ge=1, description="Examples (or pairs) per step.")
     lr: float = Field(1e-3, gt=0, description="Peak learning rate.")
     warmup_steps: int = Field(50, ge=0, description="Linear warmup steps.")
     lr_schedule: Literal["constant", "cosine"] = Field("cosine", description="LR after warmup.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    max_length: int = Field(256, ge=8, description="Examples longer than this (tokens) are truncated.")
+    max_length: int = Field(256, ge=8, description="Tokens per example; SFT truncates longer ones, rm cuts them from the left.")
     seed: int = Field(0, description="Seed.")
+
+
+class SFTConfig(_Finetune):
+    output_dir: str = Field("runs/sft", description="Where the fine-tuned model is saved (HF format, in model/).")
     eval_prompts: int = Field(200, ge=0, description="Greedy held-out accuracy on this many val prompts at the end.")
 
 
 # ---------------------------------------------------------------------------------------------- rm
-class RMTrainConfig(Section):
+class RMTrainConfig(_Finetune):
     """`postrl rm`: a reward model trained from preference pairs or labelled outcomes (docs/rewards.md)."""
 
     train_files: list[str] = Field(
@@ -724,10 +729,6 @@ class RMTrainConfig(Section):
     batch_size: int = Field(32, ge=1, description="Pairs (or labelled responses) per step.")
     lr: float = Field(1e-4, gt=0, description="Peak learning rate.")
     warmup_steps: int = Field(20, ge=0, description="Linear warmup steps.")
-    lr_schedule: Literal["constant", "cosine"] = Field("cosine", description="LR after warmup.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    max_length: int = Field(256, ge=8, description="Prompt + response tokens; longer ones are cut from the left.")
-    seed: int = Field(0, description="Seed.")
     eval_pairs: int = Field(500, ge=0, description="Held-out pairs scored at the end (0: none).")
 
 
