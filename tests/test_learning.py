@@ -34,13 +34,13 @@ def _held_out(run_dir: Path) -> list[float]:
     return [r["val/arithmetic/acc_mean@1"] for r in read_jsonl(run_dir / "metrics.jsonl") if "val/arithmetic/acc_mean@1" in r]
 
 
-@pytest.mark.slow
-def test_sft_then_dapo_lifts_held_out_greedy_accuracy_by_15_points(sft_model, tmp_path):
+def _rl_run(config: str, sft_model: Path, run_dir: Path, *extra: str) -> Path:
+    """15 steps of `configs/<config>` from the SFT model, validated before and after on 200 prompts; the run dir."""
     cfg = load_config(
-        CONFIGS / "tiny_dapo.yaml",
+        CONFIGS / config,
         [
             f"model.path={sft_model}", "train.total_steps=15", "eval.freq=0", "eval.max_prompts=200",
-            f"logging.dir={tmp_path}/rl", "logging.progress=false",
+            f"logging.dir={run_dir}", "logging.progress=false", *extra,
         ],
     )  # fmt: skip
     trainer = Trainer(cfg)
@@ -48,7 +48,12 @@ def test_sft_then_dapo_lifts_held_out_greedy_accuracy_by_15_points(sft_model, tm
         trainer.fit()
     finally:
         trainer.engine.close()
-    val = _held_out(tmp_path / "rl")
+    return run_dir
+
+
+@pytest.mark.slow
+def test_sft_then_dapo_lifts_held_out_greedy_accuracy_by_15_points(sft_model, tmp_path):
+    val = _held_out(_rl_run("tiny_dapo.yaml", sft_model, tmp_path / "rl"))
     before, after = val[0], val[-1]
     assert len(val) == 2 and before < 0.35, val  # the SFT model mostly answers tersely (and hastily)
     assert after - before >= 0.15, val
@@ -120,18 +125,7 @@ def test_rm_on_the_built_in_pairs_ranks_90_percent_of_held_out_pairs(tiny_rm):
 @pytest.mark.slow
 def test_dapo_with_the_rm_as_only_reward_lifts_rule_checked_accuracy_by_15_points(sft_model, tiny_rm, tmp_path):
     """configs/tiny_rm_dapo.yaml: the RM is the whole reward (the rule has weight 0); validation is rule-checked."""
-    cfg = load_config(
-        CONFIGS / "tiny_rm_dapo.yaml",
-        [
-            f"model.path={sft_model}", f"reward.reward_model.path={tiny_rm[0]}", "train.total_steps=15", "eval.freq=0",
-            "eval.max_prompts=200", f"logging.dir={tmp_path}/rl", "logging.progress=false", "checkpoint.keep_best=null",
-        ],
-    )  # fmt: skip
-    trainer = Trainer(cfg)
-    try:
-        trainer.fit()
-    finally:
-        trainer.engine.close()
+    _rl_run("tiny_rm_dapo.yaml", sft_model, tmp_path / "rl", f"reward.reward_model.path={tiny_rm[0]}", "checkpoint.keep_best=null")
     rows = [r for r in read_jsonl(tmp_path / "rl" / "metrics.jsonl") if "training/step" in r]
     assert all(r["dapo/rule_score/mean"] == 0.0 for r in rows)  # the rule is logged, never rewarded
     val = _held_out(tmp_path / "rl")
