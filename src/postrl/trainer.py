@@ -190,11 +190,11 @@ class Trainer:
             with self.timer("resharding_to_infer"):
                 if self.async_mode:  # the worker loads them before its next generation call and checks its engine
                     self.rollout.publish(self.model, self.step + 1)
-                    return self._step_metrics(batch, gen_stats, update_stats)
-                self.engine.sync_weights(self.model)
-                if not self.train_examples[0].multi_modal:  # the probe is a text prompt
-                    probe = self.train_examples[0].prompt_ids
-                    update_stats.update(self.guards.check_sync(self.engine, self.model, probe, self.runtime.autocast()))
+                else:
+                    self.engine.sync_weights(self.model)
+                    if not self.train_examples[0].multi_modal:  # the probe is a text prompt
+                        probe = self.train_examples[0].prompt_ids
+                        update_stats.update(self.guards.check_sync(self.engine, self.model, probe, self.runtime.autocast()))
         return self._step_metrics(batch, gen_stats, update_stats)
 
     def _collect(self):
