@@ -197,3 +197,38 @@ def test_a_resumed_async_run_trains_every_prompt_once(tmp_path):
     whole = positions("whole", 4)
     resumed = positions("resumed", 2, 4)
     assert list(whole) == [f"iter_{s:07d}" for s in (1, 2, 3, 4)] and whole == resumed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "kind,extra",
+    [
+        ("lora", ("model.lora_rank=4", "model.lora_alpha=8")),
+        ("agent", ("model.path=builtin:tiny-qwen2-tools", "data.train_files=[builtin:tool_arithmetic:train]",
+                   "data.val_files=[builtin:tool_arithmetic:val]", "rollout.multi_turn.enable=true",
+                   "rollout.multi_turn.tools=[builtin:calculator]", "rollout.multi_turn.max_turns=2")),
+        ("vision", ("model.path=builtin:tiny-qwen2.5-vl", "data.train_files=[builtin:shapes:train]", "data.val_files=[builtin:shapes:val]",
+                    "data.shapes.train_size=64", "data.shapes.val_size=8", "rollout.max_tokens=8")),
+        ("dapo-partial", ("algorithm.name=dapo", "algorithm.overlong_buffer.len=4",
+                          "rollout.partial_rollout=true", "rollout.partial_rollout_chunk=4", "rollout.max_staleness=2")),
+    ],
+)  # fmt: skip
+def test_async_one_step_off_runs_lora_agents_vision_and_dynamic_sampling(tmp_path, kind, extra):
+    """Two steps one step off (k = 1 unless set) for each kind of run: the worker serves it, the correction
+    is on, every sequence is within the bound, and the trainer's weights moved (LoRA: only the adapters
+    travel, and the worker's checksum matched them, or the run would have stopped)."""
+    from postrl.config import load_config
+    from postrl.trainer import Trainer
+
+    cfg = load_config(None, tiny_overrides(tmp_path, "rollout.mode=async", "rollout.max_staleness=1", "train.total_steps=2",
+                                           "reward.verifiers=[verifiers_for_tests:length_parity]", *extra))  # mixed groups: it learns
+    tr = Trainer(cfg)
+    before = {n: p.detach().clone() for n, p in tr.model.named_parameters() if p.requires_grad}
+    if kind == "lora":
+        assert all(".lora_" in s.name for s in tr.rollout.weights.slots)
+    tr.fit()
+    assert cfg.algorithm.rollout_correction.enable
+    rows = [r for r in _rows(tmp_path / "run") if "async/staleness_max" in r]
+    assert len(rows) == 2 and all(r["async/staleness_max"] <= cfg.rollout.max_staleness for r in rows)
+    assert all("rollout_corr/weight_mean" in r for r in rows)
+    assert any(not torch.equal(before[n], p) for n, p in tr.model.named_parameters() if n in before)
