@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import queue
+import signal
 import time
 import traceback
 from dataclasses import dataclass, field, replace
@@ -204,6 +205,9 @@ def _add_logprobs(model, prompts, completions: list[Completion], temperature: fl
 
 def _serve(spec: _Spec, weights: SharedWeights, out: Any, stop: Any) -> None:
     """The worker process: build the policy copy, engine and rewards, then produce batches until stopped."""
+    from postrl.metrics import Timer
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the trainer stops us
     engine = reward_fn = None
     try:
         if spec.quiet:
@@ -214,8 +218,6 @@ def _serve(spec: _Spec, weights: SharedWeights, out: Any, stop: Any) -> None:
         engine, reward_fn, experience, sampler = _build(spec, weights, stop)
         for index in range(spec.start, 2**62):
             idle = engine.wait_for(index - spec.cfg.rollout.max_staleness)
-            from postrl.metrics import Timer
-
             timer = Timer()
             batch, stats = experience.collect(index, timer)
             stats.update(engine.load_stats)
