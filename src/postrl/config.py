@@ -899,6 +899,12 @@ class Config(Section):
                 f"train.sequence_parallel_size ({sp}) must divide the world size ({self.world_size} devices): each "
                 "sequence-parallel group is that many ranks. Fix: choose a divisor, or change cluster.devices_per_node / nnodes."
             )
+        if sp > 1 and _needs_critic(self.algorithm.adv_estimator):
+            problems.append(
+                f"train.sequence_parallel_size ({sp}) with adv_estimator '{self.algorithm.adv_estimator}': the critic's "
+                "value passes and update do not split sequences yet (only the actor's do). Fix: set "
+                "train.sequence_parallel_size: 1 for PPO, or use a critic-free estimator (grpo, rloo, ...)."
+            )
         a = self.algorithm
         if a.use_kl_in_reward and not _needs_critic(a.adv_estimator):
             problems.append(

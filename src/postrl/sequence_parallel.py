@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 ATTENTION = "postrl_ulysses"  # the name registered with transformers' AttentionInterface
-_state: dict[str, Any] = {}  # the running forward's group and full-sequence mask (set by `ulysses`)
+_state: dict[str, Any] = {}  # the group (set by `ulysses`) and the last forward's full-sequence mask (by `score`)
 
 
 def _seq_to_heads(x_BHsD: torch.Tensor, group: Any) -> torch.Tensor:
@@ -100,35 +100,87 @@ def full_mask(attention_mask_BS: torch.Tensor, position_ids_BS: torch.Tensor) ->
     return allowed[:, None]
 
 
-class _GatherSeq(torch.autograd.Function):
-    """All-gather of shards along dim 1; the backward keeps this rank's slice of the (identical) gradient."""
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce (sum) of per-rank parts that are zero outside each rank's own entries; the backward hands
+    every rank the gradient unchanged (every rank computes the same loss from the sum, so an all-reduce of
+    the gradient would count each token u times): each rank's graph then takes its own entries' share."""
 
     @staticmethod
-    def forward(ctx: Any, x_Bs: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        parts = [torch.empty_like(x_Bs) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x_Bs.contiguous(), group=group)
-        return torch.cat(parts, dim=1)
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
 
     @staticmethod
-    def backward(ctx: Any, grad_BS: torch.Tensor) -> tuple[torch.Tensor, None]:
-        u, r = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-        s = grad_BS.shape[1] // u
-        return grad_BS[:, r * s : (r + 1) * s].contiguous(), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
 
 
 @contextlib.contextmanager
-def ulysses(model: torch.nn.Module, group: Any, mask_B1SS: torch.Tensor) -> Iterator[None]:
-    """Run `model`'s attention as Ulysses attention over `group` with the full-sequence mask."""
+def ulysses(model: torch.nn.Module, group: Any) -> Iterator[None]:
+    """Run `model`'s attention as Ulysses attention over `group` for the block; nested blocks reuse the outer one.
+
+    The actor holds it around forward and backward, so that gradient checkpointing's recomputation in the
+    backward runs the same attention with the same mask (`score` leaves its mask in place until the block ends).
+    """
+    if _state.get("group") is not None:
+        assert _state["group"] is group, "nested Ulysses blocks over different groups"
+        yield
+        return
     register()
-    before = model.config._attn_implementation
-    _state.update(group=group, mask=mask_B1SS)
-    model.set_attn_implementation(ATTENTION)
+    plain = getattr(model, "module", model)  # the HF model inside a DDP wrapper (FSDP2 shards in place)
+    before = plain.config._attn_implementation
+    _state.update(group=group, mask=None)
+    plain.set_attn_implementation(ATTENTION)
     try:
         yield
     finally:
-        model.set_attn_implementation(before)
+        plain.set_attn_implementation(before)
         _state.clear()
+
+
+def score(
+    model: torch.nn.Module, ids_RC: torch.Tensor, pos_RC: torch.Tensor, mask_R1CC: torch.Tensor, r_M: torch.Tensor,
+    c_M: torch.Tensor, targets_M: torch.Tensor, group: Any, temperature: float = 1.0, with_entropy: bool = False,
+    chunk_tokens: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """Log-probs (and entropies) [M] of `targets_M` predicted by slots (r_M, c_M) of rows `ids_RC`, with the
+    columns split over `group`; the same on every rank of the group.
+
+    `mask_R1CC` is the full rows' attention mask (bool, True attends: `full_mask`, or the packed shared-prompt
+    mask). The rows are padded to a multiple of u columns (a padding slot attends itself only); rank r runs
+    columns [r s, (r + 1) s) and computes the logits of its own predicting slots only (`logits_to_keep`).
+    """
+    from postrl.algorithms import token_logprobs
+
+    u, me = dist.get_world_size(group), dist.get_rank(group)
+    R, C = ids_RC.shape
+    pad = -C % u
+    if pad:
+        ids_RC, pos_RC = F.pad(ids_RC, (0, pad)), F.pad(pos_RC, (0, pad))
+        mask_R1CC = F.pad(mask_R1CC, (0, pad, 0, pad), value=False)
+        mask_R1CC[..., C:, C:] |= torch.eye(pad, dtype=torch.bool, device=mask_R1CC.device)
+    s = (C + pad) // u
+    lo = me * s
+    mine_M = (c_M >= lo) & (c_M < lo + s)
+    keep_K = torch.unique(c_M[mine_M] - lo)  # sorted local columns holding a predicting slot
+    with ulysses(model, group):
+        _state["mask"] = mask_R1CC
+        logits_RKV = model(input_ids=ids_RC[:, lo : lo + s], position_ids=pos_RC[:, lo : lo + s], logits_to_keep=keep_K, use_cache=False).logits
+    K = keep_K.numel()
+    parts = torch.zeros((2 if with_entropy else 1, c_M.numel()), dtype=torch.float32, device=ids_RC.device)
+    if K:
+        m = mine_M.nonzero()[:, 0]
+        flat_m = r_M[m] * K + torch.searchsorted(keep_K, c_M[m] - lo)
+        logits_mV = logits_RKV.reshape(R * K, -1).index_select(0, flat_m)
+        logp_m, entropy_m = token_logprobs(logits_mV, targets_M[m], temperature, chunk_tokens, with_entropy)
+        parts = parts.index_put((torch.zeros_like(m), m), logp_m.float())
+        if with_entropy:
+            parts = parts.index_put((torch.ones_like(m), m), entropy_m.float())
+    elif torch.is_grad_enabled():  # no slot of mine predicts: keep the graph through the model, whose backward
+        parts = parts + 0.0 * logits_RKV.sum()  # has the all-to-alls the other ranks' backward joins
+    total = _SumOverGroup.apply(parts, group)
+    return total[0], total[1] if with_entropy else None
 
 
 def token_logprobs(
@@ -137,18 +189,8 @@ def token_logprobs(
 ) -> torch.Tensor:  # fmt: skip
     """[B, S - 1] log-probs of input_ids[:, 1:] (the next token at every position), computed with the
     sequence split over `group`; the same on every rank of the group."""
-    u, r = dist.get_world_size(group), dist.get_rank(group)
     B, S = input_ids_BS.shape
-    pad = -S % u  # equal shards: pad the end with masked tokens
-    if pad:
-        input_ids_BS = F.pad(input_ids_BS, (0, pad))
-        attention_mask_BS = F.pad(attention_mask_BS, (0, pad))
-        position_ids_BS = F.pad(position_ids_BS, (0, pad), value=1)  # not 0: no new segment
-    labels_BS = F.pad(input_ids_BS[:, 1:], (0, 1))  # the next token of every position (last: unused)
-    s = (S + pad) // u
-    mine = slice(r * s, (r + 1) * s)
-    with ulysses(model, group, full_mask(attention_mask_BS, position_ids_BS)):
-        logits_BsV = model(input_ids=input_ids_BS[:, mine], position_ids=position_ids_BS[:, mine], use_cache=False).logits
-    logp_BsV = torch.log_softmax(logits_BsV.float() / temperature, dim=-1)
-    logp_Bs = logp_BsV.gather(-1, labels_BS[:, mine, None]).squeeze(-1)
-    return _GatherSeq.apply(logp_Bs, group)[:, : S - 1]
+    b_M, c_M = (x.reshape(-1) for x in torch.meshgrid(torch.arange(B), torch.arange(S - 1), indexing="ij"))
+    mask = full_mask(attention_mask_BS, position_ids_BS)
+    logp_M, _ = score(model, input_ids_BS, position_ids_BS, mask, b_M, c_M, input_ids_BS[b_M, c_M + 1], group, temperature)
+    return logp_M.view(B, S - 1)
