@@ -3,7 +3,7 @@ with SP 2 (one sequence-parallel group, FSDP2 over both ranks) against one proce
 
 Both runs train on the batch of `ScriptedRollout` (completions from each prompt's tokens alone, so the batch
 does not depend on the ranks). Checked with padded rows (train.use_remove_padding=false) and packed rows
-(true, a group's prompt once), micro-batches of 3 sequences (gradient accumulation and padding inside
+(true, a group's prompt once), and packed with gradient checkpointing under DDP, micro-batches of 3 sequences (gradient accumulation and padding inside
 micro-batches), token-mean loss with a KL term and an entropy bonus (every term the update gathers):
 the old and reference log-probs within 1e-5 of one rank and the gradients of the update within 1e-4,
 and the metrics (normalised over the data-parallel group, not counted once per sequence-parallel rank).
@@ -25,7 +25,12 @@ from test_distributed import ScriptedRollout  # also registers the in-process te
 from postrl.config import load_config
 
 HERE = Path(__file__).resolve().parent
-LAYOUTS = {"padded": "train.use_remove_padding=false", "packed": "train.use_remove_padding=true"}
+LAYOUTS = {
+    "padded": ["train.use_remove_padding=false"],
+    "packed": ["train.use_remove_padding=true"],
+    # recomputation in the backward runs the Ulysses attention again, with the same mask and all-to-alls
+    "packed, gradient checkpointing, DDP": ["train.use_remove_padding=true", "model.gradient_checkpointing=true", "train.strategy=ddp"],
+}
 METRICS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm")
 
 
@@ -33,7 +38,7 @@ def _overrides(tmp_path: Path, layout: str, sp: int, *extra: str) -> list[str]:
     return tiny_overrides(
         tmp_path, "train.strategy=fsdp2", "algorithm.loss_agg_mode=token-mean", "reward.verifiers=[dist_length_parity]",
         "train.global_batch_size=4", "train.micro_batch_size=3", "train.lr=1e-4", "train.total_steps=1",
-        "algorithm.kl.coef=0.05", "algorithm.entropy_coef=0.01", "rollout.max_tokens=16", LAYOUTS[layout],
+        "algorithm.kl.coef=0.05", "algorithm.entropy_coef=0.01", "rollout.max_tokens=16", *LAYOUTS[layout],
         f"train.sequence_parallel_size={sp}", f"cluster.devices_per_node={sp}", *extra,
     )  # fmt: skip
 
@@ -72,9 +77,9 @@ def _worker(rank: int, port: int, out_dir: str, layouts: list[str]) -> None:
     finished = False
     try:
         for layout in layouts:
-            result = sp_step(load_config(None, _overrides(Path(out_dir) / f"r{rank}-{layout}", layout, 2)))
+            result = sp_step(load_config(None, _overrides(Path(out_dir) / f"r{rank}-{layout.replace(' ', '_')}", layout, 2)))
             if rank == 0:
-                torch.save(result, Path(out_dir) / f"{layout}.pt")
+                torch.save(result, Path(out_dir) / f"{layout.replace(' ', '_')}.pt")
         finished = True
     finally:
         distributed.teardown(wait_for_peers=finished)
@@ -100,8 +105,8 @@ def _run_two_ranks(tmp_path: Path, layouts: list[str]) -> None:
 def test_sequence_parallel_2_trains_like_one_rank_padded_and_packed(tmp_path):
     _run_two_ranks(tmp_path, list(LAYOUTS))
     for layout in LAYOUTS:
-        one = sp_step(load_config(None, _overrides(tmp_path / f"single-{layout}", layout, 1)))
-        two = torch.load(tmp_path / f"{layout}.pt", weights_only=False)
+        one = sp_step(load_config(None, _overrides(tmp_path / f"single-{layout.replace(' ', '_')}", layout, 1)))
+        two = torch.load(tmp_path / f"{layout.replace(' ', '_')}.pt", weights_only=False)
         assert two["responses"] == one["responses"]
         logp = max(float((two[k] - one[k]).abs().max()) for k in ("old_logp", "ref_logp"))
         grad = max(float((two["grads"][n] - g).abs().max()) for n, g in one["grads"].items())
