@@ -894,7 +894,7 @@ class Config(Section):
                 f"engines are one tensor-parallel group each). Fix: set rollout.expert_parallel_size: {tp}, or 1."
             )
         sp = self.train.sequence_parallel_size
-        if sp > 1 and self.world_size % sp:
+        if sp > 1 and self.world_size > 1 and self.world_size % sp:  # else the launch decides the world (--nproc)
             problems.append(
                 f"train.sequence_parallel_size ({sp}) must divide the world size ({self.world_size} devices): each "
                 "sequence-parallel group is that many ranks. Fix: choose a divisor, or change cluster.devices_per_node / nnodes."
