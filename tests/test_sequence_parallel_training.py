@@ -3,7 +3,8 @@ with SP 2 (one sequence-parallel group, FSDP2 over both ranks) against one proce
 
 Both runs train on the batch of `ScriptedRollout` (completions from each prompt's tokens alone, so the batch
 does not depend on the ranks). Checked with padded rows (train.use_remove_padding=false) and packed rows
-(true, a group's prompt once), and packed with gradient checkpointing under DDP, micro-batches of 3 sequences (gradient accumulation and padding inside
+(true, a group's prompt once), packed with gradient checkpointing under DDP, and rows with images (the tiny
+Qwen2.5-VL, its vision tower trained: features and mRoPE positions of the whole rows, then split), micro-batches of 3 sequences (gradient accumulation and padding inside
 micro-batches), token-mean loss with a KL term and an entropy bonus (every term the update gathers):
 the old and reference log-probs within 1e-5 of one rank and the gradients of the update within 1e-4,
 and the metrics (normalised over the data-parallel group, not counted once per sequence-parallel rank).
@@ -30,6 +31,11 @@ LAYOUTS = {
     "packed": ["train.use_remove_padding=true"],
     # recomputation in the backward runs the Ulysses attention again, with the same mask and all-to-alls
     "packed, gradient checkpointing, DDP": ["train.use_remove_padding=true", "model.gradient_checkpointing=true", "train.strategy=ddp"],
+    # image features and mRoPE positions built over the whole rows, then split; the vision tower trains too
+    "images (Qwen2.5-VL)": [
+        "model.path=builtin:tiny-qwen2.5-vl", "model.freeze_vision_tower=false", "data.train_files=[builtin:shapes:train]",
+        "data.shapes.train_size=16", "rollout.max_tokens=8",
+    ],
 }
 METRICS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm")
 
@@ -49,7 +55,9 @@ def sp_step(cfg) -> dict:
 
     tr = Trainer(cfg)
     try:
-        tr.engine = tr.experience.engine = ScriptedRollout(tr.tokenizer)
+        rollout = ScriptedRollout(tr.tokenizer)
+        rollout.vocab = [t for t in rollout.vocab if t not in set(tr.policy.modality.suppress_token_ids())]  # no image placeholders
+        tr.engine = tr.experience.engine = rollout
         batch, _ = tr.experience.collect(tr.step, tr.timer)
         local = tr.actor.pack(batch, tr.experience.advantages(batch))
         local.tensors["old_logp"] = tr.actor.compute_logprobs(tr.model, local)

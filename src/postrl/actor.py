@@ -99,7 +99,7 @@ class Actor:
         self.sp_group = distributed.sequence_parallel_group()
         self.sp_size = t.sequence_parallel_size if self.sp_group is not None else 1
         if self.sp_group is not None:
-            _check_sequence_parallel(model, policy.modality.name, self.sp_size)
+            _check_sequence_parallel(model, self.sp_size)
             self._logprob_options["sp_group"] = self.sp_group
         self.dp_group = distributed.data_parallel_group()  # row counts and metrics: one rank per set of rows
         # MoE: the routers' load-balancing loss and per-expert load of each update forward (postrl.moe)
@@ -367,22 +367,12 @@ class _WeightedSums:
 
 
 
-def _check_sequence_parallel(model: torch.nn.Module, modality: str, size: int) -> None:
-    """Refuse what Ulysses sequence parallelism does not split correctly, before the first step."""
-    problems = []
-    if modality != "text":
-        problems.append(
-            f"train.sequence_parallel_size is {size}, but the policy takes images ({modality}): under sequence parallelism "
-            "each rank would run the vision tower and the mRoPE positions on its slice of the tokens, and postrl does not "
-            "yet compute them on the whole sequence first. Fix: set train.sequence_parallel_size: 1 for vision-language "
-            "models (gradient checkpointing and use_dynamic_bsz bound their memory; docs/gpu.md)."
-        )
+def _check_sequence_parallel(model: torch.nn.Module, size: int) -> None:
+    """Refuse what Ulysses sequence parallelism does not split, before the first step."""
     text = getattr(model.config, "text_config", None) or model.config
     heads = int(text.num_attention_heads)
     if heads % size:
-        problems.append(
+        raise UserError(
             f"train.sequence_parallel_size ({size}) must divide the model's attention heads ({heads}): Ulysses gives each "
             f"rank heads / {size} of them. Fix: choose a divisor of {heads}."
         )
-    if problems:
-        raise UserError(*problems)

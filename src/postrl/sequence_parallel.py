@@ -129,9 +129,14 @@ def ulysses(model: torch.nn.Module, group: Any) -> Iterator[None]:
         return
     register()
     plain = getattr(model, "module", model)  # the HF model inside a DDP wrapper (FSDP2 shards in place)
-    before = plain.config._attn_implementation
+    text = getattr(plain.config, "text_config", None)
+    if text is not None:  # a VLM: the language model's attention only; the vision tower sees whole images
+        before: Any = {"text_config": text._attn_implementation}
+        plain.set_attn_implementation({"text_config": ATTENTION})
+    else:
+        before = plain.config._attn_implementation
+        plain.set_attn_implementation(ATTENTION)
     _state.update(group=group, mask=None)
-    plain.set_attn_implementation(ATTENTION)
     try:
         yield
     finally:
@@ -142,7 +147,7 @@ def ulysses(model: torch.nn.Module, group: Any) -> Iterator[None]:
 def score(
     model: torch.nn.Module, ids_RC: torch.Tensor, pos_RC: torch.Tensor, mask_R1CC: torch.Tensor, r_M: torch.Tensor,
     c_M: torch.Tensor, targets_M: torch.Tensor, group: Any, temperature: float = 1.0, with_entropy: bool = False,
-    chunk_tokens: int = 1024,
+    chunk_tokens: int = 1024, image_kwargs: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """Log-probs (and entropies) [M] of `targets_M` predicted by slots (r_M, c_M) of rows `ids_RC`, with the
     columns split over `group`; the same on every rank of the group.
@@ -150,6 +155,12 @@ def score(
     `mask_R1CC` is the full rows' attention mask (bool, True attends: `full_mask`, or the packed shared-prompt
     mask). The rows are padded to a multiple of u columns (a padding slot attends itself only); rank r runs
     columns [r s, (r + 1) s) and computes the logits of its own predicting slots only (`logits_to_keep`).
+
+    `image_kwargs` (a VLM's image inputs, `Modality.forward_kwargs`; rows already a multiple of u wide, with
+    their attention mask under "attention_mask"): every rank runs the vision tower on the whole images, the
+    model scatters the features into the whole rows and computes their mRoPE positions, and only then does
+    its language model take this rank's columns (`_shard_text_inputs`), so image tokens and positions are
+    sliced together with the text.
     """
     from postrl.algorithms import token_logprobs
 
@@ -157,6 +168,7 @@ def score(
     R, C = ids_RC.shape
     pad = -C % u
     if pad:
+        assert image_kwargs is None, "rows with images must be padded to a multiple of the group size by the caller"
         ids_RC, pos_RC = F.pad(ids_RC, (0, pad)), F.pad(pos_RC, (0, pad))
         mask_R1CC = F.pad(mask_R1CC, (0, pad, 0, pad), value=False)
         mask_R1CC[..., C:, C:] |= torch.eye(pad, dtype=torch.bool, device=mask_R1CC.device)
@@ -166,7 +178,11 @@ def score(
     keep_K = torch.unique(c_M[mine_M] - lo)  # sorted local columns holding a predicting slot
     with ulysses(model, group):
         _state["mask"] = mask_R1CC
-        logits_RKV = model(input_ids=ids_RC[:, lo : lo + s], position_ids=pos_RC[:, lo : lo + s], logits_to_keep=keep_K, use_cache=False).logits
+        if image_kwargs:
+            with _shard_text_inputs(model, lo, s):
+                logits_RKV = model(input_ids=ids_RC, logits_to_keep=keep_K, use_cache=False, **image_kwargs).logits
+        else:
+            logits_RKV = model(input_ids=ids_RC[:, lo : lo + s], position_ids=pos_RC[:, lo : lo + s], logits_to_keep=keep_K, use_cache=False).logits
     K = keep_K.numel()
     parts = torch.zeros((2 if with_entropy else 1, c_M.numel()), dtype=torch.float32, device=ids_RC.device)
     if K:
@@ -181,6 +197,34 @@ def score(
         parts = parts + 0.0 * logits_RKV.sum()  # has the all-to-alls the other ranks' backward joins
     total = _SumOverGroup.apply(parts, group)
     return total[0], total[1] if with_entropy else None
+
+
+@contextlib.contextmanager
+def _shard_text_inputs(model: torch.nn.Module, lo: int, s: int) -> Iterator[None]:
+    """A VLM's language model takes columns [lo, lo + s) of what the VLM hands it: the input embeddings (image
+    features already in place), the mRoPE positions, and Qwen3-VL's deepstack features of the image tokens there."""
+    plain = getattr(model, "module", model)
+    text_config = plain.config.text_config
+    lm = next(m for m in plain.modules() if m is not plain and getattr(m, "config", None) is text_config and hasattr(m, "layers"))
+
+    def shard(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        assert not args and kwargs.get("inputs_embeds") is not None, "the language model is called with inputs_embeds"
+        kwargs["inputs_embeds"] = kwargs["inputs_embeds"][:, lo : lo + s]
+        kwargs["position_ids"] = kwargs["position_ids"][..., lo : lo + s]
+        kwargs["attention_mask"] = None  # the Ulysses attention holds the whole rows' mask
+        visual = kwargs.get("visual_pos_masks")
+        if visual is not None:  # Qwen3-VL: features added to the image tokens of the first layers, in row-major order
+            cols = visual.nonzero()[:, 1]
+            here = (cols >= lo) & (cols < lo + s)
+            kwargs["visual_pos_masks"] = visual[:, lo : lo + s]
+            kwargs["deepstack_visual_embeds"] = [e[here] for e in kwargs["deepstack_visual_embeds"]]
+        return args, kwargs
+
+    handle = lm.register_forward_pre_hook(shard, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def token_logprobs(
