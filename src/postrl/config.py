@@ -609,7 +609,9 @@ class TrainConfig(Section):
         description="Ulysses sequence parallelism (verl's ulysses_sequence_parallel_size): each micro-batch's tokens are "
         "split across this many ranks, attention exchanges heads by all-to-all, so a 30k-token response fits; "
         "with use_dynamic_bsz a micro-batch holds sequence_parallel_size x max_token_len_per_device tokens, each rank "
-        "max_token_len_per_device of them. Must divide the world size and the model's attention heads (docs/gpu.md).",
+        "max_token_len_per_device of them; the ranks of a group train on the same rows, so batches split over "
+        "world / sequence_parallel_size data-parallel ranks. Must divide the world size and the model's attention "
+        "heads; text and vision-language models, padded or packed rows; not with PPO's critic (docs/gpu.md).",
     )
     epochs_per_batch: int = Field(1, ge=1, description="PPO epochs over each batch.")
     lr: float = Field(1e-6, gt=0, description="Peak learning rate (AdamW).")

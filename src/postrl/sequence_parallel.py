@@ -7,16 +7,20 @@ into [B, H/u, S, D] (my heads, all tokens), attention runs over the whole sequen
 second all-to-all turns the output back (DeepSpeed-Ulysses, arXiv 2309.14509). Activations and logits
 per rank shrink by u; the weights are whatever FSDP2 makes of them.
 
-    ids [B, S] -> shard r: ids[:, r S/u : (r+1) S/u], positions of the full sequence (RoPE stays right)
-    attention: all-to-all (seq -> heads), SDPA with the full-sequence mask, all-to-all (heads -> seq)
-    log-probs: each rank scores its shard against the next tokens of the full sequence (the label of a
-    shard's last token is the next shard's first), then an all-gather returns [B, S - 1] to every rank
+    ids [R, C] -> shard r: ids[:, r C/u : (r+1) C/u], positions of the full rows (RoPE stays right)
+    attention: all-to-all (seq -> heads), SDPA with the full rows' mask, all-to-all (heads -> seq)
+    log-probs (`score`): each rank scores the predicting slots of its shard (`logits_to_keep`) against
+    their targets (a shard's last slot predicts the next shard's first token), zeros elsewhere, and a
+    sum over the group returns every token's log-prob (and entropy) to every rank
 
-The mask is built once per forward from the full sequence: causal, within a packed segment (position
-ids restart at 0), keys that are not padding. Gradients: the all-to-alls carry them between ranks,
-and the gather hands each rank only its own shard's (every rank computes the same loss on the gathered
-log-probs, so summing them would count each token u times); the data-parallel reduction then sums the
-ranks' parameter gradients into the one-rank gradient (tests/test_sequence_parallel.py: 2 ranks vs 1).
+The mask comes with the rows (`full_mask`: causal, within a packed segment, keys that are not padding;
+or models.py's packed shared-prompt mask). Gradients: the all-to-alls carry them between ranks, and the
+sum's backward hands each rank the gradient unchanged, which its graph applies to its own slots only
+(every rank computes the same loss from the summed log-probs, so reducing the gradient would count each
+token u times); the data-parallel reduction then sums the ranks' parameter gradients into the one-rank
+gradient (tests/test_sequence_parallel.py, and tests/test_sequence_parallel_training.py through the actor).
+A VLM's image features and mRoPE positions are built over the whole rows before its language model takes
+the rank's columns (`_shard_text_inputs`).
 
 Heads must divide by u (GQA key / value heads are repeated to the query heads first). The attention is
 torch's SDPA with an explicit mask, so flash-attention kernels are not used under sequence parallelism.
