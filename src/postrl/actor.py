@@ -366,7 +366,6 @@ class _WeightedSums:
         return out | {k: distributed.all_reduce_max(self.maxima[k]) for k in sorted(self.maxima)}
 
 
-
 def _check_sequence_parallel(model: torch.nn.Module, size: int) -> None:
     """Refuse what Ulysses sequence parallelism does not split, before the first step."""
     text = getattr(model.config, "text_config", None) or model.config

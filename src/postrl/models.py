@@ -278,7 +278,9 @@ def response_logprobs(
     return logp_N.view(B, T), entropy_N.view(B, T) if with_entropy else None
 
 
-def _sequence_parallel_forward(model, input_ids, attention_mask, position_ids, T, temperature, with_entropy, remove_padding, chunk_tokens, group, images=None):
+def _sequence_parallel_forward(
+    model, input_ids, attention_mask, position_ids, T, temperature, with_entropy, remove_padding, chunk_tokens, group, images=None
+):
     """`response_logprobs` with each row's columns split over `group` (postrl.sequence_parallel.score).
 
     Padded rows: the full rows, masked causally, within segments and off padding (`full_mask`). With
@@ -299,7 +301,8 @@ def _sequence_parallel_forward(model, input_ids, attention_mask, position_ids, T
         input_ids, attention_mask = F.pad(input_ids, (0, pad)), F.pad(attention_mask, (0, pad))
         position_ids = F.pad(position_ids, (0, pad), value=1)  # not 0: no new segment (full_mask)
         multi_modal, modality = images
-        image_kwargs = {**modality.forward_kwargs(model, input_ids, multi_modal), "attention_mask": attention_mask}
+        mm = modality.forward_kwargs(model, input_ids, multi_modal)  # {}: no row of this micro-batch has an image
+        image_kwargs = {**mm, "attention_mask": attention_mask} if mm else None
     if remove_padding:
         p = _pack(input_ids, attention_mask, T, varlen=False)
         mask = _shared_prompt_mask(p, "sdpa", model)
@@ -307,7 +310,8 @@ def _sequence_parallel_forward(model, input_ids, attention_mask, position_ids, T
         targets_M = ids[r_M, p.c_M]
     else:
         ids, pos, mask = input_ids, position_ids, sp.full_mask(attention_mask, position_ids)
-        b_M, k_M = (x.reshape(-1) for x in torch.meshgrid(torch.arange(B, device=ids.device), torch.arange(T, device=ids.device), indexing="ij"))
+        rows, cols = torch.arange(B, device=ids.device), torch.arange(T, device=ids.device)
+        b_M, k_M = (x.reshape(-1) for x in torch.meshgrid(rows, cols, indexing="ij"))
         r_M, c_M = b_M, L - T - 1 + k_M  # position t predicts token t + 1
         targets_M = ids[b_M, c_M + 1]
     logp_M, entropy_M = sp.score(model, ids, pos, mask, r_M, c_M, targets_M, group, temperature, with_entropy, chunk_tokens, image_kwargs)

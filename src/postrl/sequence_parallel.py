@@ -186,7 +186,8 @@ def score(
             with _shard_text_inputs(model, lo, s):
                 logits_RKV = model(input_ids=ids_RC, logits_to_keep=keep_K, use_cache=False, **image_kwargs).logits
         else:
-            logits_RKV = model(input_ids=ids_RC[:, lo : lo + s], position_ids=pos_RC[:, lo : lo + s], logits_to_keep=keep_K, use_cache=False).logits
+            mine = slice(lo, lo + s)
+            logits_RKV = model(input_ids=ids_RC[:, mine], position_ids=pos_RC[:, mine], logits_to_keep=keep_K, use_cache=False).logits
     K = keep_K.numel()
     parts = torch.zeros((2 if with_entropy else 1, c_M.numel()), dtype=torch.float32, device=ids_RC.device)
     if K:
