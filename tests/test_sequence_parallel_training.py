@@ -4,7 +4,8 @@ with SP 2 (one sequence-parallel group, FSDP2 over both ranks) against one proce
 Both runs train on the batch of `ScriptedRollout` (completions from each prompt's tokens alone, so the batch
 does not depend on the ranks). Checked with padded rows (train.use_remove_padding=false) and packed rows
 (true, a group's prompt once), packed with gradient checkpointing under DDP, and rows with images (the tiny
-Qwen2.5-VL, its vision tower trained: features and mRoPE positions of the whole rows, then split), micro-batches of 3 sequences (gradient accumulation and padding inside
+Qwen2.5-VL and a random tiny Qwen3-VL with deepstack features, vision towers trained: features and mRoPE positions
+of the whole rows, then split), micro-batches of 3 sequences (gradient accumulation and padding inside
 micro-batches), token-mean loss with a KL term and an entropy bonus (every term the update gathers):
 the old and reference log-probs within 1e-5 of one rank and the gradients of the update within 1e-4,
 and the metrics (normalised over the data-parallel group, not counted once per sequence-parallel rank).
@@ -36,17 +37,27 @@ LAYOUTS = {
         "model.path=builtin:tiny-qwen2.5-vl", "model.freeze_vision_tower=false", "data.train_files=[builtin:shapes:train]",
         "data.shapes.train_size=16", "rollout.max_tokens=8",
     ],
+    # Qwen3-VL: deepstack features added to the image tokens of the first layers, sliced with them
+    "images (Qwen3-VL, deepstack)": [
+        "model.path={models}/qwen3_vl", "model.freeze_vision_tower=false", "data.train_files=[builtin:shapes:train]",
+        "data.shapes.train_size=16", "rollout.max_tokens=8",
+    ],
 }
 METRICS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm")
 
 
-def _overrides(tmp_path: Path, layout: str, sp: int, *extra: str) -> list[str]:
+def _overrides(tmp_path: Path, layout: str, sp: int, models: Path) -> list[str]:
+    """The run's settings; `models` holds the random tiny models of other families (`_family_dir`)."""
     return tiny_overrides(
         tmp_path, "train.strategy=fsdp2", "algorithm.loss_agg_mode=token-mean", "reward.verifiers=[dist_length_parity]",
         "train.global_batch_size=4", "train.micro_batch_size=3", "train.lr=1e-4", "train.total_steps=1",
-        "algorithm.kl.coef=0.05", "algorithm.entropy_coef=0.01", "rollout.max_tokens=16", *LAYOUTS[layout],
-        f"train.sequence_parallel_size={sp}", f"cluster.devices_per_node={sp}", *extra,
+        "algorithm.kl.coef=0.05", "algorithm.entropy_coef=0.01", "rollout.max_tokens=16",
+        f"train.sequence_parallel_size={sp}", f"cluster.devices_per_node={sp}", *(o.format(models=models) for o in LAYOUTS[layout]),
     )  # fmt: skip
+
+
+def _slug(layout: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in layout)
 
 
 def sp_step(cfg) -> dict:
@@ -85,9 +96,10 @@ def _worker(rank: int, port: int, out_dir: str, layouts: list[str]) -> None:
     finished = False
     try:
         for layout in layouts:
-            result = sp_step(load_config(None, _overrides(Path(out_dir) / f"r{rank}-{layout.replace(' ', '_')}", layout, 2)))
+            run_dir = Path(out_dir) / f"r{rank}-{_slug(layout)}"
+            result = sp_step(load_config(None, _overrides(run_dir, layout, 2, Path(out_dir) / "models")))
             if rank == 0:
-                torch.save(result, Path(out_dir) / f"{layout.replace(' ', '_')}.pt")
+                torch.save(result, Path(out_dir) / f"{_slug(layout)}.pt")
         finished = True
     finally:
         distributed.teardown(wait_for_peers=finished)
@@ -111,10 +123,13 @@ def _run_two_ranks(tmp_path: Path, layouts: list[str]) -> None:
 
 @pytest.mark.slow
 def test_sequence_parallel_2_trains_like_one_rank_padded_and_packed(tmp_path):
+    from test_vision import _family_dir
+
+    _family_dir("qwen3_vl", tmp_path / "models" / "qwen3_vl")
     _run_two_ranks(tmp_path, list(LAYOUTS))
     for layout in LAYOUTS:
-        one = sp_step(load_config(None, _overrides(tmp_path / f"single-{layout.replace(' ', '_')}", layout, 1)))
-        two = torch.load(tmp_path / f"{layout.replace(' ', '_')}.pt", weights_only=False)
+        one = sp_step(load_config(None, _overrides(tmp_path / f"single-{_slug(layout)}", layout, 1, tmp_path / "models")))
+        two = torch.load(tmp_path / f"{_slug(layout)}.pt", weights_only=False)
         assert two["responses"] == one["responses"]
         logp = max(float((two[k] - one[k]).abs().max()) for k in ("old_logp", "ref_logp"))
         grad = max(float((two["grads"][n] - g).abs().max()) for n, g in one["grads"].items())
