@@ -78,6 +78,7 @@ def test_verl_dapo_values():
     assert (a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c, a.kl.coef, a.loss_agg_mode) == (0.2, 0.28, 10.0, 0.0, "token-mean")
     assert (t.global_batch_size, t.gen_batch_size, t.mini_batch_size, t.total_steps, t.total_epochs) == (512, 1536, 32, 400, None)
     assert (t.max_token_len_per_device, t.log_prob_max_token_len, cfg.rollout.max_num_batched_tokens) == (22528, 45056, 22528)
+    assert t.sequence_parallel_size == 8  # ulysses_sequence_parallel_size
     assert (cfg.checkpoint.save_freq, cfg.checkpoint.save_final) == (0, False)  # save_freq=-1: never
     assert (cfg.cluster.nnodes, cfg.cluster.devices_per_node, cfg.logging.dir) == (16, 8, "runs/DAPO-Qwen2.5-32B")
     assert [v.name for v in cfg.reward.verifiers] == ["acc_for_dapo"]
@@ -131,10 +132,10 @@ def test_verl_overrides_train_the_tiny_model(tmp_path):
 
 
 def test_render_lists_unmapped_keys():
-    conv = convert_verl(["actor_rollout_ref.rollout.n=8", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=4"])
+    conv = convert_verl(["actor_rollout_ref.rollout.n=8", "actor_rollout_ref.actor.use_torch_compile=true"])
     text = render_yaml(conv, "cmd")
     assert "n_samples_per_prompt: 8  # from actor_rollout_ref.rollout.n" in text
-    assert "#   actor_rollout_ref.actor.ulysses_sequence_parallel_size = 4: sequence parallelism" in text
+    assert "#   actor_rollout_ref.actor.use_torch_compile = True: postrl runs the model eagerly" in text
 
 
 def test_docs_list_every_key_of_the_tables():

@@ -31,6 +31,8 @@ import torch
 
 from postrl import algorithms as algo
 from postrl import distributed, moe
+from postrl import sequence_parallel as sp
+from postrl.errors import UserError
 from postrl.experience import Batch
 from postrl.models import Policy, build_sequences, response_logprobs
 from postrl.partition import rank_rows, token_budget_micro_batches
@@ -93,6 +95,13 @@ class Actor:
         self.kl_penalty = functools.partial(algo.kl_penalty, estimator=a.kl.estimator)
         self._agg = dict(mode=a.loss_agg_mode, max_response_len=cfg.rollout.max_tokens)
         self._logprob_options = dict(remove_padding=t.use_remove_padding, chunk_tokens=t.logprob_chunk_tokens)
+        # Ulysses sequence parallelism: the ranks of a group hold the same rows, each runs a slice of every row.
+        self.sp_group = distributed.sequence_parallel_group()
+        self.sp_size = t.sequence_parallel_size if self.sp_group is not None else 1
+        if self.sp_group is not None:
+            _check_sequence_parallel(model, self.sp_size)
+            self._logprob_options["sp_group"] = self.sp_group
+        self.dp_group = distributed.data_parallel_group()  # row counts and metrics: one rank per set of rows
         # MoE: the routers' load-balancing loss and per-expert load of each update forward (postrl.moe)
         self.router = moe.RouterTrace(model) if moe.is_moe(model) else None
         self.router_aux_coef = moe.aux_loss_coef(cfg.model.router_aux_loss_coef, model)
@@ -138,6 +147,7 @@ class Actor:
         t = self.cfg.train
         size = t.log_prob_micro_batch_size if log_prob_pass else t.micro_batch_size
         budget = t.log_prob_max_token_len if log_prob_pass else t.max_token_len_per_device
+        budget = (budget or t.max_token_len_per_device) * self.sp_size  # a per-device budget: u ranks share a micro-batch
         if t.use_dynamic_bsz:
             groups = token_budget_micro_batches([packed.lengths[i] for i in rows], budget)
             chunks = [[rows[j] for j in g] for g in groups]
@@ -183,13 +193,29 @@ class Actor:
     def update(self, packed: Packed, use_ref: bool = False) -> dict[str, float]:
         """Mini-batches x micro-batches with gradient accumulation; returns the actor/* metrics."""
         t = self.cfg.train
-        mini = t.mini_batch_size * self.G // distributed.world_size()  # this rank's rows of a mini-batch
-        sums = _WeightedSums()
+        mini = t.mini_batch_size * self.G // distributed.data_parallel_size()  # this rank's rows of a mini-batch
+        sums = _WeightedSums(self.dp_group)
         grad_norms = []
+        # Ulysses attention through forward and backward: gradient checkpointing recomputes inside the backward.
+        ulysses = sp.ulysses(self.train_model, self.sp_group) if self.sp_group is not None else contextlib.nullcontext()
+        with ulysses:
+            self._epochs(packed, mini, use_ref, sums, grad_norms)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.scheduler.step()
+        out = sums.means()
+        out["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        out["actor/lr"] = lr
+        if self.scaler.is_enabled():
+            out["actor/loss_scale"] = self.scaler.get_scale()
+        return out
+
+    def _epochs(self, packed: Packed, mini: int, use_ref: bool, sums: "_WeightedSums", grad_norms: list[float]) -> None:
+        """The optimizer steps of `update`: epochs x mini-batches, each accumulated over its micro-batches."""
+        t = self.cfg.train
         for epoch in range(t.epochs_per_batch):
             for start in range(0, packed.size, mini):
                 rows = range(start, min(start + mini, packed.size))
-                norms = distributed.all_reduce_sum_dict(algo.loss_normalizers(self._loss_mask(packed, rows)))
+                norms = distributed.all_reduce_sum_dict(algo.loss_normalizers(self._loss_mask(packed, rows)), self.dp_group)
                 self.optimizer.zero_grad(set_to_none=True)
                 pg_total = kl_total = 0.0
                 first = epoch == 0 and start == 0  # before any optimizer step: the ratio must be 1
@@ -205,17 +231,9 @@ class Actor:
                     self.log("[yellow]non-finite grad norm: this optimizer step is skipped[/yellow]")
                 self.scaler.update()
                 grad_norms.append(float(grad_norm))
-                pg_total, kl_total = distributed.all_reduce_sum([pg_total, kl_total])
+                pg_total, kl_total = distributed.all_reduce_sum([pg_total, kl_total], self.dp_group)
                 sums.add("actor/pg_loss", pg_total)
                 sums.add("actor/kl_loss", kl_total)
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.scheduler.step()
-        out = sums.means()
-        out["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
-        out["actor/lr"] = lr
-        if self.scaler.is_enabled():
-            out["actor/loss_scale"] = self.scaler.get_scale()
-        return out
 
     def _micro_step(self, mb: dict, norms: dict, use_ref: bool, sums: "_WeightedSums", first: bool) -> tuple[float, float]:
         """Forward, loss and backward of one micro-batch; returns its (pg, kl) loss shares."""
@@ -234,8 +252,8 @@ class Actor:
         if a.entropy_coef:
             loss = loss - a.entropy_coef * agg(entropy)
         if self.router is not None:  # MoE: Switch Transformer's load-balancing loss, per micro-batch
-            aux, moe_stats = self.router.stats()
-            loss = loss + self.router_aux_coef * aux
+            aux, moe_stats = self.router.stats()  # under sequence parallelism: of this rank's slice, so averaged
+            loss = loss + self.router_aux_coef * aux / self.sp_size
             stats = {**stats, **moe_stats}
         kl_value = 0.0
         if use_ref:
@@ -243,7 +261,8 @@ class Actor:
             loss = loss + a.kl.coef * kl
             kl_value = float(kl.detach())
         # DDP / FSDP average gradients over ranks; the loss is this rank's share of the global loss,
-        # so the global gradient is the sum: scale by the world size.
+        # so the global gradient is the sum: scale by the world size. Under sequence parallelism the ranks of
+        # a group compute the same loss, and each one's gradient is its slice's share (sequence_parallel.py).
         self.scaler.scale(loss * distributed.world_size()).backward()
         sums.add_micro_batch(stats, mask, entropy, logp, old_logp, mb.get("engine_logp"), first=first, on_policy=self.on_policy)
         return float(pg.detach()), kl_value
@@ -313,7 +332,8 @@ class Actor:
 class _WeightedSums:
     """Token-weighted means (and a few maxima) of per-micro-batch statistics, over ranks."""
 
-    def __init__(self) -> None:
+    def __init__(self, group: Any = None) -> None:
+        self.group = group  # the data-parallel group: one rank per set of rows (sequence parallelism)
         self.sums: dict[str, list[float]] = {}  # key -> [sum of value x weight, sum of weights]
         self.maxima: dict[str, float] = {}
 
@@ -341,7 +361,17 @@ class _WeightedSums:
 
     def means(self) -> dict[str, float]:
         flat = {f"{k}\0{i}": v[i] for k, v in self.sums.items() for i in (0, 1)}
-        total = distributed.all_reduce_sum_dict(flat)
+        total = distributed.all_reduce_sum_dict(flat, self.group)
         out = {k: total[f"{k}\0{0}"] / max(total[f"{k}\0{1}"], 1e-12) for k in self.sums}
         return out | {k: distributed.all_reduce_max(self.maxima[k]) for k in sorted(self.maxima)}
 
+
+def _check_sequence_parallel(model: torch.nn.Module, size: int) -> None:
+    """Refuse what Ulysses sequence parallelism does not split, before the first step."""
+    text = getattr(model.config, "text_config", None) or model.config
+    heads = int(text.num_attention_heads)
+    if heads % size:
+        raise UserError(
+            f"train.sequence_parallel_size ({size}) must divide the model's attention heads ({heads}): Ulysses gives each "
+            f"rank heads / {size} of them. Fix: choose a divisor of {heads}."
+        )

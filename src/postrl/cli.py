@@ -39,15 +39,6 @@ def cmd_train(args) -> int:
     from postrl.config import load_config
 
     cfg = load_config(args.config, args.overrides)
-    if cfg.train.sequence_parallel_size > 1:
-        from postrl.errors import UserError
-
-        raise UserError(
-            f"train.sequence_parallel_size is {cfg.train.sequence_parallel_size}, but the trainer does not split sequences "
-            "yet: Ulysses attention and sequence-split log-probs exist (postrl.sequence_parallel) and check-config "
-            "estimates their memory, but the actor's data layout and loss normalisation do not use them. "
-            "Fix: set train.sequence_parallel_size: 1 (and shorter sequences or more devices: postrl check-config)."
-        )
     _quiet_console(cfg)  # before torch is imported (postrl.console)
     if args.nproc and args.nproc > 1 or cfg.cluster.launcher != "local" or args.ray_address or "LOCAL_RANK" in os.environ:
         from postrl.launch import launch  # starts torchrun / Ray, or runs one rank under them

@@ -629,7 +629,9 @@ class TrainConfig(Section):
         description="Ulysses sequence parallelism (verl's ulysses_sequence_parallel_size): each micro-batch's tokens are "
         "split across this many ranks, attention exchanges heads by all-to-all, so a 30k-token response fits; "
         "with use_dynamic_bsz a micro-batch holds sequence_parallel_size x max_token_len_per_device tokens, each rank "
-        "max_token_len_per_device of them. Must divide the world size and the model's attention heads (docs/gpu.md).",
+        "max_token_len_per_device of them; the ranks of a group train on the same rows, so batches split over "
+        "world / sequence_parallel_size data-parallel ranks. Must divide the world size and the model's attention "
+        "heads; text and vision-language models, padded or packed rows; not with PPO's critic (docs/gpu.md).",
     )
     epochs_per_batch: int = Field(1, ge=1, description="PPO epochs over each batch.")
     lr: float = Field(1e-6, gt=0, description="Peak learning rate (AdamW).")
@@ -914,7 +916,7 @@ class Config(Section):
                 f"engines are one tensor-parallel group each). Fix: set rollout.expert_parallel_size: {tp}, or 1."
             )
         sp = self.train.sequence_parallel_size
-        if sp > 1 and self.world_size % sp:
+        if sp > 1 and self.world_size > 1 and self.world_size % sp:  # else the launch decides the world (--nproc)
             problems.append(
                 f"train.sequence_parallel_size ({sp}) must divide the world size ({self.world_size} devices): each "
                 "sequence-parallel group is that many ranks. Fix: choose a divisor, or change cluster.devices_per_node / nnodes."
@@ -928,6 +930,12 @@ class Config(Section):
         rc = self.algorithm.rollout_correction
         if self.rollout.mode == "async" and self.rollout.max_staleness > 0 and "enable" not in rc.model_fields_set:
             rc.enable = True  # the decoupled objective (AReaL): stale samples weighted by trainer / engine, truncated
+        if sp > 1 and _needs_critic(self.algorithm.adv_estimator):
+            problems.append(
+                f"train.sequence_parallel_size ({sp}) with adv_estimator '{self.algorithm.adv_estimator}': the critic's "
+                "value passes and update do not split sequences yet (only the actor's do). Fix: set "
+                "train.sequence_parallel_size: 1 for PPO, or use a critic-free estimator (grpo, rloo, ...)."
+            )
         a = self.algorithm
         if a.use_kl_in_reward and not _needs_critic(a.adv_estimator):
             problems.append(

@@ -127,19 +127,74 @@ def barrier() -> None:
         dist.barrier()
 
 
-def all_reduce_sum(values: list[float]) -> list[float]:
-    """Element-wise sum over ranks (float64, so counts stay exact)."""
+def all_reduce_sum(values: list[float], group: Any = None) -> list[float]:
+    """Element-wise sum over ranks (float64, so counts stay exact); over `group` if given (default: all ranks)."""
     if not is_distributed():
         return list(values)
     t = torch.tensor(values, dtype=torch.float64)  # small host-side reductions go over gloo
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t.tolist()
 
 
-def all_reduce_sum_dict(values: dict[str, float]) -> dict[str, float]:
-    """Sum of each key over ranks; every rank must pass the same keys."""
+def all_reduce_sum_dict(values: dict[str, float], group: Any = None) -> dict[str, float]:
+    """Sum of each key over ranks (or `group`); every rank must pass the same keys."""
     keys = sorted(values)
-    return dict(zip(keys, all_reduce_sum([values[k] for k in keys])))
+    return dict(zip(keys, all_reduce_sum([values[k] for k in keys], group)))
+
+
+# ------------------------------------------------------------------------- sequence parallelism
+
+_SP: dict[str, Any] = {}  # the groups of `init_sequence_parallel`
+
+
+def init_sequence_parallel(size: int) -> None:
+    """Split the ranks into sequence-parallel groups of `size` (train.sequence_parallel_size).
+
+    Ranks [k u, (k + 1) u) form sequence-parallel group k: they train on the same rows, each on a slice of
+    every sequence (postrl.sequence_parallel). The ranks at the same place in their groups form a
+    data-parallel group: one rank per distinct set of rows, over which row counts and metrics are summed.
+    Every rank must call this (creating a group is a collective); size 1 is the plain data-parallel layout.
+    """
+    _SP.clear()
+    if size <= 1:
+        return
+    from postrl.errors import UserError
+
+    W, me = world_size(), rank()
+    if W % size:
+        raise UserError(
+            f"train.sequence_parallel_size ({size}) must divide the number of ranks ({W}): each sequence-parallel "
+            "group is that many ranks. Fix: choose a divisor, or launch a multiple of it (--nproc, cluster.devices_per_node)."
+        )
+    for k in range(W // size):
+        group = dist.new_group(list(range(k * size, (k + 1) * size)))
+        if k == me // size:
+            _SP["sp"] = group
+    for j in range(size):
+        group = dist.new_group(list(range(j, W, size)))
+        if j == me % size:
+            _SP["dp"] = group
+    _SP["size"] = size
+
+
+def sequence_parallel_group() -> Any:
+    """This rank's sequence-parallel group, or None without sequence parallelism."""
+    return _SP.get("sp")
+
+
+def data_parallel_group() -> Any:
+    """The ranks that hold distinct rows with this one (None: all ranks, without sequence parallelism)."""
+    return _SP.get("dp")
+
+
+def data_parallel_size() -> int:
+    """How many distinct sets of rows the ranks train on: the world size over the sequence-parallel size."""
+    return world_size() // _SP.get("size", 1)
+
+
+def data_parallel_rank() -> int:
+    """Which set of rows this rank trains on (the same for every rank of a sequence-parallel group)."""
+    return rank() // _SP.get("size", 1)
 
 
 def all_reduce_max(value: float) -> float:

@@ -37,13 +37,20 @@ _FORWARDED_ENV = (
 
 def check_world(cfg: "Config", world: int) -> None:
     """Batch sizes that do not split over `world` ranks, as one UserError listing every problem."""
-    t, n = cfg.train, cfg.rollout.n_samples_per_prompt
+    t, n, sp = cfg.train, cfg.rollout.n_samples_per_prompt, cfg.train.sequence_parallel_size
     problems = []
-    if (t.mini_batch_size * n) % world:
+    if world % sp:
+        problems.append(
+            f"train.sequence_parallel_size ({sp}) must divide the {world} processes: each sequence-parallel group is "
+            "that many ranks. Fix: choose a divisor, or change the number of processes."
+        )
+    dp = world // sp if world % sp == 0 else world  # ranks with distinct rows (a sequence-parallel group shares its rows)
+    if (t.mini_batch_size * n) % dp:
+        ranks = f"{dp} data-parallel ranks ({world} processes / sequence_parallel_size {sp})" if sp > 1 else f"{world} processes"
         problems.append(
             f"train.mini_batch_size x rollout.n_samples_per_prompt = {t.mini_batch_size} x {n} sequences per optimizer "
-            f"step do not split evenly over {world} processes. Fix: make mini_batch_size x n_samples_per_prompt a "
-            f"multiple of {world} (or change the number of processes)."
+            f"step do not split evenly over {ranks}. Fix: make mini_batch_size x n_samples_per_prompt a "
+            f"multiple of {dp} (or change the number of processes)."
         )
     if t.gen_batch_size < world:
         problems.append(

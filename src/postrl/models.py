@@ -233,6 +233,7 @@ def response_logprobs(
     modality: Modality | None = None,
     remove_padding: bool = False,
     chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
+    sp_group: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [B, T] of the last `response_len` tokens under softmax(logits / temperature), and entropy.
 
@@ -246,11 +247,20 @@ def response_logprobs(
     padding (`_packed_forward`); the result is the same up to float rounding. `multi_modal` holds
     each sequence's image inputs (VLMs), turned into forward arguments by `modality` (None: text);
     with images the model computes its own (mRoPE) positions, and rows stay padded.
+
+    `sp_group` (train.sequence_parallel_size > 1): the rows' columns are split over that group's ranks
+    (Ulysses, `_sequence_parallel_forward`); every rank of the group gets the whole [B, T] result.
     """
     from postrl.algorithms import token_logprobs
 
     T = response_len
     B, L = input_ids.shape
+    if sp_group is not None:
+        images = multi_modal is not None and any(multi_modal)
+        return _sequence_parallel_forward(
+            model, input_ids, attention_mask, position_ids, T, temperature, with_entropy, remove_padding and not images, chunk_tokens,
+            sp_group, (multi_modal, modality or TEXT) if images else None,
+        )  # fmt: skip
     if remove_padding and multi_modal is None:
         return _packed_forward(model, input_ids, attention_mask, T, temperature, with_entropy, chunk_tokens)
     mm = (modality or TEXT).forward_kwargs(model, input_ids, multi_modal) if multi_modal is not None else {}
@@ -266,6 +276,48 @@ def response_logprobs(
     logits_NV = out.logits.view(B * T, -1)  # [B, T, V], contiguous: no copy
     logp_N, entropy_N = token_logprobs(logits_NV, input_ids[:, -T:].reshape(-1), temperature, chunk_tokens, with_entropy)
     return logp_N.view(B, T), entropy_N.view(B, T) if with_entropy else None
+
+
+def _sequence_parallel_forward(
+    model, input_ids, attention_mask, position_ids, T, temperature, with_entropy, remove_padding, chunk_tokens, group, images=None
+):
+    """`response_logprobs` with each row's columns split over `group` (postrl.sequence_parallel.score).
+
+    Padded rows: the full rows, masked causally, within segments and off padding (`full_mask`). With
+    `remove_padding` the rows are packed as the sdpa path packs them (a group's prompt once, `_pack`) under
+    the same shared-prompt mask, and the packed row is what the ranks split. `images` ((multi_modal,
+    modality) of a batch with images): padded rows, widened at the end to a multiple of the group size, so
+    that the image inputs (mRoPE positions over the whole rows) are built for the very columns the ranks split.
+    """
+    from postrl import sequence_parallel as sp
+
+    B, L = input_ids.shape
+    image_kwargs = None
+    if images is not None:
+        import torch.distributed as dist
+        import torch.nn.functional as F
+
+        pad = -L % dist.get_world_size(group)
+        input_ids, attention_mask = F.pad(input_ids, (0, pad)), F.pad(attention_mask, (0, pad))
+        position_ids = F.pad(position_ids, (0, pad), value=1)  # not 0: no new segment (full_mask)
+        multi_modal, modality = images
+        mm = modality.forward_kwargs(model, input_ids, multi_modal)  # {}: no row of this micro-batch has an image
+        image_kwargs = {**mm, "attention_mask": attention_mask} if mm else None
+    if remove_padding:
+        p = _pack(input_ids, attention_mask, T, varlen=False)
+        mask = _shared_prompt_mask(p, "sdpa", model)
+        ids, pos, r_M, c_M, b_M, k_M = p.ids_RC, p.pos_RC, p.r_M, p.pred_M, p.b_M, p.k_M
+        targets_M = ids[r_M, p.c_M]
+    else:
+        ids, pos, mask = input_ids, position_ids, sp.full_mask(attention_mask, position_ids)
+        rows, cols = torch.arange(B, device=ids.device), torch.arange(T, device=ids.device)
+        b_M, k_M = (x.reshape(-1) for x in torch.meshgrid(rows, cols, indexing="ij"))
+        r_M, c_M = b_M, L - T - 1 + k_M  # position t predicts token t + 1
+        targets_M = ids[b_M, c_M + 1]
+    logp_M, entropy_M = sp.score(model, ids, pos, mask, r_M, c_M, targets_M, group, temperature, with_entropy, chunk_tokens, image_kwargs)
+    zeros_BT = torch.zeros((B, T), dtype=torch.float32, device=ids.device)
+    logp_BT = zeros_BT.index_put((b_M, k_M), logp_M)
+    return logp_BT, zeros_BT.index_put((b_M, k_M), entropy_M) if with_entropy else None
 
 
 PACK_ROW_FACTOR = 4  # sdpa / eager: a shared-prompt unit holds up to this many times the longest sequence ...

@@ -17,7 +17,7 @@ from __future__ import annotations
 import heapq
 import math
 
-from postrl.distributed import all_reduce_max, rank, world_size
+from postrl.distributed import all_reduce_max, data_parallel_rank, data_parallel_size, rank, world_size
 
 
 def shard_range(n: int) -> tuple[int, int]:
@@ -82,9 +82,10 @@ def rank_rows(lengths: list[int], mini_batch: int, balance: bool = False) -> lis
     Each mini-batch of `mini_batch` sequences is dealt to the ranks in equal numbers, so that every
     rank's local mini-batch is mini_batch / W rows long and the local rows of a mini-batch stay
     contiguous: contiguous slices, or with `balance` an equal-size token-balanced partition (used with
-    dynamic batch size, so no rank waits for a rank with longer sequences).
+    dynamic batch size, so no rank waits for a rank with longer sequences). With sequence parallelism W is
+    the data-parallel size: the ranks of a sequence-parallel group get the same rows.
     """
-    W, r, n = world_size(), rank(), len(lengths)
+    W, r, n = data_parallel_size(), data_parallel_rank(), len(lengths)
     if W == 1:
         return list(range(n))
     assert mini_batch % W == 0, f"a mini-batch of {mini_batch} sequences does not split over {W} ranks"

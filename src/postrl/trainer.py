@@ -44,6 +44,7 @@ class Trainer:
 
         self.cfg = cfg
         self.runtime = rt = init_runtime(cfg.train.device, cfg.model.dtype, cfg.train.strategy)
+        distributed.init_sequence_parallel(cfg.train.sequence_parallel_size)  # its groups (a collective: every rank)
         self.console = console or Console()
         if not rt.is_main:
             self.console = Console(quiet=True)  # rank 0 prints for the run

@@ -207,11 +207,15 @@ class QwenVL:
         if importlib.util.find_spec("torchvision") is not None:
             return None
         return (
-            "vLLM cannot roll out vision-language models on this install: vLLM's Qwen2-VL / Qwen2.5-VL / Qwen3-VL code "
-            "imports transformers' torchvision image processor (transformers.models.qwen2_vl.image_processing_qwen2_vl), "
-            "and torchvision is not installed (PyPI's torchvision is a CUDA build that breaks `import vllm` beside CPU "
-            "torch, so postrl's CPU setup leaves it out). Fix: set rollout.engine: hf (what auto falls back to), or "
-            "install the torchvision build that matches your torch (CPU wheels: https://download.pytorch.org/whl/cpu)."
+            "vLLM cannot roll out vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE) on this install: "
+            "vLLM's code for them imports transformers' torchvision image processor "
+            "(transformers.models.qwen2_vl.image_processing_qwen2_vl), and torchvision is not installed. postrl's CPU "
+            "setup leaves it out: the only torchvision for torch 2.13.0 on PyPI (0.28.0) is a CUDA 13 build whose "
+            "torchvision/_C.so links libc10_cuda.so, libtorch_cuda.so and libcudart.so.13, which CPU torch does not "
+            "ship, so `import torchvision` fails (\"operator torchvision::nms does not exist\") and takes `import vllm` "
+            "with it; torchvision 0.29 needs torch >= 2.14 (docs/gpu.md). Fix: set rollout.engine: hf (what auto falls "
+            "back to), or install the CPU build that matches your torch "
+            "(`pip install torchvision==0.28.0 --index-url https://download.pytorch.org/whl/cpu`)."
         )
 
 
