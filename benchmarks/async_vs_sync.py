@@ -14,7 +14,12 @@ e2e tokens/s is the guides' formula (docs/metrics.md) over each step's wall-cloc
 waiting for the worker included: (mean response + mean prompt length) x prompts x n / seconds. The
 medians over the kept steps of all rounds are printed, with the ratio async / sync.
 
-    python benchmarks/async_vs_sync.py [--model runs/tiny_sft/model] [--steps 8] [--warmup 2] [--rounds 2] [--staleness 1]
+    python benchmarks/async_vs_sync.py [--model runs/tiny_sft/model] [--steps 8] [--warmup 2] [--rounds 2] [--staleness 1] [--trl]
+
+--trl adds TRL's GRPOTrainer to the rotation as a third peer, on benchmarks/vs_trl.py's setting (64 tokens,
+no dynamic sampling or overlong shaping, lr 3e-5, loss dapo; its TRL peer and token count), and the postrl
+runs take that setting too. vs_trl.py itself interleaves its peers step by step in one process, which
+cannot host a rollout worker that keeps generating between turns; here each peer runs whole.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import vs_trl  # noqa: E402  (TRL's peer and the shared setting)
 
 
 def run(mode: str, k: int, args, out: Path) -> list[dict]:
@@ -44,10 +51,27 @@ def run(mode: str, k: int, args, out: Path) -> list[dict]:
         "checkpoint.save_final=false", f"rollout.mode={mode}", f"rollout.max_staleness={k}",
         f"rollout.engine={args.engine}", *args.override,
     ]  # fmt: skip
+    if args.trl:  # vs_trl.py's setting
+        overrides += [f"rollout.max_tokens={vs_trl.MAX_TOKENS}", "algorithm.overlong_buffer.enable=false",
+                      "algorithm.filter_groups.enable=false", f"train.lr={vs_trl.LR}"]  # fmt: skip
     cfg = load_config(ROOT / "configs" / "tiny_dapo.yaml", overrides)
     Trainer(cfg).fit()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if "e2e_tps" in r]
+
+
+def run_trl(args, out: Path) -> list[float]:
+    """TRL's GRPOTrainer on the same prompts for warmup + steps steps; e2e tokens/s of each kept step."""
+    from postrl.config import load_config
+
+    recipe = load_config(ROOT / "configs" / "tiny_dapo.yaml", [f"model.path={args.model}"])
+    steps: list = []
+    trl = vs_trl.trl_trainer(args.model, recipe.train.global_batch_size, args.steps, out,
+                             lambda seconds: steps.append(vs_trl.trl_step(acc, seconds)),
+                             recipe.data.builtin.model_dump(), recipe.rollout.temperature)  # fmt: skip
+    acc = vs_trl.instrument_trl(trl)
+    trl.train()
+    return [s.tokens / s.seconds for s in steps[args.warmup :]]
 
 
 def main() -> int:
@@ -59,25 +83,35 @@ def main() -> int:
     p.add_argument("--staleness", type=int, default=1)
     p.add_argument("--engine", default="vllm")
     p.add_argument("--override", nargs="*", default=[], help="more dotted overrides for both modes")
+    p.add_argument("--trl", action="store_true", help="also run TRL's GRPOTrainer (vs_trl.py's setting) in the rotation")
     args = p.parse_args()
     if not (Path(args.model) / "config.json").exists():
         print(f"{args.model} has no model: run `make sft` first (or pass --model)", file=sys.stderr)
         return 2
-    modes = [("sync", 0), (f"async-{args.staleness}", args.staleness)]
+    modes = [("sync", 0), (f"async-{args.staleness}", args.staleness)] + ([("trl", 0)] if args.trl else [])
     tps: dict[str, list[float]] = {name: [] for name, _ in modes}
     idle: dict[str, list[float]] = {name: [] for name, _ in modes}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for name, k in modes:
-                rows = run(name.split("-")[0], k, args, Path(tmp) / f"{name}-{r}")[args.warmup :]
-                tps[name] += [row["e2e_tps"] for row in rows]
-                idle[name] += [row.get("async/trainer_idle_s", 0.0) for row in rows]
-                print(f"round {r + 1} {name:>8}: e2e tokens/s " + " ".join(f"{x:.0f}" for x in tps[name][-len(rows):]), flush=True)
+                if name == "trl":
+                    got = run_trl(args, Path(tmp) / f"trl-{r}")
+                    tps[name] += got
+                    idle[name] += [0.0] * len(got)
+                else:
+                    rows = run(name.split("-")[0], k, args, Path(tmp) / f"{name}-{r}")[args.warmup :]
+                    got = [row["e2e_tps"] for row in rows]
+                    tps[name] += got
+                    idle[name] += [row.get("async/trainer_idle_s", 0.0) for row in rows]
+                print(f"round {r + 1} {name:>8}: e2e tokens/s " + " ".join(f"{x:.0f}" for x in got), flush=True)
     print(f"\n{'mode':>8} | median e2e tokens/s | trainer idle s/step")
     for name, _ in modes:
         print(f"{name:>8} | {statistics.median(tps[name]):19.0f} | {statistics.median(idle[name]):.2f}")
     ratio = statistics.median(tps[modes[1][0]]) / statistics.median(tps["sync"])
     print(f"\nasync (max_staleness {args.staleness}) / sync: {ratio:.2f}x  (cores: {os.cpu_count()}, load average {os.getloadavg()[0]:.1f})")
+    if args.trl:
+        for name, _ in modes[:2]:
+            print(f"{name} / TRL: {statistics.median(tps[name]) / statistics.median(tps['trl']):.2f}x")
     return 0
 
 
