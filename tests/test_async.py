@@ -198,11 +198,23 @@ def test_sync_training_stamps_the_trainers_step_and_logs_zero_staleness(tmp_path
     assert [(r["async/staleness_mean"], r["async/staleness_max"]) for r in steps] == [(0.0, 0.0), (0.0, 0.0)]
 
 
-def test_rollout_mode_async_is_refused_with_what_is_missing():
+def test_async_keys_are_checked_and_the_decoupled_correction_is_on_by_default_off_policy():
+    """sync is the default; max_staleness and partial rollout need async; async with staleness >= 1 turns the
+    token-level correction (AReaL's decoupled objective) on unless the user set it; staleness 0 leaves it off."""
     from postrl.config import build_config
 
-    assert build_config({"model": {"path": "m"}}).rollout.mode == "sync"
-    with pytest.raises(Exception, match="only synchronously.*no rollout process.*weight transport.*rollout.mode: sync"):
-        build_config({"model": {"path": "m"}, "rollout": {"mode": "async"}})
-    with pytest.raises(Exception, match="max_staleness is 2.*leave rollout.max_staleness at 0"):
-        build_config({"model": {"path": "m"}, "rollout": {"max_staleness": 2}})
+    m = {"model": {"path": "m"}}
+    assert build_config(m).rollout.mode == "sync"
+    with pytest.raises(Exception, match="max_staleness is 2.*rollout.mode: async"):
+        build_config({**m, "rollout": {"max_staleness": 2}})
+    with pytest.raises(Exception, match="partial_rollout.*only happen mid-generation in async mode"):
+        build_config({**m, "rollout": {"partial_rollout": True}})
+    with pytest.raises(Exception, match="not built for agent trajectories"):
+        build_config({**m, "rollout": {"mode": "async", "partial_rollout": True, "multi_turn": {"enable": True}}})
+    with pytest.raises(Exception, match="2 trainer processes.*not built"):
+        build_config({**m, "rollout": {"mode": "async"}, "cluster": {"devices_per_node": 2}})
+    one_off = build_config({**m, "rollout": {"mode": "async", "max_staleness": 1}}).algorithm.rollout_correction
+    assert (one_off.enable, one_off.level) == (True, "token")
+    assert not build_config({**m, "rollout": {"mode": "async"}}).algorithm.rollout_correction.enable
+    chosen = {"rollout_correction": {"enable": False}}
+    assert not build_config({**m, "rollout": {"mode": "async", "max_staleness": 1}, "algorithm": chosen}).algorithm.rollout_correction.enable

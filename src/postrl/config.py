@@ -216,26 +216,43 @@ class RolloutConfig(Section):
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig, description="The agent loop: tools, environments.")
     mode: Literal["sync", "async"] = Field(
         "sync",
-        description="sync: generate, score, update, sync weights, in lock-step with the engine colocated (the only "
-        "mode built). async (rollout in its own process, docs/async.md) is not built yet: docs/async.md.",
+        description="sync: generate, score, update, sync weights, in lock-step with the engine colocated. async: a "
+        "rollout worker process generates and scores the next batches while the trainer updates, within "
+        "rollout.max_staleness policy versions (docs/async.md; one trainer process).",
     )
     max_staleness: int = Field(
-        0, ge=0, description="Async rollout: the oldest policy version a trained sequence may come from, in steps "
-        "behind the trainer (async/staleness_max). Sync mode is always 0.",
+        0, ge=0, description="Async rollout: the oldest policy version a trained sequence may come from, in updates "
+        "behind the trainer (async/staleness_max): 0 on-policy (async reproduces sync), 1 one-step-off, k bounded. "
+        "Sync mode is always 0.",
+    )
+    partial_rollout: bool = Field(
+        False, description="Async rollout: generation in flight when new weights arrive continues under them (in chunks "
+        "of partial_rollout_chunk tokens) instead of finishing under the old ones; every token records its version.",
+    )
+    partial_rollout_chunk: int = Field(16, ge=1, description="Partial rollout: tokens generated between two looks for new weights.")
+    max_worker_restarts: int = Field(
+        1, ge=0, description="Async rollout: times a dead or failing rollout worker is restarted from the trained position "
+        "before the run stops with a checkpoint.",
     )
 
     @model_validator(mode="after")
-    def _only_sync_is_built(self) -> "RolloutConfig":
-        if self.mode == "async":
-            raise ValueError(
-                "rollout.mode is 'async', but postrl's rollout runs only synchronously for now: there is no rollout "
-                "process that generates while the trainer updates, no weight transport to it, and no queue of "
-                "version-tagged groups (docs/async.md lists what exists and what is planned). Fix: set rollout.mode: sync."
-            )
-        if self.max_staleness != 0:
+    def _async_keys(self) -> "RolloutConfig":
+        if self.mode == "sync" and self.max_staleness != 0:
             raise ValueError(
                 f"rollout.max_staleness is {self.max_staleness}, but synchronous rollout always trains on the current "
-                "policy's samples (staleness 0) and async rollout is not built yet. Fix: leave rollout.max_staleness at 0."
+                "policy's samples (staleness 0). Fix: set rollout.mode: async to let rollout run ahead, or leave "
+                "rollout.max_staleness at 0."
+            )
+        if self.partial_rollout and self.mode == "sync":
+            raise ValueError(
+                "rollout.partial_rollout continues generations across weight updates, which only happen mid-generation "
+                "in async mode. Fix: set rollout.mode: async, or rollout.partial_rollout: false."
+            )
+        if self.partial_rollout and self.multi_turn.enable:
+            raise ValueError(
+                "rollout.partial_rollout is not built for agent trajectories (rollout.multi_turn): their turns would "
+                "need per-turn versions through the agent loop. Fix: set rollout.partial_rollout: false (async mode "
+                "still runs the agent loop, each trajectory under one version)."
             )
         return self
 
@@ -277,7 +294,10 @@ class KLControlConfig(Section):
 class RolloutCorrectionConfig(Section):
     """Importance weights for the gap between the rollout engine's log-probs and the trainer's (docs/algorithms.md)."""
 
-    enable: bool = Field(False, description="Weight the policy loss by the engine-vs-trainer importance ratio.")
+    enable: bool = Field(
+        False, description="Weight the policy loss by the engine-vs-trainer importance ratio (on by default in async "
+        "mode with rollout.max_staleness >= 1: AReaL's decoupled objective).",
+    )
     level: str = Field(
         "token",
         description="A level registered in postrl.algorithms (docs/algorithms.md): token (TIS: per-token weight "
@@ -901,6 +921,15 @@ class Config(Section):
                 f"train.sequence_parallel_size ({sp}) must divide the world size ({self.world_size} devices): each "
                 "sequence-parallel group is that many ranks. Fix: choose a divisor, or change cluster.devices_per_node / nnodes."
             )
+        if self.rollout.mode == "async" and self.world_size > 1:
+            problems.append(
+                f"rollout.mode async runs one rollout worker beside one trainer process, but this run has {self.world_size} "
+                "trainer processes (cluster.nnodes x devices_per_node); several trainer ranks with rollout workers on their "
+                "own devices (a Ray split layout) are not built (docs/async.md). Fix: rollout.mode: sync, or one process."
+            )
+        rc = self.algorithm.rollout_correction
+        if self.rollout.mode == "async" and self.rollout.max_staleness > 0 and "enable" not in rc.model_fields_set:
+            rc.enable = True  # the decoupled objective (AReaL): stale samples weighted by trainer / engine, truncated
         if sp > 1 and _needs_critic(self.algorithm.adv_estimator):
             problems.append(
                 f"train.sequence_parallel_size ({sp}) with adv_estimator '{self.algorithm.adv_estimator}': the critic's "

@@ -49,10 +49,14 @@ class Batch:
     # the policy version (trainer step) that sampled each sequence; None entries are stamped by
     # Experience.collect with the trainer's step; a Batch built without them is from version 0
     versions: list[int | None] = field(default_factory=list)
+    # async partial rollout: the version of every response token (None: all of the sequence's version)
+    token_versions: list[list[int] | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.versions:
             self.versions = [0] * len(self.response_ids)
+        if not self.token_versions:
+            self.token_versions = [None] * len(self.response_ids)
 
     @property
     def size(self) -> int:
@@ -187,6 +191,7 @@ class Experience:
             engine_logprobs=[c.logprobs for c in completions],
             multi_modal=[e.multi_modal for e in owners],
             versions=[c.version for c in completions],
+            token_versions=[c.token_versions for c in completions],
         )
 
     def _filter_metric(self, batch: Batch) -> list[float]:

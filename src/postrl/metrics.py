@@ -19,7 +19,7 @@ log = logging.getLogger("postrl.metrics")
 
 TIMING_KEYS = (
     "all", "rollout", "reward", "old_log_p", "reference_model", "ref_onload", "ref_offload", "adv", "update",
-    "resharding_to_infer", "resharding_to_train", "save", "eval",
+    "resharding_to_infer", "resharding_to_train", "save", "eval", "wait_rollout",
 )  # fmt: skip
 
 # ------------------------------------------------------------------------------ the guides' names

@@ -300,11 +300,12 @@ def _own_load() -> float:
     return cpu / elapsed * (1 - math.exp(-elapsed / 60))
 
 
-def threads_for(model: torch.nn.Module, requested: int | str | None = "auto") -> tuple[int | None, str]:
+def threads_for(model: torch.nn.Module, requested: int | str | None = "auto", per_rank: int = 1) -> tuple[int | None, str]:
     """(intra-op threads for this process, why); None keeps torch's own choice.
 
     `requested` is train.num_threads: a number wins; else OMP_NUM_THREADS, when set; else, on CPU,
-    the policy it names (`auto` when None) over the job's processes on this machine (LOCAL_WORLD_SIZE).
+    the policy it names (`auto` when None) over the job's processes on this machine (LOCAL_WORLD_SIZE
+    ranks, `per_rank` processes each: 2 with an async rollout worker beside the trainer).
     """
     if isinstance(requested, int):
         return requested, f"train.num_threads: {requested}"
@@ -313,13 +314,13 @@ def threads_for(model: torch.nn.Module, requested: int | str | None = "auto") ->
     if any(p.device.type != "cpu" for p in model.parameters()):
         return None, "the model is on an accelerator"
     policy = requested or "auto"
-    n, why = cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), policy)
+    n, why = cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)) * per_rank, policy)
     return n, f"train.num_threads {policy}: {why}"
 
 
-def configure_threads(model: torch.nn.Module, requested: int | str | None = "auto", log=None) -> None:
+def configure_threads(model: torch.nn.Module, requested: int | str | None = "auto", log=None, per_rank: int = 1) -> None:
     """Apply `threads_for` to this process and say what was chosen and why."""
-    n, why = threads_for(model, requested)
+    n, why = threads_for(model, requested, per_rank)
     if n is not None and n != torch.get_num_threads():
         torch.set_num_threads(n)
     if log is not None:

@@ -60,7 +60,8 @@ class Trainer:
         self.policy = load_policy(cfg.model, dtype="float32", device=rt.device)
         self.model, self.tokenizer, self.model_path = self.policy.model, self.policy.tokenizer, self.policy.path
         self.model.to(rt.device).train()
-        configure_threads(self.model, cfg.train.num_threads, self.log)
+        self.async_mode = cfg.rollout.mode == "async"  # a rollout worker process beside this one (async_rollout.py)
+        configure_threads(self.model, cfg.train.num_threads, self.log, per_rank=2 if self.async_mode else 1)
         if lora.is_lora(self.model):
             self.log(lora.summary(self.model))
         tools = tool_schemas(cfg.rollout.multi_turn)  # the agent loop's tools, rendered into the prompts
@@ -83,7 +84,8 @@ class Trainer:
             modality=self.policy.modality, trust_remote_code=cfg.model.trust_remote_code, runtime=rt,
         )  # fmt: skip
         self.engine = distributed.colocate(engine, self.model)
-        guards.note_uncorrectable(cfg, engine, self.log)
+        if not self.async_mode:  # async: the worker supplies sampling log-probs from any engine
+            guards.note_uncorrectable(cfg, engine, self.log)
         self.experience = Experience(cfg, self.engine, self.tokenizer, self.reward_fn, self.train_examples, self.sampler)
         self.logger = MetricsLogger(cfg.logging.dir, cfg.logging.sinks, cfg.model_dump(mode="json"), enabled=rt.is_main,
                                     metric_names=cfg.logging.metric_names, algo=self.algo_name)  # fmt: skip
@@ -97,6 +99,14 @@ class Trainer:
         if restored is not None:
             self.load_state_dict(restored)
             self.engine.sync_weights(self.model)
+        self.rollout = None  # async: the worker starts from the restored step and sampler position
+        if self.async_mode:
+            from postrl.async_rollout import AsyncRollout
+
+            self.rollout = AsyncRollout(cfg, self.model, self.train_examples, self.sampler.state_dict(), self.step,
+                                        torch.get_num_threads(), self.log)  # fmt: skip
+            self.log(f"rollout: async, a worker process at most {cfg.rollout.max_staleness} update(s) behind"
+                     + (", partial rollout" if cfg.rollout.partial_rollout else ""))  # fmt: skip
 
     def log(self, msg: str) -> None:
         self.console.print(msg)
@@ -158,8 +168,9 @@ class Trainer:
             part.free_grads()  # the last update's fp32 gradients: rollout needs the memory more
         with self.timer("all"):
             batch, gen_stats = self._collect()  # the global batch, the same on every rank
-            with self.timer("resharding_to_train"):
-                self.engine.sleep()  # GPU vLLM: free the KV cache and offload weights for the update
+            if not self.async_mode:
+                with self.timer("resharding_to_train"):
+                    self.engine.sleep()  # GPU vLLM: free the KV cache and offload weights for the update
             with self.timer("adv"):
                 adv_B = self.experience.advantages(batch) if self.critic is None else torch.zeros(batch.size)  # GAE: below
                 local = self.actor.pack(batch, adv_B)  # this rank's rows
@@ -178,10 +189,13 @@ class Trainer:
             with self.timer("update"):
                 update_stats.update(self.actor.update(local, use_ref=self.cfg.algorithm.kl.coef > 0))
             with self.timer("resharding_to_infer"):
-                self.engine.sync_weights(self.model)
-                if not self.train_examples[0].multi_modal:  # the probe is a text prompt
-                    probe = self.train_examples[0].prompt_ids
-                    update_stats.update(self.guards.check_sync(self.engine, self.model, probe, self.runtime.autocast()))
+                if self.async_mode:  # the worker loads them before its next generation call and checks its engine
+                    self.rollout.publish(self.model, self.step + 1)
+                else:
+                    self.engine.sync_weights(self.model)
+                    if not self.train_examples[0].multi_modal:  # the probe is a text prompt
+                        probe = self.train_examples[0].prompt_ids
+                        update_stats.update(self.guards.check_sync(self.engine, self.model, probe, self.runtime.autocast()))
         return self._step_metrics(batch, gen_stats, update_stats)
 
     def _collect(self):
@@ -189,6 +203,8 @@ class Trainer:
         the steps trained so far are checkpointed first, as they were before this step began."""
         before = {"rng": rng_state(), "sampler": self.sampler.state_dict()}
         try:
+            if self.async_mode:
+                return self._receive()
             return self.experience.collect(self.step, self.timer)
         except UserError as exc:
             if self.step == 0 or self.cfg.checkpoint.save_freq and self.step % self.cfg.checkpoint.save_freq == 0:
@@ -198,6 +214,29 @@ class Trainer:
                 *exc.problems, f"The {self.step} step(s) trained so far are saved in {path}; after the fix, the same "
                 "command continues from there (checkpoint.resume: auto).", title=exc.title,
             ) from None
+
+    def _receive(self):
+        """Async: the worker's batch of this step; the sampler moves to the position after its prompts. A worker
+        that died is restarted from the trained position (rollout.max_worker_restarts), then the run stops."""
+        from postrl.async_rollout import WORKER_LOG, WorkerDied
+
+        while True:
+            try:
+                with self.timer("wait_rollout"):
+                    batch, stats, seconds, sampler = self.rollout.next_batch(self.step)
+                break
+            except WorkerDied as exc:
+                if self.rollout.restarts >= self.cfg.rollout.max_worker_restarts:
+                    raise UserError(
+                        f"{exc} (its traceback, if it raised: {Path(self.cfg.logging.dir) / WORKER_LOG}), and it was "
+                        f"restarted {self.rollout.restarts} time(s) already (rollout.max_worker_restarts). Fix the cause "
+                        "it names, or raise rollout.max_worker_restarts.", title="the rollout worker failed",
+                    ) from None
+                self.rollout.restart(self.sampler.state_dict(), self.step, str(exc))
+        for name, value in seconds.items():  # the worker's rollout / reward time: timing/rollout, timing/reward
+            self.timer.seconds[name] = self.timer.seconds.get(name, 0.0) + value
+        self.sampler.load_state_dict(sampler)
+        return batch, stats
 
     def _stop_for_signal(self, signum: int) -> None:
         """Preemption (SIGTERM) or Ctrl-C: checkpoint the finished step, release everything, exit cleanly."""
@@ -218,6 +257,8 @@ class Trainer:
             return
         self._closed = True
         self.logger.close()
+        if self.rollout is not None:
+            self.rollout.close()
         self.reward_fn.close()
         self.engine.close()
         if self.lock is not None:
@@ -283,6 +324,8 @@ class Trainer:
     # -------------------------------------------------------------------------------- validation
     def validate(self) -> dict[str, float]:
         start = time.perf_counter()
+        if self.async_mode:  # the trainer's own engine serves validation only: bring it up to date first
+            self.engine.sync_weights(self.model)
         out = {}
         for name, examples in self.val_sets.items():
             out.update(evaluate(self.engine, self.tokenizer, self.reward_fn.score_rules, examples, self.cfg.eval, name, self.cfg.train.seed))

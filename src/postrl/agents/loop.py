@@ -85,6 +85,7 @@ class AgentLoop:
 
         self.engine, self.tokenizer, self.cfg = engine, tokenizer, cfg
         self.name = engine.name
+        self.capabilities = engine.capabilities  # what the wrapped engine can do is what the loop can
         self.tools = load_tools(list(cfg.tools))
         self.env_cls = load_environment(cfg.interaction) if cfg.interaction else None
         self.renderer = TurnRenderer(tokenizer)

@@ -65,7 +65,9 @@ class Completion:
 
     `version` is the policy version (trainer step) whose weights sampled it; None: the weights the
     trainer gave the engine last, which Experience stamps with the trainer's step (sync rollout). An
-    engine that runs behind the trainer (async, DESIGN.md section 10) sets it itself.
+    engine that runs behind the trainer (async, DESIGN.md section 10) sets it itself, and
+    `token_versions` (one per token) when a partial rollout continued the sequence under newer
+    weights; `version` is then its oldest token's.
     """
 
     prompt_index: int
@@ -77,6 +79,7 @@ class Completion:
     tool_calls: int = 0  # the agent loop: tool calls this trajectory made
     env_reward: float = 0.0  # the agent loop: what its environment (rollout.multi_turn.interaction) returned, summed
     version: int | None = None
+    token_versions: list[int] | None = None
 
 
 @runtime_checkable
