@@ -21,9 +21,12 @@ from postrl.data.traces import encode_trace
 from postrl.errors import UserError
 from postrl.rollout.base import Completion, SamplingParams
 
-# Qwen2.5-Instruct's chat template, written from its tokenizer_config.json (recalled, not downloaded:
-# this machine has no network); the tool parts are what matter here: the tools system block, assistant
-# tool_calls in <tool_call> blocks, consecutive tool messages grouped in one user turn.
+# Qwen2.5-Instruct's chat template: the "chat_template" of its tokenizer_config.json, character for
+# character. Checked against the copy of that JSON line quoted in ShishirPatil/gorilla,
+# berkeley-function-call-leaderboard/bfcl/model_handler/local_inference/qwen.py (commit 2ea5bb9b,
+# QwenHandler._format_prompt's docstring): json-decoded it equals this string. The tool parts are what
+# matter here: the tools system block, assistant tool_calls in <tool_call> blocks, consecutive tool
+# messages grouped in one user turn.
 QWEN25_TEMPLATE = (
     "{%- if tools %}\n    {{- '<|im_start|>system\\n' }}\n    {%- if messages[0]['role'] == 'system' %}\n"
     "        {{- messages[0]['content'] }}\n    {%- else %}\n"
