@@ -7,12 +7,14 @@
 The workload is one rollout batch of the tool demo (configs/tiny_tool_dapo.yaml): `--prompts` held-out
 `builtin:tool_arithmetic` prompts x `--n` samples at temperature 1 with `builtin:calculator`. The agent
 loop runs it multi-turn (generate until EOS or </tool_call>, run the calls, render the results, generate
-again: one engine call per turn); the one-shot side asks the same engine for the same prompts in one
-call, with a budget of the loop's mean model tokens per trajectory (so both sample about as many
-tokens, one-shot at most that many). Both count the tokens the model sampled (the loop: its loss-masked
-tokens, so every prefill of tool results and every turn's extra engine call is overhead it pays).
-Calls alternate (loop, one-shot, loop, ...) after a warm-up of each, so load from other processes hits
-both alike. Printed: median tokens/s of each and their ratio (goal: >= 0.8x).
+again: with vLLM one continuous batch that each trajectory's next turn joins, with HF one engine call
+per turn); the one-shot side asks the same engine object (same settings: eager or compiled, KV cache,
+threads, seed) for the same prompts in one call, with a budget of the loop's mean model tokens per
+trajectory (so both sample about as many tokens, one-shot at most that many). Both count the tokens
+the model sampled (the loop: its loss-masked tokens, so every prefill of tool results, every turn
+boundary and the tools themselves are overhead it pays). Calls alternate (loop, one-shot, loop, ...)
+after a warm-up of each, so load from other processes hits both alike. Printed: median tokens/s of
+each and their ratio (goal: >= 0.8x).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=96, help="response budget (the loop: across turns)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--compile", action="store_true", help="vLLM: compile the model (rollout.enforce_eager false); default eager")
     args = ap.parse_args()
 
     from postrl.agents.loop import AgentLoop, tool_schemas
@@ -44,7 +47,7 @@ def main() -> None:
     mt = MultiTurnConfig(enable=True, tools=["builtin:calculator"], max_turns=3, max_tool_calls=2)
     examples, _ = load_prompts(["builtin:tool_arithmetic:val"], tokenizer, DataConfig(), max_rows=args.prompts, tools=tool_schemas(mt))
     prompts = [e.prompt_ids for e in examples]
-    engine = make_engine(RolloutConfig(engine=args.engine, enforce_eager=True), model, tokenizer, max_model_len=512)
+    engine = make_engine(RolloutConfig(engine=args.engine, enforce_eager=not args.compile), model, tokenizer, max_model_len=512)
     loop = AgentLoop(engine, tokenizer, mt, model=model)
     params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, n=args.n, seed=0)
 
