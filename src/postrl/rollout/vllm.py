@@ -193,21 +193,25 @@ class VLLMEngine:
         with self._rollout_threads(), keep_rng():
             if seed is not None and self.in_process:
                 torch.manual_seed(seed)
-            add(requests)
-            while engine.has_unfinished_requests():
-                done = []
-                for out in engine.step():
-                    if not out.finished:
-                        continue
-                    (c,) = out.outputs
-                    if c.finish_reason not in ("stop", "length"):
-                        raise RuntimeError(f"vLLM finished a request with reason {c.finish_reason!r}")
-                    tokens = list(c.token_ids)
-                    completion = Completion(prompt_index=0, token_ids=tokens, finished=c.finish_reason == "stop",
-                                            logprobs=_sampled_logprobs(c.logprobs, tokens))  # fmt: skip
-                    done.append((keys.pop(out.request_id), completion))
-                if done:
-                    add(on_finish(done))
+            try:
+                add(requests)
+                while engine.has_unfinished_requests():
+                    done = []
+                    for out in engine.step():
+                        if not out.finished:
+                            continue
+                        (c,) = out.outputs
+                        if c.finish_reason not in ("stop", "length"):
+                            raise RuntimeError(f"vLLM finished a request with reason {c.finish_reason!r}")
+                        tokens = list(c.token_ids)
+                        completion = Completion(prompt_index=0, token_ids=tokens, finished=c.finish_reason == "stop",
+                                                logprobs=_sampled_logprobs(c.logprobs, tokens))  # fmt: skip
+                        done.append((keys.pop(out.request_id), completion))
+                    if done:
+                        add(on_finish(done))
+            finally:
+                if keys:  # an error part-way: the next call must not find this call's requests running
+                    engine.abort_request(list(keys))
 
     def _vllm_params(self, params: SamplingParams, n: int, seed: int | None):
         if params.greedy:
