@@ -169,7 +169,7 @@ def test_with_a_calculator_dapo_lifts_held_out_accuracy_and_the_tool_call_rate(t
     200 steps no sampled answer was right: nothing to learn from), 8 DAPO steps on vLLM (rollout.engine
     auto: the agent loop's continuous batch), 100 held-out prompts. Measured: 0.0% -> 49.0%, the tool-call
     ratio 0 -> 1.0 (34 points above the bar); 21 minutes on the shared 2-core machine at load 8-22, of
-    which the RL stage was ~4 (the HF rollout of the old version made it 12.4 minutes at load ~4.5)."""
+    which the RL stage was ~6 (the HF rollout of the old version made it 12.4 minutes at load ~4.5)."""
     run_sft(load_config(CONFIGS / "tiny_tool_sft.yaml", [
         "sft.eval_prompts=0",
         f"sft.output_dir={tmp_path}/sft", f"logging.dir={tmp_path}/sft", "logging.progress=false",
