@@ -166,7 +166,7 @@ def test_with_a_calculator_dapo_lifts_held_out_accuracy_and_the_tool_call_rate(t
     guesses), then DAPO through the agent loop. The SFT model mostly guesses, so greedy decoding never
     calls the tool; RL makes calling it the greedy answer. Measured with the full recipe: held-out greedy
     accuracy 0.0% -> 47.3% after 10 steps, the tool-call ratio 0% -> 100%. Shortened: the whole SFT (after
-    200 steps no sampled answer was right: nothing to learn from), 8 DAPO steps on vLLM (rollout.engine
+    200 or 300 steps no sampled answer was right: dynamic sampling found nothing to learn from), 8 DAPO steps on vLLM (rollout.engine
     auto: the agent loop's continuous batch), 100 held-out prompts. Measured: 0.0% -> 49.0%, the tool-call
     ratio 0 -> 1.0 (34 points above the bar); 21 minutes on the shared 2-core machine at load 8-22, of
     which the RL stage was ~6 (the HF rollout of the old version made it 12.4 minutes at load ~4.5)."""
