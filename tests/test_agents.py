@@ -21,9 +21,12 @@ from postrl.data.traces import encode_trace
 from postrl.errors import UserError
 from postrl.rollout.base import Completion, SamplingParams
 
-# Qwen2.5-Instruct's chat template, written from its tokenizer_config.json (recalled, not downloaded:
-# this machine has no network); the tool parts are what matter here: the tools system block, assistant
-# tool_calls in <tool_call> blocks, consecutive tool messages grouped in one user turn.
+# Qwen2.5-Instruct's chat template: the "chat_template" of its tokenizer_config.json, character for
+# character. Checked against the copy of that JSON line quoted in ShishirPatil/gorilla,
+# berkeley-function-call-leaderboard/bfcl/model_handler/local_inference/qwen.py (commit 2ea5bb9b,
+# QwenHandler._format_prompt's docstring): json-decoded it equals this string. The tool parts are what
+# matter here: the tools system block, assistant tool_calls in <tool_call> blocks, consecutive tool
+# messages grouped in one user turn.
 QWEN25_TEMPLATE = (
     "{%- if tools %}\n    {{- '<|im_start|>system\\n' }}\n    {%- if messages[0]['role'] == 'system' %}\n"
     "        {{- messages[0]['content'] }}\n    {%- else %}\n"
@@ -273,3 +276,60 @@ def test_the_hf_engine_stops_at_an_extra_stop_token_and_keeps_it(tokenizer):
     stop = free.token_ids[len(free.token_ids) // 2]
     (stopped,) = engine.generate([prompt], SamplingParams(max_tokens=24, greedy=True, stop_token_ids=(stop,)))
     assert stopped.token_ids == free.token_ids[: free.token_ids.index(stop) + 1] and stopped.finished
+
+
+class Again:
+    """An environment that always asks for another answer."""
+
+    def reset(self, row):
+        pass
+
+    def step(self, text):
+        return "again", 0.0, False
+
+
+class _ByTurns:
+    """A vLLM engine seen without `generate_continuing`: the loop then makes one engine call per turn."""
+
+    def __init__(self, engine):
+        self.engine, self.name = engine, engine.name
+
+    def generate(self, prompts, params, multi_modal=None):
+        return self.engine.generate(prompts, params, multi_modal=multi_modal)
+
+
+def test_with_vllm_every_turn_joins_one_continuous_batch(tokenizer):
+    import postrl.rollout.vllm_platform as vllm_platform
+
+    try:
+        vllm_platform.import_vllm()
+    except vllm_platform.VLLMUnavailable as exc:  # pragma: no cover - only on machines without a working vLLM
+        pytest.skip(f"vLLM is unavailable here: {exc}")
+    from postrl.config import RolloutConfig
+    from postrl.models import load_model
+    from postrl.rollout.vllm import VLLMEngine
+
+    # The untrained tiny model ends a turn with EOS now and then; the environment answers "again", so those
+    # trajectories go on to a second and third turn.
+    model = load_model(str(build_tiny_model("tiny-qwen2-tools"))).eval()
+    engine = VLLMEngine(model, tokenizer, RolloutConfig(kv_cache_space_gb=0.25, max_num_seqs=256, enforce_eager=True), max_model_len=512)
+    cfg = MultiTurnConfig(enable=True, tools=["builtin:calculator"], interaction=f"{__name__}:Again", max_turns=3)
+    try:
+        loop, by_turns = AgentLoop(engine, tokenizer, cfg, model=model), AgentLoop(_ByTurns(engine), tokenizer, cfg, model=model)
+        prompts, rows = [_prompt(tokenizer)] * 16, [{}] * 16
+        sampled = SamplingParams(temperature=1.0, max_tokens=64, n=4, seed=3)
+        out = loop.generate(prompts, sampled, rows=rows)
+        assert [c.prompt_index for c in out] == [i for i in range(16) for _ in range(4)]
+        assert sum(len(c.turn_spans) > 1 for c in out) >= 4  # measured 7 of 64
+        for c in out:  # the trajectory layout of the turn-by-turn loop: model turns (mask 1, engine log-probs) and masked tool turns
+            assert len(c.token_ids) == len(c.loss_mask) == len(c.logprobs) <= 64
+            assert [i for s, e in c.turn_spans for i in range(s, e)] == [i for i, m in enumerate(c.loss_mask) if m]
+            assert all(lp < 0 if m else lp == 0.0 for lp, m in zip(c.logprobs, c.loss_mask))
+            if len(c.turn_spans) > 1:
+                assert "user\nagain" in tokenizer.decode([i for i, m in zip(c.token_ids, c.loss_mask) if not m])
+        assert [c.token_ids for c in loop.generate(prompts, sampled, rows=rows)] == [c.token_ids for c in out]  # seeded: reproducible
+        greedy = SamplingParams(max_tokens=64, greedy=True)
+        continuous, per_turn = (lp.generate(prompts[:2], greedy, rows=rows) for lp in (loop, by_turns))
+        assert [c.token_ids for c in continuous] == [c.token_ids for c in per_turn]  # the same rollout either way
+    finally:
+        engine.close()

@@ -2,8 +2,11 @@
 
     prompt -> model turn (until EOS or </tool_call>) -> tool results (masked) -> model turn -> ... -> EOS
 
-Every turn, one engine call generates for all trajectories still running (the first turn samples the
-n completions of each prompt in one request, as single-turn rollout does). A turn that stops at
+With vLLM the whole rollout is one continuous batch (`VLLMEngine.generate_continuing`): a trajectory's
+next turn joins the running batch at the engine step after its turn ended, and reads the KV of
+everything before from the prefix cache, so no trajectory waits for the slowest one of its turn.
+Other engines (HF `generate`, image prompts) take one engine call per turn for all trajectories still
+running (the first samples the n completions of each prompt in one request). A turn that stops at
 `</tool_call>` has its calls parsed (Hermes / Qwen: <tool_call>{"name", "arguments"}</tool_call>) and
 run concurrently across trajectories, each under `tool_timeout_s`; their results are rendered with
 the model's own chat template (`role: tool`, agents/render.py) and appended with loss mask 0. A
@@ -137,6 +140,29 @@ class AgentLoop:
                 t.env = self.env_cls()
                 t.env.reset(rows[t.prompt_index])
         turn_params = replace(params, stop_token_ids=tuple(params.stop_token_ids) + self.stop_ids)
+        if multi_modal is None and hasattr(self.engine, "generate_continuing"):
+            self._run_continuing(trajs, turn_params, budget)
+        else:
+            self._run_by_turns(prompts, trajs, turn_params, budget, multi_modal)
+        for t in trajs:
+            if not t.done:
+                t.stop(finished=False)  # max_turns reached with a tool call or an environment turn pending
+        self._record(trajs)
+        return [
+            Completion(
+                prompt_index=t.prompt_index, token_ids=t.ids, finished=t.finished, logprobs=t.logprobs,
+                loss_mask=t.mask, turn_spans=t.spans,
+                tool_calls=t.tool_calls, env_reward=t.env_reward,
+            )  # fmt: skip
+            for t in trajs
+        ]
+
+    def _run_by_turns(
+        self, prompts: list[list[int]], trajs: list[Trajectory], turn_params: SamplingParams, budget: int,
+        multi_modal: list[dict] | None,
+    ) -> None:  # fmt: skip
+        """One engine call per turn for every trajectory still running (the HF engine, images)."""
+        cfg, params = self.cfg, turn_params
         for turn in range(cfg.max_turns):
             live = [t for t in trajs if not t.done]
             if not live:
@@ -157,18 +183,37 @@ class AgentLoop:
                 start = time.perf_counter()
                 self._run_tools(calls, budget)
                 self.stats["timing/agent_tools"] += time.perf_counter() - start
-        for t in trajs:
-            if not t.done:
-                t.stop(finished=False)  # max_turns reached with a tool call or an environment turn pending
-        self._record(trajs)
-        return [
-            Completion(
-                prompt_index=t.prompt_index, token_ids=t.ids, finished=t.finished, logprobs=t.logprobs,
-                loss_mask=t.mask, turn_spans=t.spans,
-                tool_calls=t.tool_calls, env_reward=t.env_reward,
-            )  # fmt: skip
-            for t in trajs
-        ]
+
+    def _run_continuing(self, trajs: list[Trajectory], turn_params: SamplingParams, budget: int) -> None:
+        """vLLM: one continuous batch for the whole rollout. A trajectory's next turn joins the running batch
+        at the engine step after its turn ended (its tool results or observation appended), instead of
+        waiting for the slowest trajectory of the turn and a second engine call; its prompt's KV comes from
+        the prefix cache. The tools of the turns that ended in one step run concurrently, then the batch
+        goes on (so a seeded rollout is reproducible)."""
+        cfg, one = self.cfg, replace(turn_params, n=1)
+        tool_seconds = 0.0
+
+        def request(k: int) -> tuple[int, list[int], SamplingParams]:
+            t = trajs[k]
+            return k, t.prompt + t.ids, replace(one, max_tokens=budget - len(t.ids))
+
+        def on_finish(done: list[tuple[int, Completion]]) -> list[tuple[int, list[int], SamplingParams]]:
+            nonlocal tool_seconds
+            calls = []
+            for k, out in done:
+                t = trajs[k]
+                if parsed := self._end_turn(t, out, budget, last_turn=len(t.spans) == cfg.max_turns - 1):
+                    calls.append((t, parsed))
+            if calls:
+                start = time.perf_counter()
+                self._run_tools(calls, budget)
+                tool_seconds += time.perf_counter() - start
+            return [request(k) for k, _ in done if not trajs[k].done]
+
+        start = time.perf_counter()
+        self.engine.generate_continuing([request(k) for k in range(len(trajs))], on_finish, seed=turn_params.seed)
+        self.stats["timing/agent_generate"] += time.perf_counter() - start - tool_seconds
+        self.stats["timing/agent_tools"] += tool_seconds
 
     def _end_turn(self, t: Trajectory, out: Completion, budget: int, last_turn: bool) -> list | None:
         """Append one model turn; returns its parsed tool calls when the loop should run them, else None."""

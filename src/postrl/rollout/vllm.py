@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -109,6 +109,7 @@ class VLLMEngine:
         # Generation runs with the process's thread count (runtime.configure_threads decided it once).
         self.rollout_threads = torch.get_num_threads()
         self._sampling_cls = vllm.SamplingParams
+        self._final_only = vllm.sampling_params.RequestOutputKind.FINAL_ONLY
         self.moe = is_moe(model)
         self.sync_weights(model)
 
@@ -158,6 +159,59 @@ class VLLMEngine:
                     )
                 )
         return completions
+
+    @torch.no_grad()
+    def generate_continuing(
+        self, requests: list[tuple[Any, list[int], SamplingParams]],
+        on_finish: Callable[[list[tuple[Any, Completion]]], list[tuple[Any, list[int], SamplingParams]]],
+        seed: int | None = None,
+    ) -> None:  # fmt: skip
+        """Continuous batching across turns (the agent loop): `requests` are (key, prompt ids, params) with
+        n = 1. After every engine step, `on_finish` gets the (key, completion) of each request that finished
+        in it and returns the follow-up requests, which join the running batch at the next step, so no
+        sequence waits for the slowest one of a turn; their prompt (the one before plus its completion)
+        reuses its KV from the prefix cache. Runs until no request is left. `seed`: one seed for the whole
+        run (the engine in this process), else a derived seed per request."""
+        if self._asleep:
+            self.wake_up()
+        engine, keys, counter = self.llm.llm_engine, {}, 0
+
+        def add(batch: list[tuple[Any, list[int], SamplingParams]]) -> None:
+            nonlocal counter
+            for key, ids, params in batch:
+                assert params.greedy or params.n == 1, "generate_continuing: one sample per request"
+                if not params.greedy and params.temperature > MAX_TEMPERATURE:
+                    raise ValueError(f"vLLM samples at temperatures up to {MAX_TEMPERATURE}, got {params.temperature}; use the hf engine.")
+                request_seed = None if seed is None or self.in_process else (seed + 7919 * counter) % 2**31
+                sampling = self._vllm_params(params, 1, request_seed)
+                sampling.output_kind = self._final_only
+                request_id = f"postrl-{counter}"
+                counter += 1
+                keys[request_id] = key
+                engine.add_request(request_id, {"prompt_token_ids": list(ids)}, sampling)
+
+        with self._rollout_threads(), keep_rng():
+            if seed is not None and self.in_process:
+                torch.manual_seed(seed)
+            try:
+                add(requests)
+                while engine.has_unfinished_requests():
+                    done = []
+                    for out in engine.step():
+                        if not out.finished:
+                            continue
+                        (c,) = out.outputs
+                        if c.finish_reason not in ("stop", "length"):
+                            raise RuntimeError(f"vLLM finished a request with reason {c.finish_reason!r}")
+                        tokens = list(c.token_ids)
+                        completion = Completion(prompt_index=0, token_ids=tokens, finished=c.finish_reason == "stop",
+                                                logprobs=_sampled_logprobs(c.logprobs, tokens))  # fmt: skip
+                        done.append((keys.pop(out.request_id), completion))
+                    if done:
+                        add(on_finish(done))
+            finally:
+                if keys:  # an error part-way: the next call must not find this call's requests running
+                    engine.abort_request(list(keys))
 
     def _vllm_params(self, params: SamplingParams, n: int, seed: int | None):
         if params.greedy:
