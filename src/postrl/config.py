@@ -752,6 +752,23 @@ class CheckpointConfig(Section):
         "validation set's): the weights of its best validation (the start included) are kept in "
         "<checkpoint.dir>/best (export with `postrl export DIR/best OUT`).",
     )
+    back_off: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="With keep_best (without it, off): when a validation falls more than this below the best one "
+        "(0.02 = 2 points), go back to the best weights, multiply the learning rate by back_off_lr_factor and say so; "
+        "a fall at the last validation ends the run with the best weights (docs/learning.md). None: off.",
+    )
+    back_off_lr_factor: float = Field(0.5, gt=0, le=1, description="The learning rate's factor at each back-off.")
+    end_with_best: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="With keep_best (without it, off): when the last validation is more than this below the best one "
+        "(0.01 = 1 point), the run ends with the best weights (the final checkpoint holds them) and says so; the "
+        "validations stay logged as measured. None: back_off's value (or off).",
+    )
 
     @field_validator("keep_best")
     @classmethod
@@ -898,6 +915,13 @@ class Config(Section):
             problems.append(
                 f"train.sequence_parallel_size ({sp}) must divide the world size ({self.world_size} devices): each "
                 "sequence-parallel group is that many ranks. Fix: choose a divisor, or change cluster.devices_per_node / nnodes."
+            )
+        ck = self.checkpoint
+        if (ck.back_off is not None or ck.end_with_best is not None) and ck.keep_best and self.model.lora_rank > 0:
+            problems.append(
+                "checkpoint.back_off / end_with_best put the best weights back, but with LoRA (model.lora_rank > 0) the kept best "
+                "weights are merged into the base, and the adapters cannot be recovered from them. Fix: "
+                "checkpoint.back_off: null and checkpoint.end_with_best: null (keep_best still keeps the best weights)."
             )
         a = self.algorithm
         if a.use_kl_in_reward and not _needs_critic(a.adv_estimator):

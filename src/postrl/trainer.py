@@ -138,7 +138,7 @@ class Trainer:
                     self._stop_for_signal(stop.signum)
         final: dict[str, float] = {}
         if cfg.eval.after_train and self.val_sets:
-            final = self.validate()
+            final = self.validate(last=True)
             self.logger.log(self.step, final)
             self.log(val_line("after RL", final))
         if cfg.checkpoint.save_final and not (cfg.checkpoint.save_freq and self.step % cfg.checkpoint.save_freq == 0):
@@ -280,7 +280,7 @@ class Trainer:
         return m
 
     # -------------------------------------------------------------------------------- validation
-    def validate(self) -> dict[str, float]:
+    def validate(self, last: bool = False) -> dict[str, float]:
         start = time.perf_counter()
         out = {}
         for name, examples in self.val_sets.items():
@@ -288,7 +288,23 @@ class Trainer:
         out["timing/eval"] = time.perf_counter() - start
         found = self.history.record(self.step, out)  # the headline metric (checkpoint.keep_best)
         checkpoint.keep_if_best(self.cfg, self.model, self.tokenizer, self.step, found)
+        if (best := checkpoint.fell_below_best(self.cfg, found, last)) is not None:
+            self._back_off(best, found[1], out, last)
         return out
+
+    def _back_off(self, best: dict, value: float, out: dict, last: bool) -> None:
+        """checkpoint.back_off / end_with_best: validation fell below the best; back to the best weights
+        (during the run at a smaller LR)."""
+        checkpoint.load_weights(self.model, Path(self.cfg.checkpoint.dir) / checkpoint.BEST / "model")
+        self.engine.sync_weights(self.model)
+        self.history.restore(self.step, best["step"], best["value"])
+        out.update({"training/back_off": 1.0, "training/back_off_to_step": float(best["step"])})
+        fell = f"{best['metric']} fell to {value:.1%} at step {self.step}, {best['value'] - value:.1%} below the best {best['value']:.1%}"
+        if last:
+            self.log(f"[yellow]end_with_best: {fell}; the run ends with step {best['step']}'s weights.[/yellow]")
+            return
+        lr = self.actor.scale_lr(self.cfg.checkpoint.back_off_lr_factor)
+        self.log(f"[yellow]back-off: {fell}: the weights are step {best['step']}'s again, the peak lr {lr:.2g} from here.[/yellow]")
 
 
 def train(cfg: Config, console: Any = None) -> dict[str, float]:
