@@ -88,7 +88,7 @@ def postrl_peer(engine: str, model: str, prompts: int, workdir: Path, extra: lis
         [
             f"model.path={model}", f"rollout.engine={engine}", f"rollout.n_samples_per_prompt={N}",
             f"rollout.max_tokens={MAX_TOKENS}",
-            "algorithm.overlong_buffer.enable=false", "algorithm.filter_groups.enable=false",
+            "algorithm.overlong_buffer.enable=false", "algorithm.filter_groups.enable=false", "algorithm.kl.coef=0",
             f"train.global_batch_size={prompts}", f"train.gen_batch_size={prompts}", f"train.lr={LR}",
             "train.total_steps=1000", "eval.before_train=false", "eval.after_train=false",
             "logging.progress=false", "logging.sinks=[jsonl]", f"logging.dir={workdir / ('postrl-' + engine)}",

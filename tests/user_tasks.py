@@ -5,6 +5,12 @@ verl-schema parquet files and a reward as `user_tasks:<function>` (docs/learning
 - count:   "How many times does 7 occur in: 7 3 7 1 5?" -> "\\boxed{2}"
 - largest: "Which number is the largest: 12 45 7 33?"  -> "\\boxed{45}"
 
+Two more with little headroom (issue 28: after a short SFT the greedy answer is mostly right, samples
+at T 0.6 much less often, and pass@8 is close to greedy; RL can only sharpen):
+
+- sort:      "Sort the list: 4 7 1 9 1"               -> "\\boxed{1 1 4 7 9}"
+- increment: "Add 1 to each number: 3 5 8"           -> "\\boxed{4 6 9}"
+
 Each row's reference solution (extra_info.solution, for `postrl sft`) is the correct answer. Train
 and held-out rows are disjoint (no held-out list occurs in training).
 
@@ -19,11 +25,16 @@ import sys
 from pathlib import Path
 
 TASKS = ("reverse", "count", "largest")
+LOW_HEADROOM = ("sort", "increment")
 
 
 def _numbers(rng: random.Random, task: str) -> list[int]:
     if task == "reverse":
         return [rng.randint(0, 9) for _ in range(rng.randint(3, 5))]
+    if task == "sort":
+        return [rng.randint(0, 9) for _ in range(rng.randint(5, 7))]
+    if task == "increment":
+        return [rng.randint(0, 9) for _ in range(rng.randint(3, 6))]
     if task == "count":
         return [rng.choice([rng.randint(0, 9), 7]) for _ in range(rng.randint(4, 7))]
     return [rng.randint(1, 60) for _ in range(rng.randint(3, 5))]
@@ -33,6 +44,10 @@ def make_row(task: str, numbers: list[int], index: int, split: str) -> dict:
     listed = " ".join(map(str, numbers))
     if task == "reverse":
         question, answer = f"Reverse the list: {listed}", " ".join(map(str, reversed(numbers)))
+    elif task == "sort":
+        question, answer = f"Sort the list: {listed}", " ".join(map(str, sorted(numbers)))
+    elif task == "increment":
+        question, answer = f"Add 1 to each number: {listed}", " ".join(str(n + 1) for n in numbers)
     elif task == "count":
         question, answer = f"How many times does 7 occur in: {listed}?", str(numbers.count(7))
     else:
@@ -62,14 +77,14 @@ def rows(task: str, train_size: int = 4000, val_size: int = 300, seed: int = 0) 
 
 
 def write(out_dir: str | Path, **sizes: int) -> dict[str, Path]:
-    """<task>_{train,val}.parquet for every task; returns {"<task>_<split>": path}."""
+    """<task>_{train,val}.parquet for every task (TASKS and LOW_HEADROOM); returns {"<task>_<split>": path}."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {}
-    for task in TASKS:
+    for task in TASKS + LOW_HEADROOM:
         for split, split_rows in rows(task, **sizes).items():
             paths[f"{task}_{split}"] = path = out_dir / f"{task}_{split}.parquet"
             pq.write_table(pa.Table.from_pylist(split_rows), path)

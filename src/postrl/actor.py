@@ -286,6 +286,13 @@ class Actor:
                 **self._logprob_options,
             )  # fmt: skip
 
+    def scale_lr(self, factor: float) -> float:
+        """Multiply the learning rate from here on by `factor` (checkpoint.back_off); the new peak LR."""
+        for i, group in enumerate(self.optimizer.param_groups):
+            self.scheduler.base_lrs[i] *= factor
+            group["lr"] *= factor
+        return self.scheduler.base_lrs[0]
+
     def free_grads(self) -> None:
         """Drop the last update's gradients (fp32, 4 bytes a parameter) so that rollout has the memory."""
         self.optimizer.zero_grad(set_to_none=True)

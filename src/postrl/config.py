@@ -774,6 +774,23 @@ class CheckpointConfig(Section):
         "validation set's): the weights of its best validation (the start included) are kept in "
         "<checkpoint.dir>/best (export with `postrl export DIR/best OUT`).",
     )
+    back_off: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="With keep_best (without it, off): when a validation falls more than this below the best one "
+        "(0.02 = 2 points), go back to the best weights, multiply the learning rate by back_off_lr_factor and say so; "
+        "a fall at the last validation ends the run with the best weights (docs/learning.md). None: off.",
+    )
+    back_off_lr_factor: float = Field(0.5, gt=0, le=1, description="The learning rate's factor at each back-off.")
+    end_with_best: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="With keep_best (without it, off): when the last validation is more than this below the best one "
+        "(0.01 = 1 point), the run ends with the best weights (the final checkpoint holds them) and says so; the "
+        "validations stay logged as measured. None: back_off's value (or off).",
+    )
 
     @field_validator("keep_best")
     @classmethod

@@ -10,7 +10,10 @@ towards), at the configured temperature and a few lower ones. Then it says what 
 - sampled accuracy far below greedy: the policy samples badly at this temperature, so most groups
   are all wrong (no signal) and the update pushes on noise; a lower rollout.temperature gives RL
   samples close to what greedy decoding does.
-- pass@k close to greedy: little to gain; RL can only sharpen (harder data, or more samples).
+- pass@k 8-15 points above greedy: some headroom; expect a few points.
+- pass@k close to greedy: little to gain; RL can only sharpen (harder data, or more samples), and
+  held-out greedy accuracy should stay near its start (issue 28: the recipes' KL to the SFT
+  reference and checkpoint.back_off keep it there).
 - pass@k near 0: nothing to learn from; an SFT warm start first.
 """
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 TEMPERATURES = (0.6, 0.8, 1.0)
+SOME_HEADROOM = 0.08  # pass@k this far above greedy: the tiny recipes lift greedy by 2+ points in 30 steps (docs/learning.md)
 
 
 def diagnose(cfg: Any, n_prompts: int = 48, log=print) -> dict[str, Any]:
@@ -73,11 +77,20 @@ def advice(report: dict[str, Any]) -> list[str]:
         ]
     headroom = at_t["pass@k"] - greedy
     if headroom >= 0.15:
-        out.append(f"RL has headroom: pass@{n} at T {t} is {at_t['pass@k']:.0%}, {headroom:.0%} above greedy ({greedy:.0%}).")
+        out.append(
+            f"RL has headroom: pass@{n} at T {t} is {at_t['pass@k']:.0%}, {headroom:.0%} above greedy ({greedy:.0%}); "
+            "expect held-out greedy accuracy to rise towards it."
+        )
+    elif headroom >= SOME_HEADROOM:
+        out.append(
+            f"some headroom: pass@{n} at T {t} ({at_t['pass@k']:.0%}) is {headroom:.0%} above greedy ({greedy:.0%}); "
+            "expect held-out greedy accuracy to rise a few points."
+        )
     else:
         out.append(
             f"little headroom: pass@{n} at T {t} ({at_t['pass@k']:.0%}) is within {max(headroom, 0):.0%} of greedy "
-            f"({greedy:.0%}); RL can only sharpen. Consider harder data or more samples (rollout.n_samples_per_prompt)."
+            f"({greedy:.0%}); RL can only sharpen: expect held-out greedy accuracy to stay near its start. Consider "
+            "harder data or more samples (rollout.n_samples_per_prompt)."
         )
     if at_t["acc"] < 0.5 * greedy:
         out.append(

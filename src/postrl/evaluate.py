@@ -39,6 +39,7 @@ class ValidationHistory:
     def __init__(self, keep_best: str | None = None):
         self.keep_best = keep_best
         self.points: list[tuple[int, float]] = []  # (step, value)
+        self.back_offs: list[tuple[int, int, float]] = []  # (step, the best's step, the value fallen to)
 
     def record(self, step: int, val: dict[str, float]) -> tuple[str, float] | None:
         """(metric name, value) of this validation, recorded; None when it reports no accuracy."""
@@ -53,6 +54,12 @@ class ValidationHistory:
             return None
         self.points.append((step, val[name]))
         return name, val[name]
+
+    def restore(self, step: int, best_step: int, best_value: float) -> None:
+        """checkpoint.back_off put the best weights (of `best_step`) back at `step`: they are the weights
+        from here, so they are this step's point, and the fall is remembered for the summary."""
+        self.back_offs.append((step, best_step, self.points[-1][1]))
+        self.points[-1] = (step, best_value)
 
     def replay(self, rows: list[dict], upto_step: int) -> None:
         """Record the validations an earlier part of the run logged (metrics.jsonl rows) up to a resumed
@@ -77,6 +84,10 @@ class ValidationHistory:
         (s0, start), (s1, last) = self.points[0], self.points[-1]
         b, best = max(self.points, key=lambda sv: (sv[1], -sv[0]))
         line = f"held-out accuracy: start {start:.1%} (step {s0}), best {best:.1%} (step {b}), last {last:.1%} (step {s1})"
+        if self.back_offs:
+            line += "; back-offs (checkpoint.back_off): " + ", ".join(
+                f"at step {s} from {fell:.1%} to step {to}'s weights" for s, to, fell in self.back_offs
+            )
         if last >= start:
             return f"[bold]{line}[/bold]"
         where = (

@@ -64,6 +64,11 @@ class Trainer:
         configure_threads(self.model, cfg.train.num_threads, self.log, per_rank=2 if self.async_mode else 1)
         if lora.is_lora(self.model):
             self.log(lora.summary(self.model))
+            ck = cfg.checkpoint
+            if ck.back_off is not None or ck.end_with_best is not None:  # the recipes set end_with_best
+                ck.back_off = ck.end_with_best = None
+                self.log("[yellow]checkpoint.back_off / end_with_best are off with LoRA: the best weights are kept merged "
+                         "into the base, and the adapters cannot be put back from them (keep_best still keeps them).[/yellow]")
         tools = tool_schemas(cfg.rollout.multi_turn)  # the agent loop's tools, rendered into the prompts
         self.train_examples = load_train_prompts(cfg, self.tokenizer, self.policy.modality, tools, self.log)
         self.ref_model = reference.build(cfg, self.policy, rt) if cfg.algorithm.kl.coef > 0 or cfg.algorithm.use_kl_in_reward else None
@@ -149,7 +154,7 @@ class Trainer:
                     self._stop_for_signal(stop.signum)
         final: dict[str, float] = {}
         if cfg.eval.after_train and self.val_sets:
-            final = self.validate()
+            final = self.validate(last=True)
             self.logger.log(self.step, final)
             self.log(val_line("after RL", final))
         if cfg.checkpoint.save_final and not (cfg.checkpoint.save_freq and self.step % cfg.checkpoint.save_freq == 0):
@@ -322,7 +327,7 @@ class Trainer:
         return m
 
     # -------------------------------------------------------------------------------- validation
-    def validate(self) -> dict[str, float]:
+    def validate(self, last: bool = False) -> dict[str, float]:
         start = time.perf_counter()
         if self.async_mode:  # the trainer's own engine serves validation only: bring it up to date first
             self.engine.sync_weights(self.model)
@@ -332,7 +337,23 @@ class Trainer:
         out["timing/eval"] = time.perf_counter() - start
         found = self.history.record(self.step, out)  # the headline metric (checkpoint.keep_best)
         checkpoint.keep_if_best(self.cfg, self.model, self.tokenizer, self.step, found)
+        if (best := checkpoint.fell_below_best(self.cfg, found, last)) is not None:
+            self._back_off(best, found[1], out, last)
         return out
+
+    def _back_off(self, best: dict, value: float, out: dict, last: bool) -> None:
+        """checkpoint.back_off / end_with_best: validation fell below the best; back to the best weights
+        (during the run at a smaller LR)."""
+        checkpoint.load_weights(self.model, Path(self.cfg.checkpoint.dir) / checkpoint.BEST / "model")
+        self.engine.sync_weights(self.model)
+        self.history.restore(self.step, best["step"], best["value"])
+        out.update({"training/back_off": 1.0, "training/back_off_to_step": float(best["step"])})
+        fell = f"{best['metric']} fell to {value:.1%} at step {self.step}, {best['value'] - value:.1%} below the best {best['value']:.1%}"
+        if last:
+            self.log(f"[yellow]end_with_best: {fell}; the run ends with step {best['step']}'s weights.[/yellow]")
+            return
+        lr = self.actor.scale_lr(self.cfg.checkpoint.back_off_lr_factor)
+        self.log(f"[yellow]back-off: {fell}: the weights are step {best['step']}'s again, the peak lr {lr:.2g} from here.[/yellow]")
 
 
 def train(cfg: Config, console: Any = None) -> dict[str, float]:
