@@ -86,7 +86,7 @@ class _ByTurns:
     """The engine without `generate_continuing`: the agent loop then makes one engine call per turn."""
 
     def __init__(self, engine):
-        self.engine, self.name = engine, engine.name
+        self.engine, self.name, self.capabilities = engine, engine.name, engine.capabilities
 
     def generate(self, prompts, params, multi_modal=None):
         return self.engine.generate(prompts, params, multi_modal=multi_modal)

@@ -19,7 +19,7 @@ from postrl.builtin.tiny import build_tiny_model
 from postrl.config import MultiTurnConfig, load_config
 from postrl.data.traces import encode_trace
 from postrl.errors import UserError
-from postrl.rollout.base import Completion, SamplingParams
+from postrl.rollout.base import Completion, EngineCapabilities, SamplingParams
 
 # Qwen2.5-Instruct's chat template: the "chat_template" of its tokenizer_config.json, character for
 # character. Checked against the copy of that JSON line quoted in ShishirPatil/gorilla,
@@ -135,6 +135,7 @@ class ScriptEngine:
     """
 
     name = "script"
+    capabilities = EngineCapabilities(reports_logprobs=False, shares_trainer_model=False, can_sleep=False)
 
     def __init__(self, tokenizer, turns: list[str]):
         self.tok, self.turns, self.calls = tokenizer, turns, []
@@ -292,7 +293,7 @@ class _ByTurns:
     """A vLLM engine seen without `generate_continuing`: the loop then makes one engine call per turn."""
 
     def __init__(self, engine):
-        self.engine, self.name = engine, engine.name
+        self.engine, self.name, self.capabilities = engine, engine.name, engine.capabilities
 
     def generate(self, prompts, params, multi_modal=None):
         return self.engine.generate(prompts, params, multi_modal=multi_modal)
