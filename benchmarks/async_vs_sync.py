@@ -53,7 +53,7 @@ def run(mode: str, k: int, args, out: Path) -> list[dict]:
     ]  # fmt: skip
     if args.trl:  # vs_trl.py's setting
         overrides += [f"rollout.max_tokens={vs_trl.MAX_TOKENS}", "algorithm.overlong_buffer.enable=false",
-                      "algorithm.filter_groups.enable=false", f"train.lr={vs_trl.LR}"]  # fmt: skip
+                      "algorithm.filter_groups.enable=false", f"train.lr={vs_trl.LR}", "algorithm.kl.coef=0"]  # fmt: skip
     cfg = load_config(ROOT / "configs" / "tiny_dapo.yaml", overrides)
     Trainer(cfg).fit()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
