@@ -32,7 +32,7 @@ import queue
 import signal
 import time
 import traceback
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +80,7 @@ class _Spec:
     threads: int
     parent: int
     log_dir: str
-    quiet: bool = field(default=True)
+    quiet: bool = True
 
 
 class _Stop(Exception):
