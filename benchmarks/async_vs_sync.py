@@ -91,6 +91,7 @@ def main() -> int:
     modes = [("sync", 0), (f"async-{args.staleness}", args.staleness)] + ([("trl", 0)] if args.trl else [])
     tps: dict[str, list[float]] = {name: [] for name, _ in modes}
     idle: dict[str, list[float]] = {name: [] for name, _ in modes}
+    phases: dict[str, list[dict]] = {name: [] for name, _ in modes}  # timing/* of each kept step
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for name, k in modes:
@@ -103,10 +104,16 @@ def main() -> int:
                     got = [row["e2e_tps"] for row in rows]
                     tps[name] += got
                     idle[name] += [row.get("async/trainer_idle_s", 0.0) for row in rows]
+                    phases[name] += [{k[7:]: v for k, v in row.items() if k.startswith("timing/")} for row in rows]
                 print(f"round {r + 1} {name:>8}: e2e tokens/s " + " ".join(f"{x:.0f}" for x in got), flush=True)
     print(f"\n{'mode':>8} | median e2e tokens/s | trainer idle s/step")
     for name, _ in modes:
         print(f"{name:>8} | {statistics.median(tps[name]):19.0f} | {statistics.median(idle[name]):.2f}")
+    print("\nmedian seconds per step by phase (async: the worker's rollout / reward run beside the trainer's step)")
+    for name, _ in modes:
+        if phases[name]:
+            keys = sorted({k for row in phases[name] for k in row})
+            print(f"{name:>8} | " + "  ".join(f"{k} {statistics.median(r.get(k, 0.0) for r in phases[name]):.2f}" for k in keys))
     ratio = statistics.median(tps[modes[1][0]]) / statistics.median(tps["sync"])
     print(f"\nasync (max_staleness {args.staleness}) / sync: {ratio:.2f}x  (cores: {os.cpu_count()}, load average {os.getloadavg()[0]:.1f})")
     if args.trl:

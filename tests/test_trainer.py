@@ -189,6 +189,8 @@ def test_thread_policy_uses_the_cores_this_process_may_use(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # conftest's setting: torch's own count stays
     assert threads_for(model, "load")[0] is None and threads_for(model)[1] == "OMP_NUM_THREADS=1"
     assert threads_for(model, requested=3)[0] == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "")  # empty (libgomp ignores it): the policy decides, not torch's 2 per process
+    assert threads_for(model, per_rank=2)[0] == 2  # LOCAL_WORLD_SIZE 2 x (trainer + rollout worker) on 8 cores
 
 
 def test_data_that_stops_the_run_mid_way_keeps_the_steps_trained_so_far(tmp_path):

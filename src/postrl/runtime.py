@@ -309,8 +309,9 @@ def threads_for(model: torch.nn.Module, requested: int | str | None = "auto", pe
     """
     if isinstance(requested, int):
         return requested, f"train.num_threads: {requested}"
-    if "OMP_NUM_THREADS" in os.environ:
-        return None, f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"
+    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if omp.isdigit() and int(omp) > 0:  # an empty or malformed value is ignored, as libgomp ignores it
+        return None, f"OMP_NUM_THREADS={omp}"
     if any(p.device.type != "cpu" for p in model.parameters()):
         return None, "the model is on an accelerator"
     policy = requested or "auto"
