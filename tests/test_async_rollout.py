@@ -81,6 +81,48 @@ def test_weights_travel_with_a_version_and_a_checksum_that_catches_a_torn_copy(t
     assert not weights.wait_newer(3, timeout=0.01) and weights.latest() == 3
 
 
+def test_a_version_published_again_is_loaded_again(tmp_path):
+    """A mid-run back-off publishes the best weights as the current version again: the worker loads them
+    before its next call although the version number did not move, and records their checksum."""
+    from postrl.transport import checksum, trainable
+
+    trainer, worker, weights, engine = _engine_and_weights(tmp_path)
+    weights.publish(trainer.model, 2)
+    engine.refresh()
+    assert engine.version == 2
+    best = [p.detach().clone() for _, p in trainable(trainer.model)]
+    _perturb(trainer.model, 0.05)
+    weights.publish(trainer.model, 2)  # the best weights of an earlier step, as version 2 again
+    engine.refresh()
+    for (name, p), want in zip(trainable(worker.model), [p for _, p in trainable(trainer.model)]):
+        assert torch.equal(p, want), name
+    assert engine.checksums[2] == checksum([p for _, p in trainable(trainer.model)]) != checksum(best)
+    loads = engine.loaded
+    engine.refresh()  # nothing new: no copy
+    assert engine.loaded == loads
+
+
+def test_a_waiting_side_lends_its_threads_to_the_other():
+    """The trainer and the worker hold one thread each on 2 cores; while one waits the other takes two,
+    and drops back to one before it wakes the waiting side. Off: nobody lends."""
+    from postrl.async_rollout import TRAINER, WORKER, CoreShare
+
+    ctx = torch.multiprocessing.get_context("spawn")
+    share = CoreShare(ctx, 1, enabled=True)
+    assert share.threads(TRAINER) == share.threads(WORKER) == 1
+    with share.waiting(WORKER):
+        assert share.threads(TRAINER) == 2 and share.threads(WORKER) == 1
+        share.take(TRAINER)
+        assert torch.get_num_threads() == 2
+        share.own()  # before publishing the weights the worker waits for
+        assert torch.get_num_threads() == 1
+    assert share.threads(TRAINER) == 1
+    off = CoreShare(ctx, 1, enabled=False)
+    with off.waiting(WORKER):
+        off.take(TRAINER)
+        assert off.threads(TRAINER) == 1 and torch.get_num_threads() == 1
+
+
 def test_partial_rollout_continues_under_new_weights_and_tags_every_token(tmp_path):
     """Chunks of 4 tokens, 12 at most: weights of version 1 arrive after the first chunk. The unfinished
     sequences continue under them: token_versions read 0 x 4 then 1, the sequence's version is 0 (its

@@ -27,6 +27,7 @@ with a checkpoint of the steps trained so far (trainer.py).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import signal
@@ -87,6 +88,45 @@ class _Stop(Exception):
     """The trainer asked the worker to stop (or went away)."""
 
 
+TRAINER, WORKER = 0, 1
+
+
+class CoreShare:
+    """On CPU the cores are split between the trainer and the worker (runtime.threads_for: `threads` each);
+    a side that waits for the other lends it its threads. Each side marks the time it waits (`waiting`) and
+    takes `threads(side)` at its next forward (the trainer) or generation call (the worker), so the trainer's
+    update runs on every core once the worker has made its batch, and the worker's next call does while
+    the trainer waits for it. A side drops back to its own share before it wakes the other (publishing
+    weights, taking or handing over a batch), so the two never hold more threads than there are cores.
+    Off (`enabled` False) on an accelerator or when the user fixed the thread count."""
+
+    def __init__(self, ctx, threads: int, enabled: bool):
+        self.base, self.enabled = threads, enabled
+        self.flags = ctx.Array("b", 2, lock=False)  # [trainer, worker]: 1 while that side waits for the other
+
+    def threads(self, side: int) -> int:
+        return 2 * self.base if self.enabled and self.flags[1 - side] else self.base
+
+    def take(self, side: int) -> None:
+        """This side's thread count for what it does next (its share, plus the other's while that one waits)."""
+        if self.enabled and (n := self.threads(side)) != torch.get_num_threads():
+            torch.set_num_threads(n)
+
+    def own(self) -> None:
+        """Back to this side's own share (before waking the other side)."""
+        if self.enabled and torch.get_num_threads() != self.base:
+            torch.set_num_threads(self.base)
+
+    @contextlib.contextmanager
+    def waiting(self, side: int):
+        self.own()
+        self.flags[side] = 1
+        try:
+            yield
+        finally:
+            self.flags[side] = 0
+
+
 # ------------------------------------------------------------------------------------- the worker
 
 
@@ -96,11 +136,13 @@ class VersionedEngine:
     under weights that arrive mid-generation. An engine without sampling log-probs (HF) gets them from
     a forward pass of the worker's model right after each call, i.e. under the weights that sampled."""
 
-    def __init__(self, engine, model, weights: SharedWeights, cfg, autocast, stop, parent: int, on_load=None, logprobs=True):
+    def __init__(self, engine, model, weights: SharedWeights, cfg, autocast, stop, parent: int, on_load=None, logprobs=True,
+                 share: CoreShare | None = None):  # fmt: skip
         self.engine, self.model, self.weights, self.cfg, self.autocast = engine, model, weights, cfg, autocast
+        self.share = share
         self.logprobs = logprobs and not engine.capabilities.reports_logprobs  # compute them (rollout correction needs q)
         self.stop, self.parent, self.on_load = stop, parent, on_load
-        self.version = -1
+        self.version, self.loaded = -1, -1  # the version held, and the publication it came from
         self.checksums: dict[int, float] = {}
         self.load_stats: dict[str, float] = {}
         self.takes_rows = getattr(engine, "takes_rows", False)
@@ -109,21 +151,23 @@ class VersionedEngine:
         return getattr(self.engine, name)
 
     def _load(self) -> None:
+        self.loaded = self.weights.publications()  # read first: a copy published meanwhile is loaded next time
         self.version, self.checksums[self.version] = self.weights.load(self.model)
         self.engine.sync_weights(self.model)
         if self.on_load is not None:
             self.load_stats = self.on_load(self.engine, self.model) or {}
 
     def refresh(self) -> None:
-        if self.weights.latest() > self.version:
+        if self.weights.publications() != self.loaded:  # a newer version, or the same one again (back-off)
             self._load()
 
     def wait_for(self, version: int) -> float:
         """Block until weights of `version` or newer are loaded; returns the seconds spent waiting."""
         start = time.perf_counter()
-        while self.weights.latest() < version:
-            self.check_stop()
-            self.weights.wait_newer(version - 1, _POLL_S)
+        with self.share.waiting(WORKER) if self.share else contextlib.nullcontext():
+            while self.weights.latest() < version:
+                self.check_stop()
+                self.weights.wait_newer(version - 1, _POLL_S)
         self.refresh()
         return time.perf_counter() - start
 
@@ -154,9 +198,15 @@ class VersionedEngine:
         return out
 
     def _call(self, prompts, params, multi_modal, **kw) -> list[Completion]:
+        if self.share is not None:  # the trainer's threads too while it waits for this batch
+            self.share.take(WORKER)
+            if hasattr(self.engine, "rollout_threads"):
+                self.engine.rollout_threads = torch.get_num_threads()
         completions = self.engine.generate(prompts, params, multi_modal=multi_modal, **kw)
         if not params.greedy and self.logprobs:
             _add_logprobs(self.model, prompts, completions, params.temperature, self.autocast, multi_modal)
+        if self.share is not None:
+            self.share.own()
         for c in completions:
             c.version = self.version
             c.token_versions = [self.version] * len(c.token_ids)
@@ -203,7 +253,7 @@ def _add_logprobs(model, prompts, completions: list[Completion], temperature: fl
             c.logprobs = [x if m else 0.0 for x, m in zip(row[: len(c.token_ids)], mask)]
 
 
-def _serve(spec: _Spec, weights: SharedWeights, out: Any, stop: Any) -> None:
+def _serve(spec: _Spec, weights: SharedWeights, out: Any, stop: Any, share: CoreShare) -> None:
     """The worker process: build the policy copy, engine and rewards, then produce batches until stopped."""
     from postrl.metrics import Timer
 
@@ -215,7 +265,7 @@ def _serve(spec: _Spec, weights: SharedWeights, out: Any, stop: Any) -> None:
 
             quiet_console(spec.cfg.logging)
         torch.set_num_threads(spec.threads)
-        engine, reward_fn, experience, sampler = _build(spec, weights, stop)
+        engine, reward_fn, experience, sampler = _build(spec, weights, stop, share)
         for index in range(spec.start, 2**62):
             idle = engine.wait_for(index - spec.cfg.rollout.max_staleness)
             timer = Timer()
@@ -223,13 +273,14 @@ def _serve(spec: _Spec, weights: SharedWeights, out: Any, stop: Any) -> None:
             stats.update(engine.load_stats)
             stats["async/rollout_idle_s"] = idle
             produced = Produced(index, batch, stats, dict(timer.seconds), sampler.state_dict(), dict(engine.checksums))
-            while True:
-                engine.check_stop()
-                try:
-                    out.put(produced, timeout=_POLL_S)
-                    break
-                except queue.Full:
-                    continue
+            with engine.share.waiting(WORKER) if engine.share else contextlib.nullcontext():  # while the queue is full
+                while True:
+                    engine.check_stop()
+                    try:
+                        out.put(produced, timeout=_POLL_S)
+                        break
+                    except queue.Full:
+                        continue
     except _Stop:
         pass
     except BaseException as exc:  # reported to the trainer, which restarts the worker or stops with a checkpoint
@@ -253,7 +304,7 @@ def _serve(spec: _Spec, weights: SharedWeights, out: Any, stop: Any) -> None:
         out.cancel_join_thread()  # the trainer may have stopped reading: exit without flushing
 
 
-def _build(spec: _Spec, weights: SharedWeights, stop):
+def _build(spec: _Spec, weights: SharedWeights, stop, share: CoreShare):
     from postrl.data.dataset import PromptSampler
     from postrl.experience import Experience
     from postrl.guards import Guards
@@ -281,7 +332,7 @@ def _build(spec: _Spec, weights: SharedWeights, stop):
         return guards.check_sync(engine, model, probe, rt.autocast()) if probe is not None else {}
 
     versioned = VersionedEngine(engine, model, weights, cfg.rollout, rt.autocast(), stop, spec.parent, on_load=check,
-                                logprobs=cfg.algorithm.rollout_correction.enable)  # fmt: skip
+                                logprobs=cfg.algorithm.rollout_correction.enable, share=share)  # fmt: skip
     reward_fn = RewardFunction(cfg.reward, models=load_model_rewards(cfg, rt.device))
     sampler = PromptSampler(len(spec.examples), cfg.data.shuffle, cfg.data.seed)
     sampler.load_state_dict(spec.sampler)
@@ -303,13 +354,16 @@ def split_stale(batch: Batch, step: int, max_staleness: int, group_size: int) ->
 class AsyncRollout:
     """The trainer's side of the worker: start it, take its batches, publish weights, restart it, stop it."""
 
-    def __init__(self, cfg, model: torch.nn.Module, examples: list, sampler: dict, step: int, threads: int, log):
+    def __init__(self, cfg, model: torch.nn.Module, examples: list, sampler: dict, step: int, threads: int, log, lend: bool = False):
+        """`threads`: this process's CPU threads, and the worker's; `lend`: the two lend them to each other
+        while they wait (CoreShare; on CPU when the thread policy chose the count)."""
         self.cfg, self.examples, self.threads, self.log = cfg, examples, threads, log
         self.k = cfg.rollout.max_staleness
         self.G = cfg.rollout.n_samples_per_prompt
         self.ctx = torch.multiprocessing.get_context("spawn")
         self.weights = SharedWeights(model, self.ctx)
-        self.sums: dict[int, float] = {}
+        self.share = CoreShare(self.ctx, threads, lend)
+        self.sums: dict[int, set[float]] = {}  # the checksums published as each version (two after a back-off)
         self.restarts = 0
         self.proc = None
         self.publish(model, step)
@@ -318,13 +372,22 @@ class AsyncRollout:
     def _start(self, sampler: dict, step: int) -> None:
         self.queue = self.ctx.Queue(maxsize=self.k + 1)
         self.stop = self.ctx.Event()
+        self.share.flags[WORKER] = 0  # a worker that died waiting lends nothing
         spec = _Spec(self.cfg, self.examples, sampler, step, self.threads, os.getpid(), self.cfg.logging.dir, not self.cfg.logging.verbose)
-        self.proc = self.ctx.Process(target=_serve, args=(spec, self.weights, self.queue, self.stop), name="postrl-rollout")
+        self.proc = self.ctx.Process(target=_serve, args=(spec, self.weights, self.queue, self.stop, self.share), name="postrl-rollout")
         self.proc.start()
 
+    def borrow_in(self, *models: torch.nn.Module) -> None:
+        """Each forward of these models (the policy, the reference) runs on the worker's threads too while it waits."""
+        if self.share.enabled:
+            for model in models:
+                model.register_forward_pre_hook(lambda module, args: self.share.take(TRAINER))
+
     def publish(self, model: torch.nn.Module, version: int) -> None:
-        """The trainer's weights after `version` updates, for the worker's next generation call."""
-        self.sums[version] = self.weights.publish(model, version)
+        """The trainer's weights after `version` updates, for the worker's next generation call. The version
+        last published may be published again with other weights (a back-off to the best weights)."""
+        self.share.own()  # the worker waiting for them wakes up: its threads back first
+        self.sums.setdefault(version, set()).add(self.weights.publish(model, version))
         for old in [v for v in self.sums if v < version - self.k - 1]:
             del self.sums[old]
 
@@ -332,23 +395,24 @@ class AsyncRollout:
         """The batch of `step` (waits for it): the batch, its metrics, the worker's time split, the sampler
         position after it. Raises WorkerDied / UserError when the worker fails."""
         start = time.perf_counter()
-        while True:
-            try:
-                got = self.queue.get(timeout=_POLL_S)
-                break
-            except queue.Empty:
-                if not self.proc.is_alive():
-                    raise WorkerDied(f"the rollout worker exited with code {self.proc.exitcode} without a batch for step {step}")
+        with self.share.waiting(TRAINER):  # a worker blocked on the full queue wakes up as this takes a batch
+            while True:
+                try:
+                    got = self.queue.get(timeout=_POLL_S)
+                    break
+                except queue.Empty:
+                    if not self.proc.is_alive():
+                        raise WorkerDied(f"the rollout worker exited with code {self.proc.exitcode} without a batch for step {step}")
         if isinstance(got, WorkerFailure):
             if got.user_error:
                 raise UserError(*got.problems, title=got.title)
             raise WorkerDied(f"the rollout worker failed: {got.message}")
         assert got.index == step, f"the rollout worker sent batch {got.index} for step {step}"
         for version, value in got.checksums.items():  # the sync guard of the transport: every version
-            if version in self.sums and value != self.sums[version]:
+            if version in self.sums and value not in self.sums[version]:
                 raise UserError(
                     f"the rollout worker sampled with weights of version {version} whose checksum ({value!r}) differs "
-                    f"from what the trainer published ({self.sums[version]!r}): a weight update was missed or torn. "
+                    f"from what the trainer published ({sorted(self.sums[version])}): a weight update was missed or torn. "
                     "This is a bug in postrl's transport; please report it with the run's config."
                 )
         batch, dropped = split_stale(got.batch, step, self.k, self.G)

@@ -33,7 +33,7 @@ from postrl.models import load_policy
 from postrl.rewards import RewardFunction
 from postrl.rewards.model_rewards import load_model_rewards
 from postrl.rollout import make_engine
-from postrl.runtime import StopOnSignal, configure_threads, init_runtime, rng_state, seed_everything, set_rng_state
+from postrl.runtime import StopOnSignal, configure_threads, init_runtime, rng_state, seed_everything, set_rng_state, threads_for
 
 
 class Trainer:
@@ -108,8 +108,10 @@ class Trainer:
         if self.async_mode:
             from postrl.async_rollout import AsyncRollout
 
+            lend = threads_for(self.model, cfg.train.num_threads, per_rank=2)[0] is not None and not isinstance(cfg.train.num_threads, int)
             self.rollout = AsyncRollout(cfg, self.model, self.train_examples, self.sampler.state_dict(), self.step,
-                                        torch.get_num_threads(), self.log)  # fmt: skip
+                                        torch.get_num_threads(), self.log, lend=lend)  # fmt: skip
+            self.rollout.borrow_in(self.model, *([self.ref_model] if self.ref_model not in (None, self.model) else []))
             self.log(f"rollout: async, a worker process at most {cfg.rollout.max_staleness} update(s) behind"
                      + (", partial rollout" if cfg.rollout.partial_rollout else ""))  # fmt: skip
 
@@ -346,6 +348,8 @@ class Trainer:
         (during the run at a smaller LR)."""
         checkpoint.load_weights(self.model, Path(self.cfg.checkpoint.dir) / checkpoint.BEST / "model")
         self.engine.sync_weights(self.model)
+        if self.rollout is not None and not last:  # the worker samples the next batches from them
+            self.rollout.publish(self.model, self.step)
         self.history.restore(self.step, best["step"], best["value"])
         out.update({"training/back_off": 1.0, "training/back_off_to_step": float(best["step"])})
         fell = f"{best['metric']} fell to {value:.1%} at step {self.step}, {best['value'] - value:.1%} below the best {best['value']:.1%}"

@@ -86,6 +86,10 @@ class SharedWeights:
     def latest(self) -> int:
         return int(self.version.value)
 
+    def publications(self) -> int:
+        """How many copies were published and finished (a version published again counts: a back-off)."""
+        return int(self.seq.value) // 2
+
     @torch.no_grad()
     def load(self, model: torch.nn.Module) -> tuple[int, float]:
         """Copy the newest published weights into `model`'s parameters; returns (version, checksum of what the
