@@ -132,7 +132,7 @@ def test_non_representable_uniform_reward_really_leaves_a_rounding_error():
     assert (centered_BG / (rewards_BG.std(dim=1, keepdim=True) + 1e-6)).abs().max() > 0.01
 
 
-@pytest.mark.parametrize("name", ["grpo", "drgrpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"])
+@pytest.mark.parametrize("name", ["grpo", "drgrpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_seq", "reinforce_plus_plus_baseline"])
 @pytest.mark.parametrize("norm_adv_by_std", [True, False])
 def test_uniform_groups_give_exactly_zero_advantage(name, norm_adv_by_std):
     fn = get_adv_estimator(name)
@@ -205,7 +205,7 @@ def test_reinforce_plus_plus_baseline_group_mean_then_batch_std():
 
 def test_estimator_registry_by_name():
     assert sorted(ADV_ESTIMATORS) == sorted(
-        ["grpo", "drgrpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
+        ["grpo", "drgrpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_seq", "reinforce_plus_plus_baseline"]
     )
     assert get_adv_estimator("grpo") is grpo_advantages and get_adv_estimator("rloo") is rloo_advantages
     # every estimator takes the common signature: rewards, group size, keyword norm flag and epsilon

@@ -110,9 +110,13 @@ def test_reinforce_plus_plus_whitens_over_tokens():
     torch.testing.assert_close(fn(rewards_B, 2, norm_adv_by_std=False, num_tokens_B=tokens_B), torch.tensor([0.375, -0.625, -0.625, 0.375]))
     assert torch.equal(fn(torch.full((4,), 0.3), 2, num_tokens_B=tokens_B), torch.zeros(4))  # no spread: exactly 0
     # the other estimators ignore the token counts
-    for name in ("grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline"):
+    for name in ("grpo", "drgrpo", "rloo", "reinforce_plus_plus_seq", "reinforce_plus_plus_baseline"):
         other = get_adv_estimator(name)
         assert torch.equal(other(rewards_B, 2, num_tokens_B=tokens_B), other(rewards_B, 2)), name
+    # reinforce_plus_plus_seq counts each sequence once: rewards (1, 0, 0, 1), mean 0.5, unbiased std
+    #   sqrt(4 x 0.25 / 3) = 0.577350 -> A = (0.5, -0.5, -0.5, 0.5) / 0.577351, whatever the lengths (3, 1, 2, 2)
+    seq = get_adv_estimator("reinforce_plus_plus_seq")(rewards_B, 2, num_tokens_B=tokens_B)
+    torch.testing.assert_close(seq, torch.tensor([0.5, -0.5, -0.5, 0.5]) / (math.sqrt(1 / 3) + 1e-6))
 
 
 def test_experience_passes_each_sequences_loss_tokens_to_the_estimator(tmp_path):

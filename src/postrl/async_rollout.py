@@ -200,17 +200,24 @@ class VersionedEngine:
     def _call(self, prompts, params, multi_modal, **kw) -> list[Completion]:
         if self.share is not None:  # the trainer's threads too while it waits for this batch
             self.share.take(WORKER)
-            if hasattr(self.engine, "rollout_threads"):
-                self.engine.rollout_threads = torch.get_num_threads()
-        completions = self.engine.generate(prompts, params, multi_modal=multi_modal, **kw)
-        if not params.greedy and self.logprobs:
-            _add_logprobs(self.model, prompts, completions, params.temperature, self.autocast, multi_modal)
-        if self.share is not None:
-            self.share.own()
+        self._engine_threads()
+        try:
+            completions = self.engine.generate(prompts, params, multi_modal=multi_modal, **kw)
+            if not params.greedy and self.logprobs:
+                _add_logprobs(self.model, prompts, completions, params.temperature, self.autocast, multi_modal)
+        finally:
+            if self.share is not None:
+                self.share.own()
+            self._engine_threads()  # the sync guard's probe between calls runs on the worker's own share
         for c in completions:
             c.version = self.version
             c.token_versions = [self.version] * len(c.token_ids)
         return completions
+
+    def _engine_threads(self) -> None:
+        """vLLM on CPU runs at the thread count it was given (VLLMEngine.rollout_threads): this process's now."""
+        if hasattr(self.engine, "rollout_threads"):
+            self.engine.rollout_threads = torch.get_num_threads()
 
 
 def _chunk_seed(seed: int | None, done: int) -> int | None:

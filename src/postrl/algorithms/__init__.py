@@ -6,7 +6,7 @@ No I/O and no config objects: every function takes tensors and keyword arguments
 Variants are chosen by name from registries, as in verl's core_algos (an unknown name raises a
 ValueError that lists the valid ones); this package is the one place that holds the names:
 - advantage estimators (`get_adv_estimator`): grpo, drgrpo, rloo, reinforce_plus_plus,
-  reinforce_plus_plus_baseline; one signature `fn(rewards_B, group_size, *, norm_adv_by_std, epsilon,
+  reinforce_plus_plus_seq, reinforce_plus_plus_baseline; one signature `fn(rewards_B, group_size, *, norm_adv_by_std, epsilon,
   num_tokens_B)` (loss tokens per sequence: reinforce_plus_plus whitens over tokens; the others ignore it);
   those that need a value model (`CRITIC_ADV_ESTIMATORS`: gae) are token-level, `fn(token_rewards_BT,
   values_BT, mask_BT, gamma, lam) -> (adv_BT, returns_BT)`, with PPO's clipped `value_loss`;
@@ -51,6 +51,7 @@ from postrl.algorithms.advantages import (  # noqa: F401
     rloo_advantages,
     reinforce_plus_plus_advantages,
     reinforce_plus_plus_baseline_advantages,
+    reinforce_plus_plus_seq_advantages,
     overlong_penalty,
     group_keep_mask,
     CRITIC_ADV_ESTIMATORS,

@@ -133,6 +133,17 @@ def reinforce_plus_plus_advantages(
     return _batch_whiten(rewards_B.float().reshape(-1), norm_adv_by_std, epsilon, num_tokens_B)
 
 
+@register_adv_estimator("reinforce_plus_plus_seq")
+def reinforce_plus_plus_seq_advantages(
+    rewards_B: torch.Tensor, group_size: int, *, norm_adv_by_std: bool = True, epsilon: float = 1e-6,
+    num_tokens_B: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """REINFORCE++ with each sequence counted once in the batch mean and std, whatever its length (postrl's
+    form before it whitened over tokens): A = (R - mean_batch R) / (std_batch R + epsilon). `num_tokens_B`
+    is ignored."""
+    return _batch_whiten(rewards_B.float().reshape(-1), norm_adv_by_std, epsilon)
+
+
 @register_adv_estimator("reinforce_plus_plus_baseline")
 def reinforce_plus_plus_baseline_advantages(
     rewards_B: torch.Tensor, group_size: int, *, norm_adv_by_std: bool = True, epsilon: float = 1e-6,
