@@ -274,3 +274,34 @@ def test_async_one_step_off_runs_lora_agents_vision_and_dynamic_sampling(tmp_pat
     assert len(rows) == 2 and all(r["async/staleness_max"] <= cfg.rollout.max_staleness for r in rows)
     assert all("rollout_corr/weight_mean" in r for r in rows)
     assert any(not torch.equal(before[n], p) for n, p in tr.model.named_parameters() if n in before)
+
+
+@pytest.mark.slow
+def test_two_trainer_ranks_train_on_the_batches_of_rank_0s_worker(tmp_path):
+    """`postrl train --nproc 2` in async mode at staleness 0: one rollout worker, beside rank 0, makes every
+    batch; both FSDP2 ranks train on it (broadcast), and the worker samples step 2 with the weights gathered
+    from both ranks' shards. Batch b uses sync step b's seeds with weights of version b, so the batches
+    are a one-process sync run's: the same rewards and response lengths at every step."""
+    import os
+    import subprocess
+    import sys
+
+    from postrl.metrics import read_jsonl
+
+    keys = ("response_length/mean", "response_length/max", "grpo/rewards/mean", "prompt_length/mean")
+    extra = ("train.total_steps=2", "reward.verifiers=[verifiers_for_tests:length_parity]")  # mixed groups: it learns
+    _train(tmp_path, "sync", *extra)
+    sync = [r for r in _rows(tmp_path / "sync" / "run") if "timing/all" in r]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "1000"}
+    (tmp_path / "tiny.yaml").write_text("model:\n  path: builtin:tiny-qwen2\n")
+    out = subprocess.run(
+        [sys.executable, "-m", "postrl.cli", "train", "tiny.yaml", "--nproc", "2", *tiny_overrides(tmp_path / "ranks", "train.deterministic=true",
+         "rollout.mode=async", *extra)], capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    assert out.stdout.count("its batches broadcast to 2 ranks") == 1  # one worker, rank 0's
+    ranks = [r for r in read_jsonl(tmp_path / "ranks" / "run" / "metrics.jsonl") if "timing/all" in r]
+    assert [r["step"] for r in ranks] == [1, 2]
+    for s, r in zip(sync, ranks):
+        assert {k: r[k] for k in keys} == pytest.approx({k: s[k] for k in keys}, abs=1e-9), r["step"]
+        assert r["async/staleness_max"] == 0.0

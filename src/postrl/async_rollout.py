@@ -39,11 +39,14 @@ from typing import Any
 
 import torch
 
+from postrl.distributed import RENDEZVOUS_FILE_ENV
 from postrl.errors import UserError
 from postrl.experience import Batch, select_groups
 from postrl.rollout import Completion, SamplingParams
 from postrl.transport import SharedWeights
 
+_RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT",
+             "TORCHELASTIC_RUN_ID", RENDEZVOUS_FILE_ENV)  # fmt: skip
 WORKER_LOG = "rollout_worker.log"  # the worker's traceback when it fails, in logging.dir
 _POLL_S = 1.0  # how often a waiting side looks at the other one (it wakes at once when there is news)
 
@@ -265,6 +268,8 @@ def _serve(spec: _Spec, weights: SharedWeights, out: Any, stop: Any, share: Core
     from postrl.metrics import Timer
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the trainer stops us
+    for name in _RANK_ENV:  # rank 0's process-group settings: the worker is a job of its own (vLLM reads some)
+        os.environ.pop(name, None)
     engine = reward_fn = None
     try:
         if spec.quiet:

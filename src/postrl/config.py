@@ -938,12 +938,6 @@ class Config(Section):
                 f"train.sequence_parallel_size ({sp}) must divide the world size ({self.world_size} devices): each "
                 "sequence-parallel group is that many ranks. Fix: choose a divisor, or change cluster.devices_per_node / nnodes."
             )
-        if self.rollout.mode == "async" and self.world_size > 1:
-            problems.append(
-                f"rollout.mode async runs one rollout worker beside one trainer process, but this run has {self.world_size} "
-                "trainer processes (cluster.nnodes x devices_per_node); several trainer ranks with rollout workers on their "
-                "own devices (a Ray split layout) are not built (docs/async.md). Fix: rollout.mode: sync, or one process."
-            )
         rc = self.algorithm.rollout_correction
         if self.rollout.mode == "async" and self.rollout.max_staleness > 0 and "enable" not in rc.model_fields_set:
             rc.enable = True  # the decoupled objective (AReaL): stale samples weighted by trainer / engine, truncated

@@ -215,6 +215,15 @@ def all_gather_object(obj: Any) -> list[Any]:
     return out
 
 
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank `src`'s `obj` on every rank (pickled; the others pass anything, e.g. None)."""
+    if not is_distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
 # ------------------------------------------------------------------------------------------ model
 
 

@@ -104,16 +104,20 @@ class Trainer:
         if restored is not None:
             self.load_state_dict(restored)
             self.engine.sync_weights(self.model)
-        self.rollout = None  # async: the worker starts from the restored step and sampler position
-        if self.async_mode:
+        self.rollout = None  # async, on rank 0: the worker starts from the restored step and sampler position
+        if self.async_mode and rt.is_main:  # several ranks: rank 0's worker makes every batch, broadcast to all
             from postrl.async_rollout import AsyncRollout
 
-            lend = threads_for(self.model, cfg.train.num_threads, per_rank=2)[0] is not None and not isinstance(cfg.train.num_threads, int)
+            lend = (rt.world_size == 1 and not isinstance(cfg.train.num_threads, int)
+                    and threads_for(self.model, cfg.train.num_threads, per_rank=2)[0] is not None)  # fmt: skip
             self.rollout = AsyncRollout(cfg, self.model, self.train_examples, self.sampler.state_dict(), self.step,
                                         torch.get_num_threads(), self.log, lend=lend)  # fmt: skip
             self.rollout.borrow_in(self.model, *([self.ref_model] if self.ref_model not in (None, self.model) else []))
             self.log(f"rollout: async, a worker process at most {cfg.rollout.max_staleness} update(s) behind"
-                     + (", partial rollout" if cfg.rollout.partial_rollout else ""))  # fmt: skip
+                     + (", partial rollout" if cfg.rollout.partial_rollout else "")
+                     + (f", its batches broadcast to {rt.world_size} ranks" if rt.world_size > 1 else ""))  # fmt: skip
+        elif self.async_mode:
+            self._publish(self.step)  # rank 0's worker takes the first weights (a gather under FSDP2)
 
     def log(self, msg: str) -> None:
         self.console.print(msg)
@@ -197,7 +201,7 @@ class Trainer:
                 update_stats.update(self.actor.update(local, use_ref=self.cfg.algorithm.kl.coef > 0))
             with self.timer("resharding_to_infer"):
                 if self.async_mode:  # the worker loads them before its next generation call and checks its engine
-                    self.rollout.publish(self.model, self.step + 1)
+                    self._publish(self.step + 1)
                 else:
                     self.engine.sync_weights(self.model)
                     if not self.train_examples[0].multi_modal:  # the probe is a text prompt
@@ -222,9 +226,38 @@ class Trainer:
                 "command continues from there (checkpoint.resume: auto).", title=exc.title,
             ) from None
 
+    def _publish(self, version: int) -> None:
+        """Async: the weights for the worker (rank 0 writes them; under FSDP2 every rank joins the gather)."""
+        if self.rollout is not None:
+            self.rollout.publish(self.model, version)
+        else:
+            from postrl.transport import join_publish
+
+            join_publish(self.model)
+
     def _receive(self):
-        """Async: the worker's batch of this step; the sampler moves to the position after its prompts. A worker
-        that died is restarted from the trained position (rollout.max_worker_restarts), then the run stops."""
+        """Async: the worker's batch of this step, on every rank (rank 0 takes it, then broadcasts it); the sampler
+        moves to the position after its prompts. A data error the worker raised stops every rank."""
+        got = None
+        if self.rollout is not None:
+            try:
+                got = self._receive_on_main()
+            except UserError as exc:
+                if not distributed.is_distributed():
+                    raise
+                got = exc
+        got = distributed.broadcast_object(got)
+        if isinstance(got, UserError):
+            raise got
+        batch, stats, seconds, sampler = got
+        for name, value in seconds.items():  # the worker's rollout / reward time: timing/rollout, timing/reward
+            self.timer.seconds[name] = self.timer.seconds.get(name, 0.0) + value
+        self.sampler.load_state_dict(sampler)
+        return batch, stats
+
+    def _receive_on_main(self):
+        """The worker's batch of this step. A worker that died is restarted from the trained position
+        (rollout.max_worker_restarts), then the run stops."""
         from postrl.async_rollout import WORKER_LOG, WorkerDied
 
         while True:
@@ -240,10 +273,7 @@ class Trainer:
                         "it names, or raise rollout.max_worker_restarts.", title="the rollout worker failed",
                     ) from None
                 self.rollout.restart(self.sampler.state_dict(), self.step, str(exc))
-        for name, value in seconds.items():  # the worker's rollout / reward time: timing/rollout, timing/reward
-            self.timer.seconds[name] = self.timer.seconds.get(name, 0.0) + value
-        self.sampler.load_state_dict(sampler)
-        return batch, stats
+        return batch, stats, seconds, sampler
 
     def _stop_for_signal(self, signum: int) -> None:
         """Preemption (SIGTERM) or Ctrl-C: checkpoint the finished step, release everything, exit cleanly."""
@@ -348,8 +378,8 @@ class Trainer:
         (during the run at a smaller LR)."""
         checkpoint.load_weights(self.model, Path(self.cfg.checkpoint.dir) / checkpoint.BEST / "model")
         self.engine.sync_weights(self.model)
-        if self.rollout is not None and not last:  # the worker samples the next batches from them
-            self.rollout.publish(self.model, self.step)
+        if self.async_mode and not last:  # the worker samples the next batches from them
+            self._publish(self.step)
         self.history.restore(self.step, best["step"], best["value"])
         out.update({"training/back_off": 1.0, "training/back_off_to_step": float(best["step"])})
         fell = f"{best['metric']} fell to {value:.1%} at step {self.step}, {best['value'] - value:.1%} below the best {best['value']:.1%}"

@@ -8,8 +8,9 @@ does), a full fine-tune every parameter. A sequence counter makes each copy whol
 every version carries a checksum the worker recomputes from the weights it loaded, so a silently missed or
 partial update is caught when its samples reach the trainer (`AsyncRollout` compares them).
 
-Shared memory is the one-machine transport; a broadcast over a process group (gloo / nccl) for
-rollout workers on other nodes is not built (docs/async.md).
+Shared memory is the one-machine transport: with several trainer ranks, rank 0 writes (under FSDP2 every
+rank joins the gather, `join_publish`) and the worker runs beside it. A broadcast over a process group
+(gloo / nccl) for rollout workers on other nodes is not built (docs/async.md).
 """
 
 from __future__ import annotations
@@ -49,6 +50,14 @@ def checksum(tensors: list[torch.Tensor]) -> float:
     return total
 
 
+def join_publish(model: torch.nn.Module) -> None:
+    """A rank other than 0 at `SharedWeights.publish`: the collectives that gather FSDP2 shards (nothing to
+    do for replicated parameters); rank 0 writes the gathered weights."""
+    for _, p in trainable(model):
+        if hasattr(p, "full_tensor"):
+            p.full_tensor()
+
+
 class SharedWeights:
     """The trainer's trainable parameters in shared memory, with a version and a checksum per version.
 
@@ -77,11 +86,12 @@ class SharedWeights:
         params = [p for _, p in trainable(model)]
         assert len(params) == len(self.slots), "the model's trainable parameters changed since the buffers were made"
         self.seq.value += 1  # odd: being written
-        for view, p in zip(self._views(), params):
+        views = self._views()
+        for view, p in zip(views, params):
             view.copy_((p.full_tensor() if hasattr(p, "full_tensor") else p).detach())
         self.version.value = version
         self.seq.value += 1
-        return checksum(params)
+        return checksum(views)  # of the whole tensors (an FSDP2 shard's sum would be a collective)
 
     def latest(self) -> int:
         return int(self.version.value)
