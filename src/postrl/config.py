@@ -1192,9 +1192,29 @@ def path_problems(cfg: Config) -> list[str]:
     return problems + [p for p in run_model_problems(cfg) if not (problems and p.startswith(f"model.path: '{mp}' does not"))]
 
 
+def agent_problems(cfg: Config) -> list[str]:
+    """The agent loop's tools and environment imported and shape-checked (a tool's schema from its hints and
+    docstring; an environment's reset and step), as the verifiers are at validation."""
+    mt = cfg.rollout.multi_turn
+    if not mt.enable:
+        return []
+    from postrl.agents.env import load_environment
+    from postrl.agents.tools import load_tools
+
+    problems = []
+    for check, arg in ((load_tools, list(mt.tools)), (load_environment, mt.interaction)):
+        try:
+            if arg:
+                check(arg)
+        except UserError as exc:
+            problems += [p if p.startswith("rollout.") else f"rollout.multi_turn: {p}" for p in exc.problems]
+    return problems
+
+
 def environment_problems(cfg: Config) -> list[str]:
-    """What this machine lacks for the run: missing input paths, uninstalled sink packages."""
-    return path_problems(cfg) + cfg.logging.missing_packages()
+    """What this machine lacks for the run: missing input paths and models, uninstalled sink packages, tools and
+    environments that do not import."""
+    return path_problems(cfg) + cfg.logging.missing_packages() + agent_problems(cfg)
 
 
 def dump_config(cfg: Config) -> str:
