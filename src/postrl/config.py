@@ -755,6 +755,9 @@ class RMTrainConfig(_Finetune):
         "auto", description="pairwise (-log sigmoid(r_chosen - r_rejected)), pointwise (BCE on label), auto: by the columns."
     )
     output_dir: str = Field("runs/rm", description="Where the reward model is saved (HF format, in model/).")
+    overwrite: bool = Field(
+        False, description="Replace a reward model already in output_dir; false: such a run is refused before it starts."
+    )
     steps: int = Field(300, ge=1, description="Optimizer steps.")
     batch_size: int = Field(32, ge=1, description="Pairs (or labelled responses) per step.")
     lr: float = Field(1e-4, gt=0, description="Peak learning rate.")
