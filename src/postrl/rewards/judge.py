@@ -61,8 +61,8 @@ class Judge:
         )
         self.pattern = re.compile(cfg.score_pattern)
         path = resolve_model_path(cfg.path)
-        self.tokenizer = load_tokenizer(path)
-        model = load_model(path).to(device).eval().requires_grad_(False)
+        self.tokenizer = load_tokenizer(path, key="reward.judge.path")
+        model = load_model(path, key="reward.judge.path").to(device).eval().requires_grad_(False)
         if rollout_cfg is None:
             from postrl.rollout.hf import HFEngine
 
