@@ -85,12 +85,13 @@ class EnvCalls:
         self._warned: set[str] = set()
 
     def reset(self, env: Any, row: dict) -> bool:
-        """env.reset(row); False when it raised (the trajectory then runs without the environment)."""
-        self.calls += 1
+        """env.reset(row); False when it raised (the trajectory then runs without the environment). A reset that
+        works is not counted as a call: the rule is on the trajectories' rewards, which come from the steps."""
         try:
             env.reset(row)
             return True
         except Exception as exc:  # noqa: BLE001 - the user's environment: counted, not a crash
+            self.calls += 1
             self._fail("error", f"reset raised {type(exc).__name__}: {exc}")
             return False
 
@@ -130,7 +131,7 @@ class EnvCalls:
         kind, messages = max(failed.items(), key=lambda kv: len(kv[1]))
         why = "raised an exception" if kind == "error" else "returned a reward that is not a finite number"
         raise UserError(
-            f"environment '{self.spec}' failed on {n_failed} of its {calls} calls (reset and step) in this batch; "
+            f"environment '{self.spec}' failed on {n_failed} of its {calls} calls in this batch; "
             f"{len(messages)} {why} (counted in {ENV_METRICS[kind]}), for example: {messages[0]}. A failed call gives "
             "no reward, so the environment's reward would carry no signal and training would learn nothing. Fix: fix "
             "its reset / step methods (step returns (observation: str, reward: a finite float, done: bool)).",
