@@ -162,11 +162,15 @@ def check_model(path: str, role: Role, tokenizer_dir: str | None = None, policy_
     problems = _kind_problems(where, role, config)
     if problems:
         return problems
-    tok = Path(tokenizer_dir).expanduser() if tokenizer_dir else (d if role.own_tokenizer else None)
+    tok = model_dir(tokenizer_dir) if tokenizer_dir else (d if role.own_tokenizer else None)
     vocab = None
+    if tokenizer_dir and tok is None:
+        return problems  # a tokenizer on the model hub, not cached here: the loader downloads it
     if tok is not None:
+        tok_key = "model.tokenizer_path" if role is POLICY and tokenizer_dir else role.key
+        if not tok.exists():
+            return [f"{tok_key}: '{tok}' does not exist; the {role.name}'s tokenizer is read from it. Fix: correct the path."]
         if not any((tok / f).is_file() for f in TOKENIZER_FILES):
-            tok_key = "model.tokenizer_path" if role is POLICY and tokenizer_dir else role.key
             problems.append(
                 f"{tok_key}: '{tok}' has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...); the {role.name}'s "
                 "text could not be turned into token ids. Fix: copy the tokenizer files of the model it came from into "
