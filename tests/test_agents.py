@@ -261,7 +261,7 @@ def test_an_sft_trace_trains_the_assistant_tokens_through_each_turns_stop(templa
 
 
 def test_config_takes_verls_multi_turn_names():
-    cfg = load_config(None, ["model.path=builtin:tiny-qwen2-tools", "rollout.multi_turn.enable=true",
+    cfg = load_config(None, ["model.path=builtin:tiny-qwen2-tools", "rollout.multi_turn.enable=true", "rollout.multi_turn.tools=[builtin:calculator]",
                              "rollout.multi_turn.max_assistant_turns=3", "rollout.multi_turn.max_tool_response_length=64"])  # fmt: skip
     assert cfg.rollout.multi_turn.max_turns == 3 and cfg.rollout.multi_turn.max_tool_response_tokens == 64
 

@@ -140,10 +140,12 @@ def test_judge_with_a_real_tiny_model_scores_unparsed_judgements_the_fail_value(
     judgements = judge.judgements(RESPONSES, ["5"] * 4, _rows(4))
     assert len(judgements) == 4 and all(parse_score(j, judge.pattern) is None for j in judgements)
     with RewardFunction(RewardConfig(verifiers=["math_17k_acc"]), models=[judge]) as fn:
-        out = fn(RESPONSES, ["5", "4", "5", "5"], _rows(4))
-    assert out.metrics["judge_score"] == [-1.0] * 4
-    assert out.failures["reward/judge_unparsed"] == 4 and judge.unparsed_total == 4
-    assert out.scores == [1 - 0.5, 1 - 0.5, 1 - 0.5, 0 - 0.5]  # judges are not normalised
+        out = fn(RESPONSES[1:], ["4", "5", "5"], _rows(3))  # 3 samples: too few to judge the judge, counted
+        assert out.metrics["judge_score"] == [-1.0] * 3
+        assert out.failures["reward/judge_unparsed"] == 3 and judge.unparsed_total == 3
+        assert out.scores == [1 - 0.5, 1 - 0.5, 0 - 0.5]  # judges are not normalised
+        with pytest.raises(UserError, match="the judge gave no score for 4 of its 4 samples in this batch"):
+            fn(RESPONSES, ["5", "4", "5", "5"], _rows(4))  # 4 of 4 unparsed: the verifiers' rule stops the run
 
 
 def test_two_steps_with_an_rm_and_a_rule_then_resume(rm_path, tmp_path):
@@ -180,6 +182,7 @@ def test_two_steps_with_a_judge(tmp_path):
 
     over = tiny_overrides(
         tmp_path, "reward.judge.path=builtin:tiny-qwen2", "reward.judge.max_tokens=4", "train.total_steps=2",
+        "reward.judge.weight=0",  # logged, not rewarded: the random judge's unparsed answers are counted, not fatal
         "algorithm.filter_groups.enable=false", "train.gen_batch_size=4",
     )  # fmt: skip
     trainer = Trainer(load_config(CONFIGS / "tiny_dapo.yaml", over))

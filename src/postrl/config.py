@@ -221,9 +221,10 @@ class RolloutConfig(Section):
         "rollout.max_staleness policy versions (docs/async.md; one trainer process).",
     )
     max_staleness: int = Field(
-        0, ge=0, description="Async rollout: the oldest policy version a trained sequence may come from, in updates "
+        0, ge=0, le=100, description="Async rollout: the oldest policy version a trained sequence may come from, in updates "
         "behind the trainer (async/staleness_max): 0 on-policy (async reproduces sync), 1 one-step-off, k bounded. "
-        "Sync mode is always 0.",
+        "Sync mode is always 0. At most 100: the queue between worker and trainer holds up to k + 1 batches, and a "
+        "sample 100 updates old carries little of the current policy.",
     )
     partial_rollout: bool = Field(
         False, description="Async rollout: generation in flight when new weights arrive continues under them (in chunks "
@@ -247,6 +248,13 @@ class RolloutConfig(Section):
             raise ValueError(
                 "rollout.partial_rollout continues generations across weight updates, which only happen mid-generation "
                 "in async mode. Fix: set rollout.mode: async, or rollout.partial_rollout: false."
+            )
+        mt = self.multi_turn
+        if mt.enable and not mt.tools and not mt.interaction:
+            raise ValueError(
+                "rollout.multi_turn.enable is true, but neither rollout.multi_turn.tools nor rollout.multi_turn.interaction "
+                "is set: the agent loop would have nothing to call or talk to, and run as single-turn rollout. Fix: list "
+                "the tools (e.g. [builtin:calculator]) or name an environment, or set rollout.multi_turn.enable: false."
             )
         if self.partial_rollout and self.multi_turn.enable:
             raise ValueError(
@@ -747,6 +755,9 @@ class RMTrainConfig(_Finetune):
         "auto", description="pairwise (-log sigmoid(r_chosen - r_rejected)), pointwise (BCE on label), auto: by the columns."
     )
     output_dir: str = Field("runs/rm", description="Where the reward model is saved (HF format, in model/).")
+    overwrite: bool = Field(
+        False, description="Replace a reward model already in output_dir; false: such a run is refused before it starts."
+    )
     steps: int = Field(300, ge=1, description="Optimizer steps.")
     batch_size: int = Field(32, ge=1, description="Pairs (or labelled responses) per step.")
     lr: float = Field(1e-4, gt=0, description="Peak learning rate.")
@@ -1054,7 +1065,36 @@ def build_config(tree: dict, source: str = "config") -> Config:
         problems = []
         for err in exc.errors():
             problems.extend(_describe_error(err, Config))
+        problems += [p for p in _cross_section_problems(tree, exc) if p not in problems]
         raise UserError(*problems, title=f"{source}: {len(problems)} problem(s) in the configuration") from None
+
+
+def _cross_section_problems(tree: dict, exc: ValidationError) -> list[str]:
+    """The checks of a section or across sections (model validators such as Config._derive), which pydantic
+    skips while a field below them is bad: run again on the tree with the bad keys at their defaults, keeping
+    the problems that do not mention a key that was reset."""
+    import copy
+
+    trial, reset, found = copy.deepcopy(tree), [], []
+    for _ in range(3):
+        for err in exc.errors():
+            node, loc = trial, [str(p) for p in err["loc"]]
+            for depth, part in enumerate(loc):  # drop the deepest key of the error's path that the tree has
+                if not isinstance(node, dict) or part not in node:
+                    break
+                if depth == len(loc) - 1 or not isinstance(node[part], dict) or loc[depth + 1] not in node[part]:
+                    del node[part]
+                    reset.append(".".join(loc[: depth + 1]))
+                    break
+                node = node[part]
+        trial.setdefault("model", {}).setdefault("path", "builtin:tiny-qwen2")
+        try:
+            Config.model_validate(trial)
+            break
+        except ValidationError as again:
+            exc = again
+            found += [p for err in exc.errors() for p in _describe_error(err, Config) if not any(k in p for k in reset)]
+    return list(dict.fromkeys(found))
 
 
 def read_yaml_mapping(path: str | Path, example: str, keys: str) -> dict:
@@ -1104,11 +1144,31 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, che
     for key, value in parse_overrides(native):
         _set_dotted(tree, key, value)
     cfg = build_config(tree, source)
+    for note in config_notes(cfg):
+        logging.getLogger("postrl.config").warning("note: %s", note)
     if check_paths:
         problems = environment_problems(cfg)
         if problems:
             raise UserError(*problems, title=f"{source}: {len(problems)} problem(s) in the configuration")
     return cfg
+
+
+def config_notes(cfg: Config) -> list[str]:
+    """Keys that are set but have no effect on this run (said once, not refused: an override may switch a part off)."""
+    notes, mt = [], cfg.rollout.multi_turn
+    if not mt.enable and (mt.tools or mt.interaction):
+        what = " and ".join(k for k, v in (("tools", mt.tools), ("interaction", mt.interaction)) if v)
+        notes.append(
+            f"rollout.multi_turn.{what} is set but rollout.multi_turn.enable is false, so the run is single-turn and "
+            "never offers them; set rollout.multi_turn.enable: true to use them."
+        )
+    if cfg.critic.model_fields_set and not _needs_critic(cfg.algorithm.adv_estimator):
+        keys = ", ".join(f"critic.{k}" for k in sorted(cfg.critic.model_fields_set))
+        notes.append(
+            f"{keys} is set but adv_estimator '{cfg.algorithm.adv_estimator}' uses no critic, so it has no effect; "
+            "set algorithm.adv_estimator: gae for PPO with a critic."
+        )
+    return notes
 
 
 def _looks_like_hub_id(path: str) -> bool:
@@ -1130,12 +1190,34 @@ def path_problems(cfg: Config) -> list[str]:
         for f in files:
             if not f.startswith("builtin:") and not Path(f).expanduser().exists():
                 problems.append(f"{key}: file '{f}' does not exist. Fix: run `postrl preprocess` or correct the path.")
+    from postrl.preflight import run_model_problems  # every model the run loads: kind, tokenizer, vocab fit
+
+    return problems + [p for p in run_model_problems(cfg) if not (problems and p.startswith(f"model.path: '{mp}' does not"))]
+
+
+def agent_problems(cfg: Config) -> list[str]:
+    """The agent loop's tools and environment imported and shape-checked (a tool's schema from its hints and
+    docstring; an environment's reset and step), as the verifiers are at validation."""
+    mt = cfg.rollout.multi_turn
+    if not mt.enable:
+        return []
+    from postrl.agents.env import load_environment
+    from postrl.agents.tools import load_tools
+
+    problems = []
+    for check, arg in ((load_tools, list(mt.tools)), (load_environment, mt.interaction)):
+        try:
+            if arg:
+                check(arg)
+        except UserError as exc:
+            problems += [p if p.startswith("rollout.") else f"rollout.multi_turn: {p}" for p in exc.problems]
     return problems
 
 
 def environment_problems(cfg: Config) -> list[str]:
-    """What this machine lacks for the run: missing input paths, uninstalled sink packages."""
-    return path_problems(cfg) + cfg.logging.missing_packages()
+    """What this machine lacks for the run: missing input paths and models, uninstalled sink packages, tools and
+    environments that do not import."""
+    return path_problems(cfg) + cfg.logging.missing_packages() + agent_problems(cfg)
 
 
 def dump_config(cfg: Config) -> str:

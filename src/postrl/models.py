@@ -48,9 +48,9 @@ def model_config(path: str) -> dict:
         return {}
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False):
+def load_tokenizer(path: str, trust_remote_code: bool = False, key: str | None = None):
     """The tokenizer of `path`, left-padding, with a pad token (EOS when it has none); the policy's and
-    `postrl preprocess`'s."""
+    `postrl preprocess`'s. `key`: the config key that named `path`, for the fix of an error (default the policy's)."""
     from transformers import AutoTokenizer
 
     try:
@@ -58,8 +58,9 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     except Exception as exc:  # noqa: BLE001 - transformers, tokenizers and sentencepiece each raise their own types
         raise UserError(
             f"cannot load a tokenizer from '{path}' ({type(exc).__name__}: {exc}). The directory needs tokenizer.json "
-            "or tokenizer_config.json. Fix: point model.tokenizer_path (`postrl preprocess`: tokenizer_name_or_path) "
-            "at a directory that has them, or model.path at a full model directory."
+            + (f"or tokenizer_config.json. Fix: point {key} at a full model directory (tokenizer files included)." if key else
+               "or tokenizer_config.json. Fix: point model.tokenizer_path (`postrl preprocess`: tokenizer_name_or_path) "
+               "at a directory that has them, or model.path at a full model directory.")
         ) from None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
@@ -74,6 +75,7 @@ def load_model(
     gradient_checkpointing: bool = False,
     modality: Modality | None = None,
     attn_implementation: str | None = None,
+    key: str = "model.path",
 ):
     """The model of `path`, with the auto class of its modality (chosen from its config.json when not given),
     and the attention kernels of `attn_implementation` (a name transformers accepts; None: its default)."""
@@ -97,7 +99,7 @@ def load_model(
         ) from None
     except (OSError, ValueError) as exc:
         raise UserError(
-            f"cannot load a causal LM from '{path}' ({exc}). Fix: point model.path at a Hugging Face model "
+            f"cannot load a causal LM from '{path}' ({exc}). Fix: point {key} at a Hugging Face model "
             "directory (config.json + weights), e.g. the output of `postrl sft` or `postrl export`."
         ) from None
     if gradient_checkpointing:

@@ -35,13 +35,68 @@ BUILTIN_PAIRS = "builtin:arithmetic_pairs:"
 
 def read_preference_rows(path: str, cfg: Config) -> list[dict]:
     """Rows of a pair / outcome file, or the built-in pairs of the arithmetic task (data.builtin's knobs)."""
+    return [row for _, row in _located_rows(path, cfg)]
+
+
+def _located_rows(path: str, cfg: Config) -> list[tuple[str, dict]]:
+    """(where: file, row and line, row) for every row of `path`; a malformed record is a UserError listing all."""
     if path.startswith(BUILTIN_PAIRS):
         from postrl.builtin.arithmetic import preference_pairs
 
         split = path[len(BUILTIN_PAIRS) :]
         rows = read_rows(f"builtin:arithmetic:{split}", cfg.data.builtin.model_dump())
-        return preference_pairs(rows, seed=cfg.rm.seed)
-    return read_rows(path)
+        return [(f"{path} row {i + 1}", r) for i, r in enumerate(preference_pairs(rows, seed=cfg.rm.seed))]
+    from postrl.data.readers import iter_records
+
+    if not Path(path).is_file():
+        raise UserError(f"rm: data file '{path}' does not exist. Fix: correct rm.train_files / rm.val_files.")
+    located = list(iter_records(path))
+    bad = [r.describe() for r in located if r.row is None]
+    if bad:
+        raise UserError(*bad[:20], title=f"{path}: {len(bad)} malformed record(s); `postrl rm` stops")
+    return [(r.where, r.row) for r in located]
+
+
+def row_problems(where: str, row: dict, objective: str, prompt_key: str) -> list[str]:
+    """What makes one row unusable for `objective` (missing fields, a label that is not 0 / 1, an identical pair)."""
+    from postrl.utils import get_dotted
+
+    fields = ("chosen", "rejected") if objective == "pairwise" else ("response", "label")
+    missing = [k for k in (prompt_key, *fields) if (get_dotted(row, k) if k == prompt_key else row.get(k)) is None]
+    if missing:
+        return [f"{where}: no {' / '.join(missing)} (a {objective} row has {prompt_key}, {' and '.join(fields)})"]
+    if objective == "pairwise":
+        if _text(row["chosen"]).strip() == _text(row["rejected"]).strip():
+            return [f"{where}: chosen and rejected are the same text, so the pair prefers nothing"]
+        return []
+    label = row["label"]
+    if isinstance(label, bool) or (isinstance(label, (int, float)) and label in (0, 1)):
+        return []
+    kind = "text" if isinstance(label, str) else type(label).__name__
+    return [f"{where}: label {label!r} ({kind}) is not 0 or 1 (1 good, 0 bad)"]
+
+
+def _validated(files: list[str], cfg: Config, key: str) -> list[tuple[list[dict], str, str]]:
+    """(rows, objective, file) per file, every row checked before anything loads: a UserError lists every bad row."""
+    out, problems, objective = [], [], None
+    for f in files:
+        located = _located_rows(f, cfg)
+        obj = objective_of([row for _, row in located], cfg.rm.objective, f)
+        if objective is not None and obj != objective:
+            raise UserError(f"{f} holds {obj} rows, the files before it {objective} rows. Fix: train on one kind at a time.")
+        objective = obj
+        for where, row in located:
+            problems += row_problems(where, row, obj, cfg.data.prompt_key)
+        out.append(([row for _, row in located], obj, f))
+    if problems:
+        shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
+        shown.append(
+            f"A reward model learns only from whole rows: a pair needs a prompt, a chosen and a different rejected "
+            "response; a labelled row a prompt, a response and a label 0 or 1 (a label outside them makes the loss and "
+            f"the accuracy meaningless). Fix the rows above in {key}, or drop them."
+        )
+        raise UserError(*shown, title=f"{key}: {len(problems)} unusable row(s); `postrl rm` stops before loading the model")
+    return out
 
 
 def _text(value: Any) -> str:
@@ -77,16 +132,26 @@ def build_samples(rows: list[dict], tokenizer, cfg: Config, objective: str) -> l
     return out
 
 
-def load_samples(files: list[str], tokenizer, cfg: Config) -> tuple[list[tuple], str]:
+def load_samples(files: list[str], tokenizer, cfg: Config, key: str = "rm.train_files", validated=None) -> tuple[list[tuple], str]:
     samples, objective = [], None
-    for f in files:
-        rows = read_preference_rows(f, cfg)
-        obj = objective_of(rows, cfg.rm.objective, f)
-        if objective is not None and obj != objective:
-            raise UserError(f"{f} holds {obj} rows, the files before it {objective} rows. Fix: train on one kind at a time.")
+    for rows, obj, _ in validated if validated is not None else _validated(files, cfg, key):
         objective = obj
         samples += build_samples(rows, tokenizer, cfg, obj)
     return samples, objective or "pairwise"
+
+
+def _check_output_dir(s: Any) -> None:
+    """Refuse to replace what a run before left in rm.output_dir, unless rm.overwrite says so."""
+    out = Path(s.output_dir)
+    if s.overwrite or not out.exists():
+        return
+    if not out.is_dir():
+        raise UserError(f"rm.output_dir '{out}' is a file. Fix: point rm.output_dir at a directory.")
+    if (out / "model").exists():
+        raise UserError(
+            f"rm.output_dir '{out}' already holds a reward model ({out / 'model'}); this run would replace it. Fix: "
+            "choose another rm.output_dir, or set rm.overwrite: true (rm.overwrite=true) to replace it."
+        )
 
 
 def rm_loss(model: torch.nn.Module, samples: list[tuple], tokenizer, max_length: int, objective: str, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,13 +207,16 @@ def run_rm(cfg: Config, console: Any = None) -> dict[str, float]:
 
     console = console or Console()
     s = cfg.rm
+    _check_output_dir(s)
+    train_rows = _validated(s.train_files, cfg, "rm.train_files")  # every row, before the model loads
+    val_rows = _validated(s.val_files, cfg, "rm.val_files") if s.eval_pairs and s.val_files else None
     seed_everything(s.seed)
     rt = init_runtime(cfg.train.device, "float32")
     path = resolve_model_path(cfg.model.path, cfg.model.tiny)
     model, tokenizer = load_rm_for_training(path, cfg.model.trust_remote_code)
     model.to(rt.device).train()
     configure_threads(model, cfg.train.num_threads, console.print)
-    train, objective = load_samples(s.train_files, tokenizer, cfg)
+    train, objective = load_samples(s.train_files, tokenizer, cfg, validated=train_rows)
     console.print(f"RM ({objective}) on {len(train)} samples from {', '.join(s.train_files)} (model {path})")
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=s.lr, weight_decay=s.weight_decay)
@@ -177,7 +245,7 @@ def run_rm(cfg: Config, console: Any = None) -> dict[str, float]:
     console.print(f"RM done: final loss {loss_ema:.4f}; model saved to {out}")
     result = {"rm/loss": loss_ema or 0.0, "rm/train_accuracy": acc_ema or 0.0}
     if s.eval_pairs and s.val_files:
-        held_out, obj = load_samples(s.val_files, tokenizer, cfg)
+        held_out, obj = load_samples(s.val_files, tokenizer, cfg, validated=val_rows)
         result["rm/val_accuracy"] = accuracy(model, held_out[: s.eval_pairs], tokenizer, s.max_length, obj, rt.device)
         console.print(f"[bold]held-out {obj} accuracy of the RM:[/bold] {result['rm/val_accuracy'] * 100:.1f}%")
     return result

@@ -11,14 +11,25 @@ ends without a tool call, `step` gets the text of that turn; unless `done`, the 
 as a user turn (masked: the policy does not train on it) and the model answers again, up to
 `rollout.multi_turn.max_user_turns` observations. The rewards of all steps are summed and added to the
 verifier score of the trajectory (so an environment alone, with `reward.verifiers` weighted 0, or both).
+
+A `reset` or `step` that raises, or a step reward that is not a finite number, is contained as a verifier's
+failure is (`EnvCalls`): the trajectory gets no reward from it (a raising step also ends the trajectory), the
+failure is counted (agent/env_errors, agent/env_invalid) and warned about once, and when (nearly) every call
+of a batch fails the run stops naming the environment, by the verifiers' rule (rewards/verdict.py).
 """
 
 from __future__ import annotations
 
+import logging
+import math
 from typing import Any, Protocol, runtime_checkable
 
 from postrl.errors import UserError
+from postrl.rewards.verdict import fails_nearly_always
 from postrl.utils import import_named
+
+log = logging.getLogger("postrl.agents")
+ENV_METRICS = {"error": "agent/env_errors", "invalid": "agent/env_invalid"}
 
 
 @runtime_checkable
@@ -63,3 +74,72 @@ def checked_step(env: Any, text: str, spec: str) -> tuple[str, float, bool]:
         )
     obs, reward, done = out
     return ("" if obs is None else str(obs)), float(reward), bool(done)
+
+
+class EnvCalls:
+    """The environment's calls of one batch, its failures contained and counted (see the module docstring)."""
+
+    def __init__(self, spec: str):
+        self.spec, self.calls, self.failed = spec, 0, {"error": [], "invalid": []}
+        self.totals = dict.fromkeys(ENV_METRICS, 0)  # since the last pop_metrics
+        self._warned: set[str] = set()
+
+    def reset(self, env: Any, row: dict) -> bool:
+        """env.reset(row); False when it raised (the trajectory then runs without the environment). A reset that
+        works is not counted as a call: the rule is on the trajectories' rewards, which come from the steps."""
+        try:
+            env.reset(row)
+            return True
+        except Exception as exc:  # noqa: BLE001 - the user's environment: counted, not a crash
+            self.calls += 1
+            self._fail("error", f"reset raised {type(exc).__name__}: {exc}")
+            return False
+
+    def step(self, env: Any, text: str) -> tuple[str, float, bool] | None:
+        """checked_step with its reward made finite; None when the step raised (the trajectory ends)."""
+        self.calls += 1
+        try:
+            obs, reward, done = checked_step(env, text, self.spec)
+        except UserError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the user's environment: counted, not a crash
+            self._fail("error", f"{type(exc).__name__}: {exc}")
+            return None
+        if not math.isfinite(reward):
+            self._fail("invalid", f"reward {reward}")
+            reward = 0.0
+        return obs, reward, done
+
+    def _fail(self, kind: str, message: str) -> None:
+        self.failed[kind].append(message[:300])
+        self.totals[kind] += 1
+        if kind not in self._warned:
+            self._warned.add(kind)
+            what = "raised" if kind == "error" else "returned a reward that is not a finite number"
+            log.warning(
+                "environment '%s' %s (%s); the trajectory gets no reward from it, counted in %s from now on.",
+                self.spec, what, message[:300], ENV_METRICS[kind],
+            )  # fmt: skip
+
+    def end_batch(self) -> None:
+        """Stop the run when (nearly) every call of this batch failed; then start counting the next batch."""
+        n_failed = sum(len(m) for m in self.failed.values())
+        calls, failed = self.calls, self.failed
+        self.calls, self.failed = 0, {"error": [], "invalid": []}
+        if not fails_nearly_always(calls, n_failed):
+            return
+        kind, messages = max(failed.items(), key=lambda kv: len(kv[1]))
+        why = "raised an exception" if kind == "error" else "returned a reward that is not a finite number"
+        raise UserError(
+            f"environment '{self.spec}' failed on {n_failed} of its {calls} calls in this batch; "
+            f"{len(messages)} {why} (counted in {ENV_METRICS[kind]}), for example: {messages[0]}. A failed call gives "
+            "no reward, so the environment's reward would carry no signal and training would learn nothing. Fix: fix "
+            "its reset / step methods (step returns (observation: str, reward: a finite float, done: bool)).",
+            title="the environment fails on (nearly) every call",
+        )
+
+    def pop_metrics(self) -> dict[str, float]:
+        out = {ENV_METRICS[k]: float(v) for k, v in self.totals.items()}
+        self.totals = dict.fromkeys(ENV_METRICS, 0)
+        return out
+

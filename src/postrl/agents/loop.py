@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from postrl.agents.env import checked_step, load_environment
+from postrl.agents.env import EnvCalls, load_environment
 from postrl.agents.render import TurnRenderer, truncate_text
 from postrl.errors import UserError
 from postrl.rollout.base import Completion, SamplingParams, eos_token_ids
@@ -91,6 +91,7 @@ class AgentLoop:
         self.capabilities = engine.capabilities  # what the wrapped engine can do is what the loop can
         self.tools = load_tools(list(cfg.tools))
         self.env_cls = load_environment(cfg.interaction) if cfg.interaction else None
+        self.env_calls = EnvCalls(cfg.interaction or "")
         self.renderer = TurnRenderer(tokenizer)
         self.eos_ids = set(eos_token_ids(model, tokenizer)) if model is not None else {tokenizer.eos_token_id}
         end = tokenizer.convert_tokens_to_ids(CALL_END)
@@ -138,7 +139,8 @@ class AgentLoop:
                 raise UserError("rollout.multi_turn.interaction needs the prompts' dataset rows; this caller passed none.")
             for t in trajs:
                 t.env = self.env_cls()
-                t.env.reset(rows[t.prompt_index])
+                if not self.env_calls.reset(t.env, rows[t.prompt_index]):
+                    t.env = None
         turn_params = replace(params, stop_token_ids=tuple(params.stop_token_ids) + self.stop_ids)
         if multi_modal is None and hasattr(self.engine, "generate_continuing"):
             self._run_continuing(trajs, turn_params, budget)
@@ -148,6 +150,7 @@ class AgentLoop:
             if not t.done:
                 t.stop(finished=False)  # max_turns reached with a tool call or an environment turn pending
         self._record(trajs)
+        self.env_calls.end_batch()
         return [
             Completion(
                 prompt_index=t.prompt_index, token_ids=t.ids, finished=t.finished, logprobs=t.logprobs,
@@ -238,7 +241,11 @@ class AgentLoop:
             t.stop(finished=True)
             return None
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        obs, reward, env_done = checked_step(t.env, text, self.cfg.interaction)
+        stepped = self.env_calls.step(t.env, text)
+        if stepped is None:  # the step raised: counted, and the trajectory ends here
+            t.stop(finished=False)
+            return None
+        obs, reward, env_done = stepped
         t.env_reward += reward
         if env_done:
             t.stop(finished=True)
@@ -327,6 +334,7 @@ class AgentLoop:
         })  # fmt: skip
         if self.env_cls is not None:
             m["agent/env_reward_mean"] = self._env_reward / n
+            m.update(self.env_calls.pop_metrics())
         self.reset_stats()
         return m
 

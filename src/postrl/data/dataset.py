@@ -102,6 +102,7 @@ def load_prompts(
     """
     examples: list[PromptExample] = []
     dropped, total, bad = 0, 0, 0
+    empty_truths: list[str] = []
     knobs = data_cfg.builtin.model_dump()
     for f in files:
         rows = read_rows(f, knobs, data_cfg.shapes.model_dump(), data_cfg.tool_arithmetic.model_dump())
@@ -119,6 +120,9 @@ def load_prompts(
                     f"('{data_cfg.prompt_key}') and the ground truth from data.answer_key ('{data_cfg.answer_key}'). "
                     "Fix: set those keys to your columns, or convert the file with `postrl preprocess`."
                 )
+            if isinstance(gt, str) and not gt.strip():
+                empty_truths.append(f"{f}, row {i}")
+                continue
             encoded = encode_prompt(tokenizer, row, prompt, data_cfg, f"{f}, row {i}", file_dir(f), modality, tools)
             if encoded is None:  # malformed image row, skipped by data.skip_bad_rows
                 bad += 1
@@ -135,6 +139,13 @@ def load_prompts(
                 dropped += 1
                 continue
             examples.append(PromptExample(ids, str(gt), row, row.get("data_source") or name, multi_modal))
+    if empty_truths:
+        more = f" and {len(empty_truths) - 10} more" if len(empty_truths) > 10 else ""
+        raise UserError(
+            f"{', '.join(empty_truths[:10])}{more}: the ground truth (data.answer_key '{data_cfg.answer_key}') is empty. "
+            "A verifier compares each response with it, so every response would score as wrong and the prompt teach "
+            "nothing. Fix: fill in the answers, or drop those rows (`postrl preprocess` writes them from the raw data)."
+        )
     if not examples:
         raise UserError(
             f"no usable prompts in {files} ({total} rows read, {dropped} too long, {bad} malformed image rows). "

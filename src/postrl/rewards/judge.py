@@ -5,7 +5,8 @@ message through the judge's chat template, and `score_pattern`, a regex whose on
 The judge decodes greedily through a rollout engine (`postrl.rollout.make_engine`: HF, or vLLM) and is
 frozen. A judgement the pattern does not match, or whose group is not a finite number, scores
 `fail_score` and is counted (reward/judge_unparsed): a judge that never answers in the expected form
-would otherwise hand the policy a constant reward without anyone noticing.
+would otherwise hand the policy a constant reward without anyone noticing; when (nearly) every judgement
+of a batch is unparsed, the run stops, by the verifiers' rule (RewardFunction).
 """
 
 from __future__ import annotations
@@ -53,10 +54,15 @@ class Judge:
         from postrl.rollout import make_engine
 
         self.cfg, self.weight, self.prompt_key = cfg, float(cfg.weight), prompt_key
+        self.fail_score = float(cfg.fail_score)
+        self.failure_fix = (
+            f"make reward.judge.score_pattern ({cfg.score_pattern!r}) match what the judge writes (see the example), "
+            "say the expected form in reward.judge.prompt_template, or use a judge that follows instructions"
+        )
         self.pattern = re.compile(cfg.score_pattern)
         path = resolve_model_path(cfg.path)
-        self.tokenizer = load_tokenizer(path)
-        model = load_model(path).to(device).eval().requires_grad_(False)
+        self.tokenizer = load_tokenizer(path, key="reward.judge.path")
+        model = load_model(path, key="reward.judge.path").to(device).eval().requires_grad_(False)
         if rollout_cfg is None:
             from postrl.rollout.hf import HFEngine
 
@@ -94,7 +100,8 @@ class Judge:
             )  # fmt: skip
         self.unparsed_total += unparsed
         scores = [self.cfg.fail_score if p is None else p for p in parsed]
-        return ModelScores(scores, {UNPARSED_METRIC: unparsed})
+        failures = [f"judgement {j[:200]!r} does not match the score pattern" for j, p in zip(judgements, parsed) if p is None]
+        return ModelScores(scores, {UNPARSED_METRIC: unparsed}, failures)
 
     def close(self) -> None:
         self.engine.close()

@@ -22,6 +22,7 @@ fail score teaches the policy nothing.
 from __future__ import annotations
 
 import logging
+import math
 import pickle
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
@@ -30,11 +31,14 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 # worker pool import them without importing this one); re-exported here, where users look.
 from postrl.rewards.verdict import (  # noqa: F401
     _REGISTRY,
+    FAIL_ALL_MIN_CALLS,
+    FAIL_ALL_SHARE,
     FastPath,
     InvalidVerdict,
     Verifier,
     VerifierEntry,
     VerifierResult,
+    fails_nearly_always,
     register,
     to_result,
 )
@@ -102,8 +106,7 @@ def verifier_problems(names: Sequence[str]) -> list[str]:
 
 # Failure kinds: the status a verifier call ends with, and the metric that counts it.
 FAILURE_METRICS = {"timeout": "reward/timeouts", "error": "reward/errors", "invalid": "reward/invalid"}
-FAIL_ALL_SHARE = 0.95  # a verifier failing this share of its calls in one batch stops the run ...
-FAIL_ALL_MIN_CALLS = 4  # ... when the batch gave it at least this many calls
+# FAIL_ALL_SHARE / FAIL_ALL_MIN_CALLS (verdict.py): a verifier failing that share of its calls in one batch stops the run
 
 
 @dataclass
@@ -216,7 +219,7 @@ class RewardFunction:
     def _check_not_all_failing(self, name: str, n_calls: int, counts: dict[str, list[str]]) -> None:
         """Stop the run when (nearly) every call of one verifier failed: its reward carries no signal."""
         n_failed = sum(len(m) for m in counts.values())
-        if n_calls < FAIL_ALL_MIN_CALLS or n_failed < FAIL_ALL_SHARE * n_calls:
+        if not fails_nearly_always(n_calls, n_failed):
             return
         from postrl.errors import UserError
 
@@ -345,17 +348,38 @@ class RewardFunction:
         model_total = [0.0] * len(texts)
         for scorer in models:
             result = scorer.score(texts, truths, rows)
-            raw = result.scores
+            raw, failures, invalid = self._finite_scores(scorer, result)
+            if invalid or scorer.name == "rm_score":
+                out.counts[f"reward/{scorer.name.removesuffix('_score')}_invalid"] = invalid
             reward = normalized(raw, *global_mean_std(raw)) if scorer.normalize else list(raw)
             out.metrics[scorer.name] = raw
             out.metrics[f"{scorer.name}_reward"] = reward
             out.counts.update(result.counts)
+            if scorer.weight != 0 and fails_nearly_always(len(raw), len(failures)):
+                from postrl.errors import UserError
+
+                what = {"rm_score": "the reward model", "judge_score": "the judge"}.get(scorer.name, scorer.name)
+                raise UserError(
+                    f"{what} gave no score for {len(failures)} of its {len(raw)} samples in this batch, for example: "
+                    f"{failures[0]}. Each such sample scores the fail score ({getattr(scorer, 'fail_score', 0.0):g}), so "
+                    f"its reward would carry no signal and training would learn nothing. Fix: {scorer.failure_fix}.",
+                    title="a model reward fails on (nearly) every sample",
+                )
             for i, r in enumerate(reward):
                 model_total[i] += scorer.weight * r
         out.scores = [r + m for r, m in zip(rule, model_total)]
         model_reward = [sum(out.metrics[f"{s.name}_reward"][i] for s in models) for i in range(len(texts))]
         out.metrics["rm_rule_max"] = [max(m, r) for m, r in zip(model_reward, rule)]
         out.metrics["rm_rule_min"] = [min(m, r) for m, r in zip(model_reward, rule)]
+
+    @staticmethod
+    def _finite_scores(scorer: Any, result: Any) -> tuple[list[float], list[str], int]:
+        """The scorer's scores with a non-finite one replaced by its fail score, every failed sample's line, and
+        how many were non-finite (a NaN would poison the batch's normalisation and every advantage)."""
+        fail = float(getattr(scorer, "fail_score", 0.0))
+        raw = [s if math.isfinite(s) else fail for s in result.scores]
+        bad = [f"score {s}" for s in result.scores if not math.isfinite(s)]
+        return raw, list(result.failures) + bad, len(bad)
 
     def close(self) -> None:
         """Stop the worker processes and release the model rewards (safe to call twice)."""

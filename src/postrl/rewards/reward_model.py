@@ -33,6 +33,7 @@ class ModelScores:
 
     scores: list[float]
     counts: dict[str, int] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)  # one line per sample that got no score (it has fail_score)
 
 
 class ModelScorer(Protocol):
@@ -41,6 +42,8 @@ class ModelScorer(Protocol):
     name: str  # per-sample metric of the raw score (rm_score, judge_score)
     weight: float
     normalize: bool
+    fail_score: float  # what a sample without a score gets (a non-finite score, an unparsed judgement)
+    failure_fix: str  # the Fix: of the error that stops a run whose scorer fails (nearly) always
 
     def score(self, responses: list[str], ground_truths: list[str], rows: list[dict]) -> ModelScores: ...
 
@@ -142,6 +145,11 @@ class RewardModel:
     """A frozen reward model scoring responses in micro-batches (`reward.reward_model`)."""
 
     name = "rm_score"
+    fail_score = 0.0
+    failure_fix = (
+        "load the reward model in float32 or bfloat16 (reward.reward_model.dtype; float16 overflows easily), and check "
+        "that its weights are intact"
+    )
 
     def __init__(self, cfg: Any, device: torch.device, prompt_key: str = "prompt", dtype: torch.dtype = torch.float32):
         self.cfg, self.weight, self.normalize = cfg, float(cfg.weight), bool(cfg.normalize)
