@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -146,6 +147,12 @@ def run_phase(phase: dict, argv: list[str], work: Path, limit: float, log) -> di
     else:
         result["status"] = "ok"
     result.pop("done", None)
+    if phase["kind"] == "tests" and "passed" not in result:  # killed before the junit file: count pytest -v's lines
+        outcomes = re.findall(r"^(tests/\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED)", text, re.M)
+        result.update({k.lower(): sum(o == k for _, o in outcomes) for k in ("PASSED", "SKIPPED")})
+        result["failed"] = sum(o in ("FAILED", "ERROR") for _, o in outcomes)
+        result["failures"] = [t for t, o in outcomes if o in ("FAILED", "ERROR")]
+        result["files"] = sorted({t.split("::")[0] for t, _ in outcomes})
     summarise(result)
     return result
 
@@ -222,7 +229,7 @@ def tests_worker(args, work: Path) -> None:
     modules whose optional packages the GPU machine lacks)."""
     files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py") if "mark.gpu" in p.read_text())
     junit = work / "junit.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-rs", "-p", "no:cacheprovider", f"--junitxml={junit}", *files]
+    cmd = [sys.executable, "-m", "pytest", "-v", "-m", "gpu", "-rs", "--durations=5", "-p", "no:cacheprovider", f"--junitxml={junit}", *files]
     rc = subprocess.run(cmd, cwd=ROOT).returncode
     counts = {"passed": 0, "failed": 0, "skipped": 0}
     failures = []
@@ -415,7 +422,10 @@ def markdown(report: dict) -> str:
     for r in report["phases"]:
         if r["kind"] == "tests" and "passed" in r:
             fails = f": {', '.join(r['failures'])}" if r.get("failures") else ""
-            lines.append(f"GPU tests ({', '.join(r['files'])}): {r['passed']} passed, {r['failed']} failed, {r['skipped']} skipped{fails}")
+            done = "" if r["status"] == "ok" else f" before it stopped ({r['status']})"
+            lines.append(
+                f"GPU tests ({', '.join(r['files'])}): {r['passed']} passed, {r['failed']} failed, {r['skipped']} skipped{done}{fails}"
+            )
             lines.append("")
     lines += [
         "| phase | status | e2e tok/s per step | e2e tok/s | update tok/s per step | update tok/s | peak GiB (rollout / update) "
