@@ -132,7 +132,10 @@ def run_phase(phase: dict, argv: list[str], work: Path, limit: float, log) -> di
             result[k] = phase[k]
     for line in text.splitlines():
         if line.startswith(MARK):
-            row = json.loads(line[len(MARK) :])
+            try:
+                row = json.loads(line[len(MARK) :])
+            except json.JSONDecodeError:  # the last line of a killed worker, cut short
+                continue
             if "step" in row:
                 result["steps"].append(row["step"])
             else:

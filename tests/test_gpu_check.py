@@ -27,9 +27,10 @@ def _gpu_check():
 
 @pytest.mark.slow
 def test_the_cpu_dry_run_reports_every_phase(tmp_path):
-    """~60-100 s on a loaded 2-core machine: four subprocesses, each importing torch, transformers and (TRL's
-    phase) trl and datasets; the only end-to-end run of the script short of a GPU. TRL's LoRA phase is left out
-    (the same code as TRL's phase with gpu_step's peft_config)."""
+    """Slow: about 35 s of CPU time, 160 s of wall time on the shared 2-core machine at a load of 17 (four
+    subprocesses, each importing torch and transformers, TRL's also trl and datasets); the only end-to-end run of
+    the script short of a GPU, which no session may have for weeks. TRL's LoRA phase is left out (TRL's phase
+    with gpu_step's peft_config; it passed by hand: `--phases trl-smoke-lora4`)."""
     has_trl = importlib.util.find_spec("trl") is not None
     phases = ["tests", "postrl-smoke", "postrl-smoke-lora4"] + (["trl-smoke"] if has_trl else [])
     proc = subprocess.run(
