@@ -2,9 +2,8 @@
 # One GPU session of issue 12: the `gpu` tests and benchmarks/gpu_step.py on a lent machine (the
 # `device` tool, /work/.library/device/README.md), tables written under $OUT.
 #
-# Here, in the repository root, once (the wheels the machine lacks, 52 MiB; it has torch, transformers,
-# accelerate, pandas, pyarrow, pytest, but no pydantic, math-verify, trl, datasets; nothing can be
-# fetched there):
+# Here, in the repository root, once (the wheels the machine lacks, benchmarks/gpu_wheels.txt; nothing
+# can be fetched there):
 #     bash benchmarks/gpu_session.sh fetch
 # Then one device `run` per phase (each ends well inside the 10-minute limit of a call), naming
 # `.whl` in carry:
@@ -17,23 +16,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/postrl_gpu_out}"
 mkdir -p "$OUT"
-WHEELS=(
-  pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0
-  math-verify==0.9.0 latex2sympy2-extended==1.11.0 antlr4-python3-runtime==4.13.2
-  trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
-)
-# datasets 5.2 needs pyarrow >= 24; the machine's pyarrow version is not on record, so a 47 MiB wheel
-# rides along in .whl/fallback/ and is installed only where the machine's is older (carry limit: 64 MiB).
-PYARROW_MIN=24
-PYARROW_FALLBACK=pyarrow==24.0.0
-
-download() {  # DIR SPEC...: the wheels for the device machine's Python (CPython 3.12, Linux x86-64)
-  local dir="$1"
-  shift
-  python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$dir" "$@"
-}
+PYARROW_MIN=24  # datasets 5.2's floor: benchmarks/gpu_wheels.txt's fallback pyarrow is installed below it
 
 setup() {
   if ls .whl/*.whl >/dev/null 2>&1; then
@@ -52,11 +35,7 @@ setup() {
 
 case "${1:-}" in
   fetch)  # on the machine that has PyPI, not on the device
-    exclude="$(git rev-parse --git-path info/exclude)"  # .git/info may be absent, and .git is a file in a worktree
-    mkdir -p "$(dirname "$exclude")"
-    grep -qx '/.whl/' "$exclude" 2>/dev/null || echo /.whl/ >> "$exclude"
-    download .whl "${WHEELS[@]}" && download .whl/fallback "$PYARROW_FALLBACK" || exit 1
-    du -sh .whl
+    bash scripts/gpu_check.sh fetch
     ;;
   tests)
     setup

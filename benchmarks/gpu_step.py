@@ -145,15 +145,10 @@ def _prompt_len(tok, text: str) -> int:
 # ----------------------------------------------------------------------------------------- workers
 
 
-def run_postrl(args, model_dir: Path, data: Path, work: Path) -> dict:
-    import torch
-
-    from postrl.config import load_config
-    from postrl.metrics import read_jsonl
-    from postrl.trainer import Trainer
-
+def postrl_overrides(args, model_dir: Path, data: Path, work: Path) -> list[str]:
+    """The `postrl train` settings of a run (benchmarks/gpu_check.py adds its own to these)."""
     B, G = args.prompts, args.samples
-    overrides = [
+    return [
         f"model.path={model_dir}", f"model.dtype={args.dtype}", f"model.gradient_checkpointing={not args.no_checkpointing}",
         f"model.attn_implementation={args.attn}", f"model.lora_rank={args.lora_rank}", f"model.lora_alpha={2 * max(args.lora_rank, 1)}",
         f"data.train_files=[{data}]", "data.val_files=[]", f"data.max_prompt_length={args.prompt}", "data.shuffle=false",
@@ -163,7 +158,16 @@ def run_postrl(args, model_dir: Path, data: Path, work: Path) -> dict:
         "train.lr=1e-6", f"train.device={args.device}", "eval.before_train=false", "eval.after_train=false",
         "checkpoint.save_final=false", "logging.progress=false", f"logging.dir={work / 'postrl'}", "guards.enable=false",
     ]  # fmt: skip
-    tr = Trainer(load_config(None, overrides, check_paths=False))
+
+
+def run_postrl(args, model_dir: Path, data: Path, work: Path) -> dict:
+    import torch
+
+    from postrl.config import load_config
+    from postrl.metrics import read_jsonl
+    from postrl.trainer import Trainer
+
+    tr = Trainer(load_config(None, postrl_overrides(args, model_dir, data, work), check_paths=False))
     params = sum(p.numel() for p in tr.model.parameters())
     engine = tr.engine.name
     if tr.runtime.device.type == "cuda":
@@ -251,7 +255,11 @@ def run_trl(args, model_dir: Path, data: Path, work: Path) -> dict:
     lens = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
     resp = sum(lens[1:] or lens) / max(len(lens[1:] or lens), 1)
     step_s = sum(timed) / len(timed)
+    per_step = [  # every step, the warm-up too: seconds, mean response length, e2e tokens/s
+        {"step_s": s, "response_len": n, "e2e_tps": (args.prompt + n) * B * G / s} for s, n in zip(steps, lens)
+    ]
     return {
+        "steps": per_step,
         "framework": "trl", "version": trl.__version__, "engine": "vllm" if use_vllm else "hf", "attn": attn, "steps_timed": len(timed),
         "e2e_tps": (args.prompt + resp) * B * G / step_s, "step_s": step_s, "response_len": resp, "prompt_len": args.prompt,
         "peak_mem_gib": peak / 2**30, "settings_unknown_to_this_trl": dropped,

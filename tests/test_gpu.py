@@ -1,7 +1,7 @@
 """Training on a CUDA device: placement, fp32 equivalence with the CPU, bf16 learning, offload, sleep mode.
 
 Every test here is marked `gpu`: skipped (and counted as skipped) where CUDA is absent, as on CI.
-`benchmarks/gpu_session.sh` runs them on a lent GPU machine; tests/test_precision.py holds the CPU
+`benchmarks/gpu_check.py` (and gpu_session.sh) run them on a lent GPU machine; tests/test_precision.py holds the CPU
 half of the precision checks (bf16 vs fp32 numerics, gradient checkpointing).
 """
 
