@@ -155,12 +155,13 @@ def test_the_hostile_catalogue_is_contained(case, where, fence, interpreter_via_
 
 
 def test_a_venv_reached_through_tmp_is_isolated(interpreter_via_tmp):
-    code = "from postrl.agents.sandbox import isolation, run_python\nprint(isolation().namespaces, run_python('print(7)').stdout)"
-    proc = subprocess.run([interpreter_via_tmp, "-c", code], capture_output=True, text=True, timeout=60,
-                          env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": SRC})
-    assert proc.stdout.split() == [str(isolation().namespaces), "7"] if isolation().namespaces else ["False"], proc.stderr
+    """It used to fall open there: covering /tmp hid the interpreter, the probe failed, the code ran as root."""
     if not isolation().namespaces:
         pytest.skip(sandbox_description())
+    code = "from postrl.agents.sandbox import isolation, run_python\nprint(isolation().namespaces, run_python('import os; print(os.getuid())').stdout)"
+    proc = subprocess.run([interpreter_via_tmp, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": SRC})
+    assert proc.stdout.split() == ["True", str(65534 if os.geteuid() == 0 else os.getuid())], proc.stderr
 
 
 # --------------------------------------------------------------------------------------- fail closed
@@ -244,7 +245,11 @@ target = sys.argv[1]
 small = dict(timeout_s=3.0, memory_mb=256, max_processes=8)
 out = {"uid": os.getuid(), "namespaces": isolation().namespaces, "description": isolation().description}
 if not isolation().namespaces:  # refused; then the opt-out, which an ordinary user may take
+    from postrl.agents.tools import start_python_tool
     out["refused"] = run_python("print('ran')", **small).stderr
+    said = []
+    start_python_tool({"backend": "local", "require_isolation": False}, said.append)
+    out["said"] = said
     res = run_python("import os\nprint(os.getuid())", require_isolation=False, **small)
     out["opted_out"] = [res.error, res.stdout]
     res = run_python("while True:\n    pass", require_isolation=False, **{**small, "timeout_s": 1.0})
@@ -298,6 +303,7 @@ def test_an_ordinary_user_gets_the_same_fences_through_a_user_namespace(userns):
             assert not out["namespaces"] and "allow unprivileged user namespaces" in out["refused"], out
             assert "backend: sandbox_fusion" in out["refused"] and "require_isolation: false" in out["refused"]
             assert out["opted_out"] == [None, "65533\n"] and out["opted_out_timeout"] == "timeout"
+            assert len(out["said"]) == 1 and out["said"][0].startswith("WARNING: sandbox: NOT isolated (unshare refused")
             return
         if not out["namespaces"]:
             pytest.skip(out["description"])
