@@ -22,7 +22,7 @@ from pathlib import Path
 
 from postrl.agents.tools import run_sandboxed
 
-SMALL = dict(timeout_s=3.0, memory_mb=256, max_processes=8, max_output_bytes=4096)
+SMALL = dict(timeout_s=10.0, memory_mb=256, max_processes=8, max_output_bytes=4096)
 CASES = {}
 
 

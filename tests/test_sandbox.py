@@ -26,7 +26,7 @@ from postrl.agents.sandbox import BOOT, CallStats, isolation
 from postrl.agents.tools import start_python_tool
 from postrl.errors import UserError
 
-SMALL = dict(timeout_s=3.0, memory_mb=256, max_processes=8, max_output_bytes=4096)
+SMALL = dict(timeout_s=10.0, memory_mb=256, max_processes=8, max_output_bytes=4096)
 
 
 def _processes(match) -> list[int]:
@@ -242,7 +242,7 @@ USERNS_SCRIPT = r"""
 import json, os, sys
 from postrl.agents.sandbox import isolation, run_python
 target = sys.argv[1]
-small = dict(timeout_s=3.0, memory_mb=256, max_processes=8)
+small = dict(timeout_s=10.0, memory_mb=256, max_processes=8)
 out = {"uid": os.getuid(), "namespaces": isolation().namespaces, "description": isolation().description}
 if not isolation().namespaces:  # refused; then the opt-out, which an ordinary user may take
     from postrl.agents.tools import start_python_tool
