@@ -164,6 +164,26 @@ def test_a_venv_reached_through_tmp_is_isolated(interpreter_via_tmp):
     assert proc.stdout.split() == ["True", str(65534 if os.geteuid() == 0 else os.getuid())], proc.stderr
 
 
+@pytest.mark.parametrize("scratch", ["/tmp", "/var/tmp", "/dev/shm"])
+def test_a_venv_in_a_scratch_directory_stays_usable_inside(scratch):
+    """A checkout's venv under a directory the sandbox covers with a fresh tmpfs is bound back read-only."""
+    if not isolation().namespaces or not os.path.isdir(scratch):
+        pytest.skip(sandbox_description())
+    home = Path(tempfile.mkdtemp(prefix="postrl-venv-", dir=scratch))
+    try:
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(home / "venv")], check=True, timeout=60)
+        code = ("from postrl.agents.sandbox import isolation, run_python\n"
+                "r = run_python('import os, sys\\nprint(os.getuid(), sys.prefix)\\nopen(sys.prefix + \"/x\", \"w\")')\n"
+                "print(isolation().namespaces, r.stdout.strip(), r.stderr.strip().splitlines()[-1])")
+        proc = subprocess.run([str(home / "venv" / "bin" / "python"), "-c", code], capture_output=True, text=True, timeout=60,
+                              env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": SRC})
+        uid = 65534 if os.geteuid() == 0 else os.getuid()
+        assert proc.stdout.split(" ", 3) == ["True", str(uid), str(home / "venv"), "OSError: [Errno 30] Read-only file system: "
+                                            f"'{home / 'venv'}/x'\n"], proc.stdout + proc.stderr
+    finally:
+        shutil.rmtree(home)
+
+
 # --------------------------------------------------------------------------------------- fail closed
 REFUSED = "unshare refused: unshare: unshare failed: Operation not permitted"
 
