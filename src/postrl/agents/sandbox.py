@@ -248,11 +248,11 @@ def interpreter() -> str:
 
 def _run(code: str, iso: Isolation, *, timeout_s: float, max_output_bytes: int, memory_mb: int, cpu_s: int,
          max_processes: int, max_file_mb: int, max_open_files: int, tmpfs_mb: int) -> SandboxResult:
+    if not iso.namespaces and os.geteuid() == 0:  # refusal() stops this first; a guard for any future caller
+        return SandboxResult("", "sandbox: refusing to run code unisolated as root", None, error="isolation")
     python = interpreter()
     workdir = tempfile.mkdtemp(prefix="postrl-sandbox-")
     try:
-        if iso.drop_to_nobody and not iso.namespaces:  # in the namespaces the code gets a tmpfs of its own there
-            os.chown(workdir, NOBODY, NOBODY)
         code_uid = NOBODY if iso.drop_to_nobody else os.getuid()
         # Real root is exempt from RLIMIT_NPROC, so a limit only binds for an ordinary uid.
         nproc = _tasks_of_uid(code_uid) + max_processes if code_uid != 0 else max_processes
