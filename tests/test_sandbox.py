@@ -1,28 +1,32 @@
-"""The sandbox catalogue: hostile code costs its own call only.
+"""The python tool's sandbox: it fences hostile code wherever the interpreter lives, and fails closed.
 
-Each case runs model-like code with small limits and checks four things: the call returns an
-error result (it never raises), this test process carries on, nothing outside changed, and
-nothing of the run is left running. Cases that only the namespaces can guarantee (no network, no
-writes outside, signals that cannot reach us) skip with the sandbox's own description where
-`unshare` is refused.
+The hostile catalogue (tests/sandbox_catalogue.py: fork bomb, kill(-1), daemons, escapes) runs each
+case as PID 1 of a PID namespace of its own, so that a regression that falls open takes down that
+case only, never this test process or the suite beside it; it runs on the local backend with the
+interpreter where it lies and reached through a symlink in /tmp, and through the sandbox_fusion
+backend. The other tests here run harmless code in-process.
 """
 
 from __future__ import annotations
 
+import json
 import os
-import random
-import socket
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-from postrl.agents import run_python, sandbox_description
+from postrl.agents import call_tool, load_tools, run_python, sandbox_description
 from postrl.agents import sandbox as sandbox_mod
 from postrl.agents.sandbox import BOOT, CallStats, isolation
+from postrl.agents.tools import start_python_tool
+from postrl.errors import UserError
 
-needs_namespaces = pytest.mark.skipif(not isolation().namespaces, reason=sandbox_description())
-SMALL = dict(timeout_s=3.0, memory_mb=256, max_processes=8, max_output_bytes=4096)
+SMALL = dict(timeout_s=10.0, memory_mb=256, max_processes=8, max_output_bytes=4096)
 
 
 def _processes(match) -> list[int]:
@@ -95,155 +99,11 @@ def test_an_exception_is_an_error_result_with_the_traceback():
 
 def test_the_environment_is_empty_and_the_working_directory_fresh():
     code = "import os, json\nprint(json.dumps({'env': sorted(os.environ), 'files': os.listdir('.'), 'cwd': os.getcwd()}))"
-    import json
-
     first, second = (json.loads(run_python(code, **SMALL).stdout) for _ in range(2))
     assert first["env"] == ["HOME", "LANG", "LC_ALL", "PATH", "TMPDIR"]
     assert first["files"] == ["main.py"] and second["files"] == ["main.py"]
     assert first["cwd"] != second["cwd"]
     assert not Path(first["cwd"]).exists(), "the working directory is removed after the call"
-
-
-def test_infinite_loop_is_killed_at_the_time_limit():
-    stats = CallStats()
-    res = run_python("while True:\n    pass", stats=stats, **{**SMALL, "timeout_s": 1.0})
-    assert res.error == "timeout" and res.timed_out and res.killed and res.exit_status is None
-    assert stats.as_metrics() == {"sandbox/success": 0, "sandbox/error": 0, "sandbox/timeout": 1}
-
-
-def test_fork_bomb_hits_the_process_limit():
-    code = "import os\nwhile True:\n    os.fork()"
-    res = run_python(code, **{**SMALL, "timeout_s": 2.0, "max_processes": 8})
-    assert res.error in ("exit", "timeout"), res
-    if res.error == "exit":
-        assert "BlockingIOError" in res.stderr or "Resource temporarily unavailable" in res.stderr
-
-
-def test_memory_bomb_hits_the_address_space_limit():
-    res = run_python("chunks = []\nwhile True:\n    chunks.append(bytearray(16 * 2**20))", **{**SMALL, "memory_mb": 200})
-    assert res.error == "memory" and res.exit_status == 1, res
-    assert "MemoryError" in res.stderr
-
-
-def test_huge_output_is_cut_and_the_writer_stopped():
-    res = run_python("while True:\n    print('x' * 1000)", **{**SMALL, "max_output_bytes": 5000})
-    assert res.error == "output_limit" and res.truncated and res.killed
-    assert len(res.stdout) == 5000 and set(res.stdout) <= {"x", "\n"}
-
-
-def test_a_large_file_hits_the_file_size_limit():
-    res = run_python("open('big', 'wb').write(b'x' * (8 * 2**20))", **{**SMALL, "max_file_mb": 1})
-    assert res.error == "exit" and "File too large" in res.stderr
-
-
-@needs_namespaces
-def test_writing_outside_its_directory_changes_nothing(tmp_path):
-    inside_ours = tmp_path / "escape.txt"  # a path this test owns
-    shared_tmp = Path("/tmp") / f"postrl-escape-{random.getrandbits(64):x}"  # world-writable /tmp
-    code = f"for p in ({str(inside_ours)!r}, {str(shared_tmp)!r}):\n    try:\n        open(p, 'w').write('pwned')\n        print('wrote', p)\n    except OSError as e:\n        print('refused', p, e.strerror)\n"
-    res = run_python(code, **SMALL)
-    assert res.error is None, res
-    assert f"refused {inside_ours}" in res.stdout  # read-only file system (and another uid as root)
-    assert f"wrote {shared_tmp}" in res.stdout  # the sandbox's private /tmp ...
-    assert not inside_ours.exists() and not shared_tmp.exists()  # ... which vanished with it
-    assert list(tmp_path.iterdir()) == []
-
-
-@needs_namespaces
-def test_the_callers_home_is_hidden():
-    import json
-    import sys
-
-    home = os.path.expanduser("~")
-    res = run_python(f"import os, json\nprint(json.dumps(os.listdir({home!r})))", **SMALL)
-    assert res.error is None, res
-    # Only the way to the interpreter (e.g. ~/.pyenv when Python lives there) is bound back in.
-    interpreter = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.executable)}
-    way_in = {Path(p).relative_to(home).parts[0] for p in interpreter if p.startswith(home.rstrip("/") + "/")}
-    assert set(json.loads(res.stdout)) == way_in
-
-
-def test_closing_its_output_does_not_end_the_call_early():
-    res = run_python("import os, time\nos.close(1)\nos.close(2)\ntime.sleep(0.5)\nraise SystemExit(3)", **SMALL)
-    assert (res.error, res.exit_status, res.timed_out) == ("exit", 3, False)
-    res = run_python("import os\nos.close(1)\nos.close(2)\nwhile True:\n    pass", **{**SMALL, "timeout_s": 1.0})
-    assert res.error == "timeout" and res.killed
-
-
-@needs_namespaces
-def test_network_connect_to_a_loopback_server_fails():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
-        server.bind(("127.0.0.1", 0))
-        server.listen(1)
-        server.settimeout(0.2)
-        port = server.getsockname()[1]
-        code = f"import socket\ns = socket.socket()\ns.settimeout(2)\ns.connect(('127.0.0.1', {port}))\nprint('connected')"
-        res = run_python(code, **SMALL)
-        assert res.error == "exit" and "connected" not in res.stdout
-        assert "OSError" in res.stderr or "Error" in res.stderr.splitlines()[-1], res.stderr
-        with pytest.raises(socket.timeout):
-            server.accept()  # nobody knocked
-
-
-def test_killing_its_parent_does_not_kill_the_caller():
-    me = os.getpid()
-    res = run_python("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nprint('still here')", **SMALL)
-    assert os.getpid() == me  # this process carries on
-    assert res.error is not None or res.stdout == "still here\n"  # the kill failed, or hit only the sandbox's init
-
-
-@needs_namespaces
-def test_signalling_every_process_reaches_only_the_sandbox():
-    helper = os.fork()
-    if helper == 0:  # a bystander process outside the sandbox
-        time.sleep(30)
-        os._exit(0)
-    try:
-        res = run_python("import os, signal\nos.kill(-1, signal.SIGKILL)\nprint('sent')", **SMALL)
-        assert res.error in (None, "exit", "signal")
-        assert os.waitpid(helper, os.WNOHANG) == (0, 0), "the bystander must still be alive"
-    finally:
-        os.kill(helper, 9)
-        os.waitpid(helper, 0)
-
-
-def test_a_daemonised_child_does_not_outlive_the_call():
-    marker = f"{50 + random.random() * 9:.9f}"  # /bin/sleep's argument doubles as a unique tag
-    code = (
-        "import os, sys\n"
-        "if os.fork() == 0:\n"
-        "    os.setsid()\n"
-        "    if os.fork() == 0:\n"
-        "        os.closerange(0, 3)\n"
-        f"        os.execv('/bin/sleep', ['sleep', '{marker}'])\n"
-        "    os._exit(0)\n"
-        "print('daemon started')\n"
-    )
-    res = run_python(code, **SMALL)
-    assert res.stdout == "daemon started\n" and res.error is None
-
-    def sleeper(pid: str) -> bool:
-        return _cmdline(pid).strip() == f"sleep {marker}"
-
-    if not isolation().namespaces:  # the group kill cannot reach a child that left the session
-        pytest.skip(f"daemons escape without a PID namespace: {sandbox_description()}")
-    assert _none_left(sleeper), "the daemon is still running"
-
-
-def test_without_namespaces_limits_still_hold(monkeypatch):
-    """The fallback path (unshare refused) still kills at the limit and cuts the output."""
-    monkeypatch.setattr(sandbox_mod, "isolation", lambda: sandbox_mod._fallback("forced by the test"))
-    assert "network NOT isolated (forced by the test)" in sandbox_mod._fallback("forced by the test").description
-    assert run_python("print('hi')", **SMALL).stdout == "hi\n"
-    assert run_python("while True:\n    pass", **{**SMALL, "timeout_s": 1.0}).error == "timeout"
-    res = run_python("while True:\n    print('x' * 1000)", **{**SMALL, "max_output_bytes": 2000})
-    assert res.error == "output_limit" and len(res.stdout) == 2000
-    me = os.getpid()
-    res = run_python("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nprint('still here')", **SMALL)
-    assert os.getpid() == me and res.stdout == "still here\n"  # its parent is the sandbox's own process
-    # A background child that keeps the pipes open does not hold the call until its time limit.
-    res = run_python("import os, time\nif os.fork() == 0:\n    time.sleep(30)\nprint('done')", **{**SMALL, "timeout_s": 20.0})
-    assert res.error is None and res.stdout == "done\n" and res.duration_s < 15
 
 
 def test_the_description_is_one_line_that_says_what_is_isolated():
@@ -252,12 +112,170 @@ def test_the_description_is_one_line_that_says_what_is_isolated():
     assert ("no network (network namespace)" in line) == isolation().namespaces
 
 
+
+
+# ------------------------------------------------------------------------------ the hostile catalogue
+from sandbox_catalogue import CASES  # noqa: E402 - tests/ is on the path (conftest)
+
+CATALOGUE = Path(__file__).with_name("sandbox_catalogue.py")
+SRC = str(Path(sandbox_mod.__file__).parents[2])
+
+
+@pytest.fixture(scope="module")
+def fence() -> list[str]:
+    """The prefix that starts a case as PID 1 of a PID namespace of its own (a user namespace too when not root)."""
+    prefix = [shutil.which("unshare") or "unshare", *([] if os.geteuid() == 0 else ["--map-current-user"]),
+              "--pid", "--fork", "--mount-proc", "--kill-child"]
+    probe = subprocess.run([*prefix, sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, timeout=30)
+    if probe.stdout.strip() != "1":  # never run hostile code without it
+        pytest.skip(f"no PID namespace for the catalogue's cases ({probe.stderr.strip()[-200:]})")
+    if not isolation().namespaces:  # the sandbox refuses every case (tested below): nothing to contain
+        pytest.skip(sandbox_description())
+    return prefix
+
+
+@pytest.fixture(scope="module")
+def interpreter_via_tmp():
+    """This interpreter reached through a symlink in /tmp to its venv (the layout that used to fall open)."""
+    link = Path(tempfile.mkdtemp(prefix="postrl-venv-", dir="/tmp")) / "venv"
+    link.symlink_to(os.path.realpath(sys.prefix))
+    yield str(link / os.path.relpath(sys.executable, sys.prefix))
+    shutil.rmtree(link.parent)
+
+
+@pytest.mark.parametrize("where", ["local", "local-via-tmp", "sandbox_fusion"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_hostile_catalogue_is_contained(case, where, fence, interpreter_via_tmp):
+    python = interpreter_via_tmp if where == "local-via-tmp" else sys.executable
+    backend = "sandbox_fusion" if where == "sandbox_fusion" else "local"
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": f"{SRC}:{CATALOGUE.parent}", "OMP_NUM_THREADS": "1",
+           "HOME": os.path.expanduser("~")}
+    proc = subprocess.run([*fence, python, str(CATALOGUE), backend, case], capture_output=True, text=True, timeout=90, env=env)
+    assert proc.returncode == 0 and f"held: {backend} {case}" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_a_venv_reached_through_tmp_is_isolated(interpreter_via_tmp):
+    """It used to fall open there: covering /tmp hid the interpreter, the probe failed, the code ran as root."""
+    if not isolation().namespaces:
+        pytest.skip(sandbox_description())
+    code = "from postrl.agents.sandbox import isolation, run_python\nprint(isolation().namespaces, run_python('import os; print(os.getuid())').stdout)"
+    proc = subprocess.run([interpreter_via_tmp, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": SRC})
+    assert proc.stdout.split() == ["True", str(65534 if os.geteuid() == 0 else os.getuid())], proc.stderr
+
+
+@pytest.mark.parametrize("scratch", ["/tmp", "/var/tmp", "/dev/shm"])
+def test_a_venv_in_a_scratch_directory_stays_usable_inside(scratch):
+    """A checkout's venv under a directory the sandbox covers with a fresh tmpfs is bound back read-only."""
+    if not isolation().namespaces or not os.path.isdir(scratch):
+        pytest.skip(sandbox_description())
+    home = Path(tempfile.mkdtemp(prefix="postrl-venv-", dir=scratch))
+    try:
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(home / "venv")], check=True, timeout=60)
+        code = ("from postrl.agents.sandbox import isolation, run_python\n"
+                "r = run_python('import os, sys\\nprint(os.getuid(), sys.prefix)\\nopen(sys.prefix + \"/x\", \"w\")')\n"
+                "print(isolation().namespaces, r.stdout.strip(), r.stderr.strip().splitlines()[-1])")
+        proc = subprocess.run([str(home / "venv" / "bin" / "python"), "-c", code], capture_output=True, text=True, timeout=60,
+                              env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": SRC})
+        uid = 65534 if os.geteuid() == 0 else os.getuid()
+        assert proc.stdout.split(" ", 3) == ["True", str(uid), str(home / "venv"), "OSError: [Errno 30] Read-only file system: "
+                                            f"'{home / 'venv'}/x'\n"], proc.stdout + proc.stderr
+    finally:
+        shutil.rmtree(home)
+
+
+# --------------------------------------------------------------------------------------- fail closed
+REFUSED = "unshare refused: unshare: unshare failed: Operation not permitted"
+
+
+@pytest.fixture
+def no_isolation(tmp_path, monkeypatch):
+    """`unshare` refused, as in a container without CAP_SYS_ADMIN: a fake one first on PATH."""
+    fake = tmp_path / "bin" / "unshare"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho 'unshare: unshare failed: Operation not permitted' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    isolation.cache_clear()
+    yield
+    isolation.cache_clear()
+
+
+def test_without_isolation_the_python_tool_runs_nothing_and_says_how_to_fix(no_isolation, tmp_path):
+    marker = tmp_path / "ran"
+    code = f"open({str(marker)!r}, 'w').write('ran')\nprint('ran')"
+    tools = load_tools(["builtin:python"])
+    res = call_tool(tools, "python", {"code": code}, 5)
+    assert not isolation().namespaces and REFUSED in isolation().description
+    assert res.status == "error" and res.text.startswith("the python tool is unavailable: ") and "ran\n" not in res.text
+    assert REFUSED in res.text and "Fix:" in res.text and "backend: sandbox_fusion" in res.text
+    stats = CallStats()
+    direct = run_python(code, stats=stats, **SMALL)
+    assert (direct.error, direct.stdout, direct.exit_status) == ("isolation", "", None)
+    assert stats.as_metrics() == {"sandbox/success": 0, "sandbox/error": 1, "sandbox/timeout": 0}
+    with pytest.raises(UserError, match="cannot isolate it"):
+        start_python_tool({"backend": "local", "require_isolation": True})
+    if os.geteuid() == 0:  # the opt-out is never honoured as root
+        res = run_python(code, require_isolation=False, **SMALL)
+        assert res.error == "isolation" and "never honoured as root" in res.stderr
+        with pytest.raises(UserError, match="never honoured as root"):
+            start_python_tool({"backend": "local", "require_isolation": False})
+    assert not marker.exists()
+    # The remote backend does not need this machine's namespaces.
+    start_python_tool({"backend": "sandbox_fusion", "url": "http://127.0.0.1:9"})
+
+
+@pytest.mark.parametrize("command", ["check-config", "train"])
+def test_without_isolation_check_config_and_train_refuse_builtin_python(no_isolation, tmp_path, command, capsys):
+    from postrl.cli import main
+
+    config = tmp_path / "tool.yaml"
+    config.write_text("model: {path: builtin:tiny-qwen2}\nrollout:\n  multi_turn: {enable: true, tools: ['builtin:python']}\n"
+                      f"logging: {{dir: {tmp_path / 'run'}}}\n")
+    assert main([command, str(config)]) == 2
+    out = " ".join(capsys.readouterr().out.split())
+    assert "rollout.multi_turn.tools: the python tool (builtin:python) runs model-written code" in out
+    assert REFUSED in out and "Fix:" in out and "sandbox_fusion" in out
+    assert not (tmp_path / "run").exists()  # stopped before anything started
+    # The calculator needs no sandbox; the remote backend needs no namespaces here.
+    assert main(["check-config", str(config), "rollout.multi_turn.tools=[builtin:calculator]"]) == 0
+    assert main(["check-config", str(config), "rollout.multi_turn.sandbox.backend=sandbox_fusion",
+                 "rollout.multi_turn.sandbox.url=http://sandbox:8080"]) == 0
+
+
+def test_every_limit_is_read_from_the_yaml_and_reaches_the_sandbox(tmp_path):
+    from postrl.config import load_config
+
+    cfg = load_config(None, ["model.path=builtin:tiny-qwen2", "rollout.multi_turn.enable=true", "rollout.multi_turn.tools=[builtin:python]",
+                             "rollout.multi_turn.sandbox.max_output_bytes=300", "rollout.multi_turn.sandbox.max_file_mb=1",
+                             "rollout.multi_turn.sandbox.memory_mb=200"])
+    tools = load_tools(["builtin:python"], sandbox_limits=cfg.rollout.multi_turn.sandbox.model_dump())
+    assert call_tool(tools, "python", {"code": "print('z' * 500)"}, 5).text.startswith("z" * 300 + "\n[output cut at 300 bytes")
+    res = call_tool(tools, "python", {"code": "open('f', 'wb').write(b'x' * 2**21)"}, 5)
+    assert "File too large" in res.text
+    assert "MemoryError" in call_tool(tools, "python", {"code": "b = bytearray(300 * 2**20)"}, 5).text
+    with pytest.raises(UserError, match="no url names it"):
+        load_config(None, ["model.path=builtin:tiny-qwen2", "rollout.multi_turn.sandbox.backend=sandbox_fusion"])
+
+
 USERNS_SCRIPT = r"""
 import json, os, sys
 from postrl.agents.sandbox import isolation, run_python
 target = sys.argv[1]
-small = dict(timeout_s=3.0, memory_mb=256, max_processes=8)
+small = dict(timeout_s=10.0, memory_mb=256, max_processes=8)
 out = {"uid": os.getuid(), "namespaces": isolation().namespaces, "description": isolation().description}
+if not isolation().namespaces:  # refused; then the opt-out, which an ordinary user may take
+    from postrl.agents.tools import start_python_tool
+    out["refused"] = run_python("print('ran')", **small).stderr
+    said = []
+    start_python_tool({"backend": "local", "require_isolation": False}, said.append)
+    out["said"] = said
+    res = run_python("import os\nprint(os.getuid())", require_isolation=False, **small)
+    out["opted_out"] = [res.error, res.stdout]
+    res = run_python("while True:\n    pass", require_isolation=False, **{**small, "timeout_s": 1.0})
+    out["opted_out_timeout"] = res.error
+    print(json.dumps(out))
+    sys.exit(0)
 res = run_python(f"import os\nprint(os.getuid())\nopen({target!r}, 'w').write('pwned')", **small)
 out["write"] = [res.error, res.stdout, res.stderr.strip().splitlines()[-1] if res.stderr.strip() else ""]
 res = run_python("import os\nwhile True:\n    os.fork()", **{**small, "timeout_s": 2.0})
@@ -272,15 +290,12 @@ print(json.dumps(out))
 
 @pytest.mark.skipif(os.geteuid() != 0 or not Path("/usr/bin/setpriv").exists() or not Path("/usr/bin/python3").exists(),
                     reason="needs root (to become an ordinary uid with setpriv) and /usr/bin/python3 (>= 3.10)")
-def test_an_ordinary_user_gets_the_same_fences_through_a_user_namespace():
+@pytest.mark.parametrize("userns", ["allowed", "refused"])
+def test_an_ordinary_user_gets_the_same_fences_through_a_user_namespace(userns):
     """The path most users take: not root, so `unshare -r` (an unprivileged user namespace) and every
     capability dropped instead of uid 65534. Run as uid 65533 with the system Python (the package's
-    sandbox needs only the standard library)."""
-    import json
-    import shutil
-    import subprocess
-    import tempfile
-
+    sandbox needs only the standard library). Where user namespaces are refused (a fake `unshare`), the
+    refusal names both ways out, and the opt-out runs the code as that uid under the limits."""
     version = subprocess.run(["/usr/bin/python3", "-c", "import sys; print(sys.version_info >= (3, 10))"],
                              capture_output=True, text=True).stdout.strip()
     if version != "True":
@@ -289,14 +304,27 @@ def test_an_ordinary_user_gets_the_same_fences_through_a_user_namespace():
     shared = tempfile.mkdtemp(prefix="postrl-userns-", dir=Path(__file__).parent)
     os.chmod(shared, 0o777)
     target = os.path.join(shared, "escape.txt")
+    path = "/usr/bin:/bin"
+    if userns == "refused":
+        fake = Path(shared) / "bin"  # where uid 65533 can reach it (pytest's tmp_path is private)
+        fake.mkdir()
+        (fake / "unshare").write_text("#!/bin/sh\necho 'unshare: unshare failed: Operation not permitted' >&2\nexit 1\n")
+        (fake / "unshare").chmod(0o755)
+        path = f"{fake}:{path}"
     try:
         proc = subprocess.run(
             ["/usr/bin/setpriv", "--reuid=65533", "--regid=65533", "--clear-groups", "/usr/bin/python3", "-I", "-c",
              f"import sys; sys.path.insert(0, {str(Path(sandbox_mod.__file__).parents[2])!r})\n" + USERNS_SCRIPT, target],
-            capture_output=True, text=True, timeout=120, cwd="/", env={"PATH": "/usr/bin:/bin", "HOME": "/"},
+            capture_output=True, text=True, timeout=120, cwd="/", env={"PATH": path, "HOME": "/"},
         )
         assert proc.returncode == 0, proc.stderr
         out = json.loads(proc.stdout)
+        if userns == "refused":
+            assert not out["namespaces"] and "allow unprivileged user namespaces" in out["refused"], out
+            assert "backend: sandbox_fusion" in out["refused"] and "require_isolation: false" in out["refused"]
+            assert out["opted_out"] == [None, "65533\n"] and out["opted_out_timeout"] == "timeout"
+            assert len(out["said"]) == 1 and out["said"][0].startswith("WARNING: sandbox: NOT isolated (unshare refused")
+            return
         if not out["namespaces"]:
             pytest.skip(out["description"])
         assert out["uid"] == 65533 and out["description"].endswith("no capabilities")

@@ -135,6 +135,43 @@ class DataConfig(Section):
 
 
 # ------------------------------------------------------------------------------------------- rollout
+class SandboxConfig(Section):
+    """Where and under which limits builtin:python runs model-written code (docs/agents.md, "Tools and the sandbox").
+    Its time limit is rollout.multi_turn.tool_timeout_s."""
+
+    backend: Literal["local", "sandbox_fusion"] = Field(
+        "local", description="local: a fenced process tree on this machine (namespaces); sandbox_fusion: POST the code "
+        "to a SandboxFusion service at `url` (for clusters where namespaces are refused).",
+    )  # fmt: skip
+    url: str | None = Field(None, description="sandbox_fusion: the service's base URL, e.g. http://sandbox:8080.")
+    require_isolation: bool = Field(
+        True, description="local: refuse to run code where network, file-system and PID isolation is unavailable. "
+        "false runs it with rlimits only (never as root), with a warning at every run.",
+    )  # fmt: skip
+    memory_mb: int = Field(1024, ge=16, description="Address-space limit of the code (sandbox_fusion: memory_limit_MB).")
+    cpu_s: int | None = Field(None, ge=1, description="local: CPU-time limit; default the tool's time limit rounded up + 1 s.")
+    max_processes: int = Field(16, ge=1, description="local: processes and threads the code may start.")
+    max_file_mb: int = Field(16, ge=0, description="local: largest file the code may write.")
+    max_open_files: int = Field(64, ge=8, description="local: open file descriptors of the code.")
+    max_output_bytes: int = Field(16_384, ge=1, description="stdout and stderr kept per call, each; past it the run is cut.")
+    tmpfs_mb: int = Field(64, ge=1, description="local: size of each private scratch space (/tmp, the working directory).")
+    concurrency: int = Field(8, ge=1, description="sandbox_fusion: requests in flight at once from this process.")
+    retries: int = Field(3, ge=0, description="sandbox_fusion: retries on connection errors and 429/502/503 answers.")
+    connect_timeout_s: float = Field(5.0, gt=0, description="sandbox_fusion: time limit to connect to the service.")
+    request_slack_s: float = Field(
+        10.0, ge=0, description="sandbox_fusion: time allowed beyond the run's own limit for queueing and transfer.",
+    )  # fmt: skip
+
+    @model_validator(mode="after")
+    def _needs_url(self) -> "SandboxConfig":
+        if self.backend == "sandbox_fusion" and not self.url:
+            raise ValueError(
+                "backend sandbox_fusion sends the code to a SandboxFusion service, and no url names it. "
+                "Fix: set rollout.multi_turn.sandbox.url, e.g. http://sandbox-host:8080 (docs/agents.md)."
+            )
+        return self
+
+
 class MultiTurnConfig(Section):
     """The agent loop (docs/agents.md): the model calls tools and talks to an environment between its turns.
 
@@ -169,6 +206,7 @@ class MultiTurnConfig(Section):
         description="A tool's output is cut to this many tokens before it is shown to the model (verl: max_tool_response_length).",
     )  # fmt: skip
     tool_workers: int = Field(8, ge=1, description="Tool calls run concurrently across trajectories on this many threads.")
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig, description="builtin:python's backend and limits.")
     interaction: str | None = Field(
         None,
         description="Environment 'package.module:Class' with reset(row) and step(assistant_text) -> (observation, "
@@ -1216,8 +1254,19 @@ def agent_problems(cfg: Config) -> list[str]:
 
 def environment_problems(cfg: Config) -> list[str]:
     """What this machine lacks for the run: missing input paths and models, uninstalled sink packages, tools and
-    environments that do not import."""
-    return path_problems(cfg) + cfg.logging.missing_packages() + agent_problems(cfg)
+    environments that do not import, isolation for builtin:python."""
+    return path_problems(cfg) + cfg.logging.missing_packages() + agent_problems(cfg) + sandbox_problems(cfg)
+
+
+def sandbox_problems(cfg: Config) -> list[str]:
+    """builtin:python on the local backend where this machine cannot isolate it (postrl.agents.sandbox.refusal)."""
+    mt = cfg.rollout.multi_turn
+    if not mt.enable or "builtin:python" not in mt.tools or mt.sandbox.backend != "local":
+        return []
+    from postrl.agents.sandbox import refusal
+
+    why = refusal(mt.sandbox.require_isolation)
+    return [f"rollout.multi_turn.tools: {why}"] if why else []
 
 
 def dump_config(cfg: Config) -> str:

@@ -10,8 +10,9 @@ namespace. It then, in order:
 2. mounts fresh size-limited tmpfs on /tmp, /var/tmp, /dev/shm and on the working directory (the
    code's only writable places, gone with the namespace),
 3. hides the home directories (and, as real root, any private ancestor of the interpreter such as
-   /root, so that the unprivileged uid it drops to can run it) under empty tmpfs, with the
-   interpreter's own trees bound back in read-only,
+   /root, so that the unprivileged uid it drops to can run it) under empty tmpfs; the interpreter's
+   own trees (its venv, its base prefix) that lay under any directory of steps 2-3 (a venv in /tmp,
+   /dev/shm, a home directory, /root) are bound back in read-only at their own paths,
 4. forks the code's process: drops to uid/gid 65534 (real root) or drops every capability (user
    namespace), sets no_new_privs and the rlimits, and execs `python -I main.py`,
 5. waits for it as init and exits with its status. When PID 1 exits the kernel kills every process
@@ -62,14 +63,9 @@ def _mount_points():
 
 
 def _remount_read_only():
-    # statvfs flags that a bind remount must keep: in a user namespace, dropping a locked flag is EPERM.
-    keep = {os.ST_NOSUID: MS_NOSUID, os.ST_NODEV: MS_NODEV, os.ST_NOEXEC: MS_NOEXEC,
-            os.ST_NOATIME: MS_NOATIME, os.ST_NODIRATIME: MS_NODIRATIME, os.ST_RELATIME: MS_RELATIME}
     for point in _mount_points():
         try:
-            have = os.statvfs(point).f_flag
-            flags = MS_REMOUNT | MS_BIND | MS_RDONLY | sum(ms for st, ms in keep.items() if have & st)
-            _mount(None, point, None, flags)
+            _mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | _locked_flags(point))
         except OSError as exc:
             if point == "/":
                 raise
@@ -93,20 +89,31 @@ def _under(path, directory):
     return path == directory or path.startswith(directory.rstrip("/") + "/")
 
 
-def _cover(dirs, keep):
-    """Hide each of `dirs` under an empty tmpfs, then bind back, read-only and at their own paths,
-    the trees of `keep` (the interpreter's) that lay under one of them."""
-    keep = sorted({os.path.realpath(p) for p in keep})
-    dirs = {os.path.realpath(d) for d in dirs if os.path.isdir(d)}
-    dirs = {d for d in dirs if d != "/" and not any(_under(d, p) for p in keep)}  # never inside the interpreter
-    dirs = sorted(d for d in dirs if not any(_under(d, o) and d != o for o in dirs))  # the outermost only
-    fds = [(p, os.open(p, os.O_PATH)) for p in keep if any(_under(p, d) for d in dirs)]
+def _locked_flags(path):
+    """The flags of the mount at `path` that a bind remount must keep (in a user namespace, dropping one is EPERM)."""
+    keep = {os.ST_NOSUID: MS_NOSUID, os.ST_NODEV: MS_NODEV, os.ST_NOEXEC: MS_NOEXEC,
+            os.ST_NOATIME: MS_NOATIME, os.ST_NODIRATIME: MS_NODIRATIME, os.ST_RELATIME: MS_RELATIME}
+    have = os.statvfs(path).f_flag
+    return sum(ms for st, ms in keep.items() if have & st)
+
+
+def _cover(covers, keep):
+    """Mount a fresh tmpfs on each directory of `covers` ({path: tmpfs options}), then bind back, read-only
+    and at their own paths, the trees of `keep` (the interpreter's) that lay under one of them: a venv in
+    /tmp or a home directory stays usable while everything else there is hidden."""
+    keep = {os.path.realpath(p) for p in keep if os.path.exists(p)}
+    keep = sorted(p for p in keep if not any(_under(p, o) and p != o for o in keep))  # the outermost only
+    covers = {os.path.realpath(d): o for d, o in covers.items() if os.path.isdir(d)}
+    covers = {d: o for d, o in covers.items() if d != "/" and not any(_under(d, p) for p in keep)}  # never inside it
+    dirs = sorted(d for d in covers if not any(_under(d, o) and d != o for o in covers))  # the outermost only
+    # Opened before anything is covered: the bind sources must be the real trees, not the fresh tmpfs.
+    fds = [(p, os.open(p, os.O_PATH), _locked_flags(p)) for p in keep if any(_under(p, d) for d in dirs)]
     for d in dirs:
-        _mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=64k")
-    for p, fd in fds:
+        _mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, covers[d])
+    for p, fd, locked in fds:
         os.makedirs(p, exist_ok=True)
         _mount(f"/proc/self/fd/{fd}", p, None, MS_BIND | MS_REC)
-        _mount(None, p, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+        _mount(None, p, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | locked)
         os.close(fd)
 
 
@@ -129,14 +136,13 @@ def _isolate(s):
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
     _remount_read_only()
     size = f"size={s['tmpfs_mb']}m,nr_inodes=4096"
-    for scratch in ("/tmp", "/var/tmp", "/dev/shm"):
-        if os.path.isdir(scratch):
-            _mount("tmpfs", scratch, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,{size}")
-    interpreter = [sys.prefix, sys.base_prefix, os.path.dirname(s["python"]), os.path.dirname(os.path.realpath(s["python"]))]
+    covers = {d: f"mode=1777,{size}" for d in ("/tmp", "/var/tmp", "/dev/shm")}  # private scratch space
     hide = list(s["hide"])  # home directories: keys, tokens, caches
+    interpreter = [sys.prefix, sys.base_prefix, os.path.dirname(s["python"]), os.path.dirname(os.path.realpath(s["python"]))]
     if s["drop_to_nobody"]:  # uid 65534 must reach the interpreter: cover private ancestors such as /root
         hide += [b for p in interpreter if (b := _blocking_ancestor(os.path.realpath(p))) is not None]
-    _cover(hide, interpreter)
+    covers.update({d: "mode=0755,size=64k" for d in hide if d not in covers})
+    _cover(covers, interpreter)
     os.makedirs(s["workdir"], exist_ok=True)
     owner = f",uid={NOBODY},gid={NOBODY}" if s["drop_to_nobody"] else ""
     _mount("tmpfs", s["workdir"], "tmpfs", MS_NOSUID | MS_NODEV, f"mode=0700,{size}{owner}")

@@ -84,12 +84,14 @@ class AgentLoop:
     takes_rows = True  # generate(..., rows=) resets the environments (`generate_for`)
 
     def __init__(self, engine: Any, tokenizer: Any, cfg: "MultiTurnConfig", model: Any = None, log: Any = None):
-        from postrl.agents.tools import load_tools
+        from postrl.agents.tools import load_tools, start_python_tool
 
         self.engine, self.tokenizer, self.cfg = engine, tokenizer, cfg
         self.name = engine.name
         self.capabilities = engine.capabilities  # what the wrapped engine can do is what the loop can
-        self.tools = load_tools(list(cfg.tools))
+        self.tools = load_tools(list(cfg.tools), sandbox_limits=cfg.sandbox.model_dump())
+        if "python" in self.tools:
+            start_python_tool(self.tools["python"].sandbox_limits, log)  # refuses where the code cannot be fenced
         self.env_cls = load_environment(cfg.interaction) if cfg.interaction else None
         self.env_calls = EnvCalls(cfg.interaction or "")
         self.renderer = TurnRenderer(tokenizer)
@@ -102,10 +104,6 @@ class AgentLoop:
         self._pool = ThreadPoolExecutor(max_workers=cfg.tool_workers, thread_name_prefix="postrl-tool") if self.tools else None
         self.stats: dict[str, float] = {}
         self.reset_stats()
-        if "python" in self.tools and log is not None:
-            from postrl.agents.sandbox import sandbox_description
-
-            log(sandbox_description())  # once, at start: what the sandbox isolates on this machine
 
     # ------------------------------------------------------------------ the engine protocol
     def sync_weights(self, model: "torch.nn.Module") -> None:

@@ -15,8 +15,13 @@ Where the kernel allows it, the run also gets new network, PID and mount namespa
 - no privileges: as root, the code runs as uid 65534 (so RLIMIT_NPROC binds); in a user namespace,
   with every capability dropped; no_new_privs in both.
 Whether that works is checked once per process (`isolation()`), cached, and described in one line
-(`sandbox_description()`) that the trainer prints at start. Where `unshare` is refused, runs still
-get the rlimits, the session and the group kill, and the description says what is NOT isolated.
+(`sandbox_description()`) that the trainer prints at start.
+
+It fails closed. Where `unshare` is refused, `run_python` executes nothing and returns an
+"isolation" error whose text says why and how to fix it (`refusal()`; the config check and the
+agent loop refuse a run with builtin:python at start with the same text). Only an ordinary user may
+opt out (`require_isolation=False`, rollout.multi_turn.sandbox.require_isolation): the code then
+gets the rlimits, the session and the group kill only, with a warning; as root, never.
 docs/agents.md ("Tools and the sandbox") lists every limit and its default.
 """
 
@@ -28,7 +33,6 @@ import os
 import selectors
 import shutil
 import signal
-import stat
 import subprocess
 import sys
 import tempfile
@@ -54,7 +58,8 @@ class SandboxResult:
     exception), "memory" (MemoryError: the address-space limit), "signal" (killed by a signal, e.g.
     SIGXCPU at the CPU-time limit), "timeout" (wall-clock limit, the group was killed),
     "output_limit" (more than max_output_bytes of output, the group was killed), "setup" (the
-    sandbox itself could not start; see stderr).
+    sandbox itself could not start; see stderr), "isolation" (refused: this machine cannot isolate
+    the code; nothing ran; stderr says how to fix it).
     """
 
     stdout: str
@@ -102,6 +107,7 @@ class Isolation:
     unshare_cmd: tuple[str, ...]  # the unshare prefix (empty when not used)
     drop_to_nobody: bool  # running as real root: the code runs as uid 65534
     description: str
+    why: str = ""  # why the namespaces are unavailable (empty when they work)
 
 
 def _unshare_cmd() -> tuple[str, ...] | None:
@@ -132,21 +138,48 @@ def isolation() -> Isolation:
     return _fallback(f"unshare refused: {why}")
 
 
-def _reachable_by_others(path: str) -> bool:
-    """Whether a uid other than the owner may traverse to `path` (every ancestor directory o+x)."""
-    current = Path(os.path.realpath(path))
-    return all(os.stat(d).st_mode & stat.S_IXOTH for d in [*reversed(current.parents), current] if d.is_dir())
-
-
 def _fallback(why: str) -> Isolation:
-    """No namespaces: rlimits, a session and the group kill only; as root, still leave root when possible."""
-    if os.geteuid() != 0:
-        who = "code runs as your uid"
-        drop = False
+    """No namespaces: nothing runs unless an ordinary user opted out of isolation (`refusal`)."""
+    return Isolation(False, (), False, f"sandbox: NOT isolated ({why}): no network, file-system or PID isolation; "
+                                       "code runs as your uid with rlimits only", why)
+
+
+def refusal(require_isolation: bool = True, iso: Isolation | None = None) -> str | None:
+    """Why the python tool may not run on this machine (what, why, how to fix), or None when it may."""
+    iso = iso or isolation()
+    if iso.namespaces:
+        return None
+    root = os.geteuid() == 0
+    if not require_isolation and not root:
+        return None
+    what = (f"the python tool (builtin:python) runs model-written code, and this machine cannot isolate it "
+            f"({iso.why}). ")
+    remote = ("send the code to a SandboxFusion service instead: rollout.multi_turn.sandbox.backend: sandbox_fusion "
+              "with rollout.multi_turn.sandbox.url (docs/agents.md, 'Tools and the sandbox')")
+    if root:
+        if not require_isolation:
+            what += ("rollout.multi_turn.sandbox.require_isolation: false is never honoured as root: the code would run "
+                     "as root, with every right over this machine (its credentials, checkpoints, processes). ")
+        else:
+            what += ("Unisolated, the code would run as root, with every right over this machine (its credentials, "
+                     "checkpoints, processes and network), so postrl refuses. ")
+        fix = ("Fix: give the container what `unshare` needs (docker run --cap-add SYS_ADMIN --security-opt "
+               "seccomp=unconfined --security-opt apparmor=unconfined, or CAP_SYS_ADMIN in the pod's securityContext), "
+               f"or {remote}.")
     else:
-        drop = all(_reachable_by_others(p) for p in (sys.executable, sys.prefix, sys.base_prefix))
-        who = "code runs as uid 65534" if drop else "code runs as ROOT (the interpreter is not reachable for uid 65534)"
-    return Isolation(False, (), drop, f"sandbox: network NOT isolated ({why}); no file-system or PID isolation, {who}; rlimits apply")
+        what += ("Unisolated, the code would run with your rights over this machine (your files, keys, processes and "
+                 "network), so postrl refuses. ")
+        fix = ("Fix: allow unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1 where that key exists; "
+               "user.max_user_namespaces > 0; on Ubuntu 24.04 kernel.apparmor_restrict_unprivileged_userns=0 or an "
+               f"AppArmor profile for the interpreter), or {remote}; or, on a machine you are willing to expose, set "
+               "rollout.multi_turn.sandbox.require_isolation: false.")
+    return what + fix
+
+
+def unisolated_warning() -> str:
+    """The warning printed at the start of every run that opted out of isolation."""
+    return (f"WARNING: {isolation().description}. rollout.multi_turn.sandbox.require_isolation is false: model-written "
+            "code runs with your rights over this machine (files, keys, processes, network).")
 
 
 def sandbox_description() -> str:
@@ -165,13 +198,20 @@ def run_python(
     max_file_mb: int = 16,
     max_open_files: int = 64,
     tmpfs_mb: int = 64,
+    require_isolation: bool = True,
     stats: CallStats | None = None,
 ) -> SandboxResult:
     """Run `code` in the sandbox (limits: docs/agents.md). Never raises for anything the code does.
 
     `cpu_s` defaults to the wall-clock limit rounded up plus one second; `max_processes` counts the
     code's own processes and threads (added to what its uid already runs, as RLIMIT_NPROC counts per uid).
+    Without isolation nothing runs (error "isolation"), unless `require_isolation=False` and not root.
     """
+    refused = refusal(require_isolation)
+    if refused is not None:
+        if stats is not None:
+            stats.record("error")
+        return SandboxResult("", refused, None, error="isolation")
     try:
         res = _run(code, isolation(), timeout_s=timeout_s, max_output_bytes=max_output_bytes, memory_mb=memory_mb,
                    cpu_s=cpu_s if cpu_s is not None else math.ceil(timeout_s) + 1, max_processes=max_processes,
@@ -199,12 +239,20 @@ def _tasks_of_uid(uid: int) -> int:
     return total
 
 
+def interpreter() -> str:
+    """This interpreter by its real directory: a venv reached through a symlink (/tmp/x -> ~/venv) is named
+    where it lies, so that the sandbox can bind it back; the file name is kept (a venv's bin/python is
+    itself a link to the base interpreter, and following it would lose the venv)."""
+    return os.path.join(os.path.realpath(os.path.dirname(sys.executable)), os.path.basename(sys.executable))
+
+
 def _run(code: str, iso: Isolation, *, timeout_s: float, max_output_bytes: int, memory_mb: int, cpu_s: int,
          max_processes: int, max_file_mb: int, max_open_files: int, tmpfs_mb: int) -> SandboxResult:
+    if not iso.namespaces and os.geteuid() == 0:  # refusal() stops this first; a guard for any future caller
+        return SandboxResult("", "sandbox: refusing to run code unisolated as root", None, error="isolation")
+    python = interpreter()
     workdir = tempfile.mkdtemp(prefix="postrl-sandbox-")
     try:
-        if iso.drop_to_nobody and not iso.namespaces:  # in the namespaces the code gets a tmpfs of its own there
-            os.chown(workdir, NOBODY, NOBODY)
         code_uid = NOBODY if iso.drop_to_nobody else os.getuid()
         # Real root is exempt from RLIMIT_NPROC, so a limit only binds for an ordinary uid.
         nproc = _tasks_of_uid(code_uid) + max_processes if code_uid != 0 else max_processes
@@ -213,7 +261,7 @@ def _run(code: str, iso: Isolation, *, timeout_s: float, max_output_bytes: int, 
             "drop_to_nobody": iso.drop_to_nobody,
             "workdir": workdir,
             "hide": sorted({h for h in (os.path.expanduser("~"), "/root") if h.startswith("/")}),
-            "python": sys.executable,
+            "python": python,
             "env": {"PATH": SAFE_PATH, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir},
             "cpu_s": int(cpu_s),
             "memory_mb": int(memory_mb),
@@ -222,7 +270,7 @@ def _run(code: str, iso: Isolation, *, timeout_s: float, max_output_bytes: int, 
             "nproc": int(nproc),
             "tmpfs_mb": int(tmpfs_mb),
         }
-        argv = [*iso.unshare_cmd, sys.executable, "-I", str(BOOT), json.dumps(settings)]
+        argv = [*iso.unshare_cmd, python, "-I", str(BOOT), json.dumps(settings)]
         return _supervise(argv, code.encode("utf-8", "replace"), workdir, timeout_s, max_output_bytes)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

@@ -28,7 +28,15 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
-from postrl.agents.sandbox import CallStats, run_python
+from postrl.agents.sandbox import (
+    CallStats,
+    SandboxResult,
+    isolation,
+    refusal,
+    run_python,
+    sandbox_description,
+    unisolated_warning,
+)
 from postrl.errors import UserError
 from postrl.utils import import_named
 
@@ -62,19 +70,56 @@ class Tool:
 # ---------------------------------------------------------------------------------------- built-ins
 
 
+# The python tool's settings (rollout.multi_turn.sandbox), by the backend that reads them.
+LOCAL_KEYS = ("max_output_bytes", "memory_mb", "cpu_s", "max_processes", "max_file_mb", "max_open_files", "tmpfs_mb",
+              "require_isolation")
+REMOTE_KEYS = ("url", "max_output_bytes", "memory_mb", "concurrency", "retries", "connect_timeout_s", "request_slack_s")
+SANDBOX_LIMITS = ("backend", *dict.fromkeys(LOCAL_KEYS + REMOTE_KEYS))
+
+
+def run_sandboxed(code: str, timeout_s: float, settings: dict | None = None) -> SandboxResult:
+    """Run `code` on the backend `settings["backend"]` names (local, sandbox_fusion): the same result either way."""
+    settings = dict(settings or {})
+    if settings.pop("backend", "local") == "sandbox_fusion":
+        from postrl.agents.sandbox_fusion import run_remote
+
+        return run_remote(code, timeout_s=timeout_s, **{k: v for k, v in settings.items() if k in REMOTE_KEYS})
+    return run_python(code, timeout_s=timeout_s, **{k: v for k, v in settings.items() if k in LOCAL_KEYS})
+
+
+def start_python_tool(settings: dict, say: Callable[[str], Any] | None = None) -> None:
+    """At the start of a run with builtin:python: a UserError where its code cannot be fenced (what, why, fix);
+    else one line on how it is fenced, through `say` (and a warning to the log at every run that is not fenced)."""
+    if settings.get("backend", "local") == "sandbox_fusion":
+        line = f"sandbox: the python tool's code runs on the SandboxFusion service at {settings.get('url')} (its isolation)"
+    else:
+        why = refusal(settings.get("require_isolation", True))
+        if why is not None:
+            raise UserError(why)
+        line = sandbox_description()
+        if not isolation().namespaces:
+            line = unisolated_warning()
+            log.warning(line)
+    if say is not None:
+        say(line)
+
+
 def python(code: str, timeout_s: float = 10.0, limits: dict | None = None) -> ToolResult:
     """Run Python code in a sandbox and return what it prints. No network; files written vanish after the call.
 
     Args:
         code: A complete Python program. Print the values you want to see.
         timeout_s: The wall-clock limit (set by the agent loop, not shown to the model).
-        limits: Other sandbox limits, run_python's keywords (set by the loop, not shown to the model).
+        limits: The sandbox's backend and limits, rollout.multi_turn.sandbox (set by the loop, not shown to the model).
     """
-    res = run_python(code, timeout_s=timeout_s, **(limits or {}))
+    res = run_sandboxed(code, timeout_s, limits)
     if res.error is None:
         return ToolResult(res.stdout, "ok")
     if res.error == "timeout":
         return ToolResult(f"{res.stdout}\n[timed out after {timeout_s:g} s]".lstrip("\n"), "timeout")
+    if res.error == "isolation":  # nothing ran: the machine cannot fence it
+        log.error("the python tool refused to run code: %s", res.stderr)
+        return ToolResult(f"the python tool is unavailable: {res.stderr}", "error")
     if res.error == "setup":  # our fault, not the model's: say so plainly
         log.warning("the python tool's sandbox failed to start: %s", res.stderr.strip()[-300:])
     return ToolResult("\n".join(s for s in (res.stdout, res.stderr.strip()) if s), "error")
@@ -227,19 +272,17 @@ def load_tool(spec: str, sandbox_limits: dict | None = None) -> Tool:
     return Tool(schema["function"]["name"], schema, fn, spec)
 
 
-SANDBOX_LIMITS = ("max_output_bytes", "memory_mb", "cpu_s", "max_processes", "max_file_mb", "max_open_files", "tmpfs_mb")
-
-
 def load_tools(specs: list[str], *, sandbox_limits: dict | None = None) -> dict[str, Tool]:
     """Tools by the name the model calls them (the function's name; 'python', 'calculator' for built-ins).
 
-    `sandbox_limits` overrides run_python's defaults for builtin:python (the time limit is call_tool's).
+    `sandbox_limits` (rollout.multi_turn.sandbox: backend, url, limits) sets builtin:python's sandbox; its time
+    limit is call_tool's.
     """
     unknown = sorted(set(sandbox_limits or {}) - set(SANDBOX_LIMITS))
     if unknown:
         raise UserError(
             f"unknown sandbox limit(s) {', '.join(unknown)}. The python tool's sandbox takes: {', '.join(SANDBOX_LIMITS)} "
-            "(its time limit is the tool call's timeout). Fix: remove or rename them."
+            "(its time limit is the tool call's timeout). Fix: remove or rename them (rollout.multi_turn.sandbox)."
         )
     tools: dict[str, Tool] = {}
     for spec in specs:

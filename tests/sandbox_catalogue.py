@@ -1,0 +1,206 @@
+"""The hostile catalogue: model-like code that tries to escape, exhaust or outlive the python tool's sandbox.
+
+`python sandbox_catalogue.py <backend> <case>` runs one case through `postrl.agents.tools.run_sandboxed`
+(backend local, or sandbox_fusion through tests/sandbox_fusion_server.py on 127.0.0.1) and exits 0 when
+it held: the call returned a result, nothing outside changed, and nothing of the run is left running.
+test_sandbox.py starts each case as PID 1 of a PID namespace of its own (`unshare --pid --fork
+--mount-proc`), so that a regression that falls open (kill(-1), a fork bomb) takes down that case only;
+the runner refuses to run anywhere else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from postrl.agents.tools import run_sandboxed
+
+SMALL = dict(timeout_s=10.0, memory_mb=256, max_processes=8, max_output_bytes=4096)
+CASES = {}
+
+
+def case(fn):
+    CASES[fn.__name__] = fn
+    return fn
+
+
+@case
+def infinite_loop(run):
+    res = run("while True:\n    pass", timeout_s=1.0)
+    assert res.error == "timeout" and res.timed_out and res.exit_status is None, res
+
+
+@case
+def fork_bomb(run):
+    res = run("import os\nwhile True:\n    os.fork()", timeout_s=2.0, max_processes=8)
+    assert res.error in ("exit", "timeout"), res
+    if res.error == "exit":
+        assert "BlockingIOError" in res.stderr or "Resource temporarily unavailable" in res.stderr, res
+
+
+@case
+def memory_bomb(run):
+    res = run("chunks = []\nwhile True:\n    chunks.append(bytearray(16 * 2**20))", memory_mb=200)
+    assert res.error == "memory" and res.exit_status == 1 and "MemoryError" in res.stderr, res
+
+
+@case
+def huge_output(run):
+    res = run("while True:\n    print('x' * 1000)", max_output_bytes=5000)
+    assert res.error == "output_limit" and res.truncated and res.killed, res
+    assert len(res.stdout) == 5000 and set(res.stdout) <= {"x", "\n"}
+
+
+@case
+def large_file(run):
+    res = run("open('big', 'wb').write(b'x' * (32 * 2**20))", max_file_mb=1)  # past the remote default (16) too
+    assert res.error == "exit" and "File too large" in res.stderr, res
+
+
+@case
+def write_outside(run):
+    ours = Path(tempfile.mkdtemp(dir=Path(__file__).parent, prefix="postrl-escape-"))  # outside /tmp: only read-only stops it
+    os.chmod(ours, 0o777)
+    shared = Path("/tmp") / f"postrl-escape-{random.getrandbits(64):x}"  # world-writable /tmp
+    try:
+        code = (f"for p in ({str(ours / 'x')!r}, {str(shared)!r}):\n    try:\n        open(p, 'w').write('pwned')\n"
+                "        print('wrote', p)\n    except OSError as e:\n        print('refused', p, e.strerror)\n")
+        res = run(code)
+        assert res.error is None, res
+        assert f"refused {ours / 'x'}" in res.stdout and f"wrote {shared}" in res.stdout  # its own private /tmp ...
+        assert list(ours.iterdir()) == [] and not shared.exists()  # ... which vanished with it
+    finally:
+        shutil.rmtree(ours)
+
+
+@case
+def runs_unprivileged(run):
+    res = run("import os\nprint(os.getuid(), os.geteuid())\nprint(open('/proc/self/status').read())")
+    assert res.error is None, res
+    uid, euid = map(int, res.stdout.split("\n")[0].split())
+    caps = {line.split(":")[0]: int(line.split()[1], 16) for line in res.stdout.splitlines() if line.startswith("Cap")}
+    assert (uid, euid) != (0, 0) or caps["CapEff"] == caps["CapBnd"] == 0, res.stdout  # no root's rights
+    assert caps["CapEff"] == 0, caps
+
+
+@case
+def homes_hidden(run):
+    interpreter = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.executable)}
+    code = ("import os, json\nfor d in ('/root', os.path.expanduser('~')):\n    try:\n        print(json.dumps([d, os.listdir(d)]))\n"
+            "    except OSError:\n        print(json.dumps([d, None]))\n").replace("os.path.expanduser('~')", repr(os.path.expanduser("~")))
+    res = run(code)
+    assert res.error is None, res
+    for line in res.stdout.splitlines():  # empty, but for the way to the interpreter (e.g. /root/.pyenv), bound back
+        d, entries = json.loads(line)
+        if d == "/":  # HOME=/: no home directory to hide
+            continue
+        way_in = {Path(p).relative_to(d).parts[0] for p in interpreter if p.startswith(d.rstrip("/") + "/")}
+        assert entries is None or set(entries) == way_in, (d, entries, way_in)
+
+
+@case
+def closes_its_output(run):
+    res = run("import os, time\nos.close(1)\nos.close(2)\ntime.sleep(0.5)\nraise SystemExit(3)")
+    assert (res.error, res.exit_status, res.timed_out) == ("exit", 3, False), res
+    res = run("import os\nos.close(1)\nos.close(2)\nwhile True:\n    pass", timeout_s=1.0)
+    assert res.error == "timeout", res
+
+
+@case
+def network(run):
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        server.settimeout(0.2)
+        code = f"import socket\ns = socket.socket()\ns.settimeout(2)\ns.connect(('127.0.0.1', {server.getsockname()[1]}))\nprint('connected')"
+        res = run(code)
+        assert res.error == "exit" and "connected" not in res.stdout and "Error" in res.stderr, res
+        try:
+            server.accept()
+            raise AssertionError("the sandbox reached a loopback server")
+        except socket.timeout:
+            pass
+
+
+@case
+def kills_its_parent(run):
+    res = run("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nprint('still here')")
+    assert res.error is not None or res.stdout == "still here\n", res  # the kill failed, or hit only the sandbox's init
+
+
+@case
+def kills_every_process(run):
+    res = run("import os, signal\nos.kill(-1, signal.SIGKILL)\nprint('sent')")
+    assert res.error in (None, "exit", "signal"), res
+
+
+@case
+def daemon(run):
+    marker = f"{50 + random.random() * 9:.9f}"  # /bin/sleep's argument doubles as a unique tag
+    code = ("import os\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        os.closerange(0, 3)\n"
+            f"        os.execv('/bin/sleep', ['sleep', '{marker}'])\n    os._exit(0)\nprint('daemon started')\n")
+    res = run(code)
+    assert res.stdout == "daemon started\n" and res.error is None, res
+
+
+def _others() -> list[int]:
+    """Live processes of this PID namespace other than this one (the bystander aside)."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                with open(f"/proc/{entry.name}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                        found.append(int(entry.name))
+            except (OSError, IndexError):
+                continue
+    return found
+
+
+def main(backend: str, name: str) -> int:
+    if os.getpid() != 1:
+        sys.stderr.write("refused: run the catalogue as PID 1 of a PID namespace of its own (unshare --pid --fork --mount-proc)\n")
+        return 3
+    bystander = os.fork()
+    if bystander == 0:  # a process outside the sandbox that no case may reach
+        time.sleep(120)
+        os._exit(0)
+    server = None
+    settings = {"backend": backend}
+    if backend == "sandbox_fusion":
+        from sandbox_fusion_server import FakeSandboxFusion
+
+        server = FakeSandboxFusion().__enter__()
+        settings["url"] = server.url
+
+    def run(code, **limits):
+        limits = {**SMALL, **limits}
+        return run_sandboxed(code, limits.pop("timeout_s"), {**settings, **limits})
+
+    try:
+        CASES[name](run)
+    finally:
+        if server is not None:
+            server.__exit__()
+        alive = os.waitpid(bystander, os.WNOHANG) == (0, 0)
+        if alive:
+            os.kill(bystander, 9)
+            os.waitpid(bystander, 0)
+    assert alive, "the bystander outside the sandbox was killed"
+    deadline = time.monotonic() + 5  # the kernel reaps a dead namespace's processes asynchronously
+    while _others() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _others(), f"left running: {[open(f'/proc/{p}/cmdline').read() for p in _others()]}"
+    print(f"held: {backend} {name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:3]))
