@@ -14,7 +14,7 @@ from postrl.config import build_config, load_config
 from postrl.guides import _flatten, convert_file, convert_verl, read_verl_overrides, render_yaml
 
 INPUTS = Path(__file__).resolve().parent / "guides_inputs"
-GUIDES = sorted(INPUTS.iterdir())
+GUIDES = sorted(p for p in INPUTS.iterdir() if p.is_file())  # the seeds/ snippets: tests/test_guides_seeds.py
 
 
 def _source_keys(path: Path) -> set[str]:

@@ -219,7 +219,7 @@ def combinations(got: dict, src: dict, conv: Conversion, combine: Callable, reta
             if m.source == src.get("clip_ratio"):
                 m.targets = {k: v for k, v in m.targets.items() if k not in clip}
             if m.source in (src.get("clip_ratio_low"), src.get("clip_ratio_high")):
-                m.targets = {f"algorithm.{m.source.rsplit('.', 1)[1]}": m.value}
+                m.targets = {f"algorithm.{m.source.rsplit('.', 1)[-1]}": m.value}
     if "filter_groups_train_batch_size" in got and _bool(got.get("filter_groups_enable", False)):
         combine("filter_groups_train_batch_size", {"train.global_batch_size": int(got["filter_groups_train_batch_size"])},
                 "groups trained per step; the generation batch is global_batch_size (train.gen_batch_size)")  # fmt: skip
@@ -348,19 +348,37 @@ def convert_file(path: str | Path, env: dict[str, str] | None = None, overrides:
     return conv
 
 
+# verl's defaults (ppo_trainer.yaml) for the keys that decide what is trained, where postrl's default differs
+# (GRPO's seq-mean-token-mean, the math_17k_acc verifier) or could: a converted script trains what verl would.
+VERL_DEFAULTS: dict[str, tuple[str, Any]] = {
+    "actor_rollout_ref.actor.loss_agg_mode": ("algorithm.loss_agg_mode", "token-mean"),
+    "actor_rollout_ref.actor.clip_ratio": ("algorithm.clip_ratio_low", 0.2),
+    "actor_rollout_ref.actor.clip_ratio_high": ("algorithm.clip_ratio_high", 0.2),
+    "reward_model.reward_manager": ("reward.verifiers", [{"name": "verl_default", "weight": 1.0}]),
+}
+
+
 def _with_verl_overrides(items: list[Item], extra: list[Item], where: str) -> Conversion:
     """The file's items with the command line's verl keys replacing theirs; postrl keys left in `rest`."""
     dedupe_file = Reading(list(items))
     dedupe(dedupe_file)
     dedupe_file.check(where)
     items, rest = dedupe_file.items, []
+    notes = dedupe_file.notes
     for it in extra:
         if it.key in VERL or it.key.startswith(VERL_HEADS + tuple(VERL_PREFIXES)) or any(i.key == it.key for i in items):
             items = [i for i in items if i.key != it.key] + [it]
         else:
             rest.append(f"{it.key}={it.raw}")
     conv = convert_verl(items, where)
-    conv.notes += [f"{it.key}={it.value!r}: given on the command line (replaces the file's value, if any)" for it in extra if f"{it.key}={it.raw}" not in rest]
+    flat = conv.flat()
+    for verl_key, (key, value) in VERL_DEFAULTS.items():  # a whole script: what verl runs when it names nothing
+        if key == "reward.verifiers" and "custom_reward_function.path" in {i.key for i in items}:
+            continue  # the user's own function: listed as not mapped, with how to name it in reward.verifiers
+        if key not in flat and verl_key not in {i.key for i in items}:
+            conv.mapped.append(Mapped(f"{verl_key} (not given)", value, {key: value}, "verl's default, where postrl's differs or decides what is trained"))
+    _build_tree(conv)
+    conv.notes += notes + [f"{it.key}={it.value!r}: given on the command line (replaces the file's value, if any)" for it in extra if f"{it.key}={it.raw}" not in rest]
     conv.rest = rest
     return conv
 

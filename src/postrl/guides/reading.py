@@ -66,11 +66,12 @@ def strip_annotation(value: Any) -> tuple[Any, str | None]:
 
 
 # ------------------------------------------------------------------------------------------- shell
-def _logical_lines(text: str) -> tuple[list[tuple[int, str]], list[str]]:
-    """(first line number, text) of each command, with comments removed and continuations joined."""
-    out: list[tuple[int, str]] = []
+def _logical_lines(text: str) -> tuple[list[list[tuple[int, str]]], list[str]]:
+    """Each command as its (line number, text) pieces, with comments removed and continuations joined."""
+    out: list[list[tuple[int, str]]] = []
     notes: list[str] = []
-    buf, start, quote = "", None, None
+    buf: list[tuple[int, str]] = []
+    quote = None
     for n, line in enumerate(text.splitlines(), 1):
         kept, i = [], 0
         while i < len(line):
@@ -94,10 +95,8 @@ def _logical_lines(text: str) -> tuple[list[tuple[int, str]], list[str]]:
             i += 1
         body = "".join(kept).rstrip()
         cut = len(body) < len(line.rstrip()) and not line.lstrip().startswith("#")
-        if start is None:
-            start = n
         if quote:  # a quoted value runs on to the next line
-            buf += body + "\n"
+            buf.append((n, body + "\n"))
             continue
         if body.endswith("\\") and not body.endswith("\\\\"):
             if cut and body[:-1].rstrip() != body[:-1]:
@@ -105,14 +104,14 @@ def _logical_lines(text: str) -> tuple[list[tuple[int, str]], list[str]]:
                     f"line {n}: `\\` followed by a comment: a shell ends the command there (the lines after it would not "
                     "reach the trainer); read as the continuation the guide means"
                 )
-            buf += body[:-1] + " "
+            buf.append((n, body[:-1] + " "))
             continue
-        buf += body
-        if buf.strip():
-            out.append((start, buf))
-        buf, start = "", None
-    if buf.strip():
-        out.append((start or 1, buf))
+        buf.append((n, body))
+        if "".join(t for _, t in buf).strip():
+            out.append(buf)
+        buf = []
+    if "".join(t for _, t in buf).strip():
+        out.append(buf)
     return out, notes
 
 
@@ -158,16 +157,22 @@ def read_script(text: str, env: dict[str, str] | None = None) -> Reading:
     lines, reading.notes = _logical_lines(text)
     missing: dict[str, int] = {}
     heads = (*VERL_HEADS, "data.", "algorithm.")
-    for n, command in lines:
+    for pieces in lines:
+        n = pieces[0][0]
+        command = "".join(t for _, t in pieces)
+
+        def line_of(text: str, pieces: list = pieces) -> int:
+            return next((m for m, t in pieces if text in t), pieces[0][0])
+
         if "$(" in command or "`" in command:
             reading.refused.append(
                 f"line {n}: a command substitution ($(...) or `...`) postrl does not run. Fix: write its value in the file."
             )
             continue
         try:
-            tokens = shlex.split(_expand(command, scope, n, missing), posix=True)
+            tokens = shlex.split("".join(_expand(t, scope, m, missing) for m, t in pieces), posix=True)
         except ValueError as exc:
-            reading.refused.append(f"line {n}: {exc} (an unbalanced quote). Fix: close the quote on that line.")
+            reading.refused.append(f"lines {n}-{pieces[-1][0]}: {exc} (an unbalanced quote). Fix: close the quote.")
             continue
         head_done, skip_next = False, False
         for k, tok in enumerate(tokens):
@@ -189,13 +194,13 @@ def read_script(text: str, env: dict[str, str] | None = None) -> Reading:
                 if tok.startswith("~"):
                     reading.refused.append(f"line {n}: '{tok}' deletes a key of verl's config; postrl's config has no such key. Fix: remove it.")
                 else:
-                    reading.items.append(Item(key, yaml_value(raw), n))
+                    reading.items.append(Item(key, yaml_value(raw), line_of(tok.partition("=")[0] + "=")))
                 head_done = True
                 continue
             if tok.startswith(heads) or tok in VERL:
                 nxt = tokens[k + 1] if k + 1 < len(tokens) else ""
                 reading.refused.append(
-                    f"line {n}: '{tok} {nxt}'".rstrip() + " is written `key value`; verl (Hydra) reads only key=value, so "
+                    f"line {line_of(tok)}: '{tok} {nxt}'".rstrip() + " is written `key value`; verl (Hydra) reads only key=value, so "
                     f"it would not be applied. Fix: write {tok}={nxt or '<value>'}."
                 )
                 skip_next = bool(nxt) and "=" not in nxt
@@ -205,6 +210,7 @@ def read_script(text: str, env: dict[str, str] | None = None) -> Reading:
                 reading.notes.append(f"line {n}: the command `{' '.join(t for t in tokens if '=' not in t)[:80]}`: skipped (not configuration)")
                 head_done = True
             skip_next = tok == "-m"
+    reading.notes.sort(key=lambda note: int(re.match(r"line (\d+)", note)[1]) if re.match(r"line \d+", note) else 0)
     for name, n in missing.items():
         reading.refused.append(
             f"line {n}: ${name} is not set (neither by the script nor in the environment), so its value is unknown. "
