@@ -144,6 +144,15 @@ def convert_verl(overrides: list[str] | dict[str, Any] | list[Item], where: str 
     given = {it.key: it.value for it in reading.items}
     for key, value in given.items():
         _apply(conv, VERL, VERL_PREFIXES, key, value)
+    try:
+        _verl_combinations(conv, given)
+    except (BadValue, ValueError, TypeError) as exc:
+        conv.refused.append(f"{exc}. Fix: write the value alone.")
+    return _finish(conv, where)
+
+
+def _verl_combinations(conv: Conversion, given: dict[str, Any]) -> None:
+    """The verl keys whose meaning depends on others (clip_ratio, use_kl_loss, total_training_steps, ...)."""
     flat = conv.flat()
     # verl's clip_ratio fills only the sides that are not given; use_kl_loss=true keeps verl's default coefficient.
     for m in conv.mapped:
@@ -164,7 +173,6 @@ def convert_verl(overrides: list[str] | dict[str, Any] | list[Item], where: str 
     if ratio is not None and "train.total_steps" in flat and int(given.get("actor_rollout_ref.actor.optim.lr_warmup_steps", -1)) < 0:
         _unmapped_to_mapped(conv, "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio",
                             {"train.warmup_steps": int(float(ratio) * int(flat["train.total_steps"]))}, "ratio x trainer.total_training_steps")  # fmt: skip
-    return _finish(conv, where)
 
 
 def _mindspeed_items(tree: dict, lines: dict[tuple, int], conv: Conversion) -> list[tuple[str, str, Any]]:
@@ -206,7 +214,7 @@ def convert_mindspeed(tree: dict, lines: dict[tuple, int] | None = None, where: 
 
     try:
         combinations(got, src, conv, combine, retarget)
-    except BadValue as exc:
+    except (BadValue, ValueError, TypeError) as exc:
         conv.refused.append(f"{exc}. Fix: write the value alone.")
     return _finish(conv, where)
 

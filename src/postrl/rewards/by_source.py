@@ -9,6 +9,9 @@ an error, as in verl (name a verifier in reward.verifiers instead).
 
 from __future__ import annotations
 
+import postrl.rewards.format  # noqa: F401  (the rules it hands rows to, registered in any process: the worker pool's too)
+import postrl.rewards.gsm8k  # noqa: F401
+import postrl.rewards.math  # noqa: F401
 from postrl.rewards.verdict import _REGISTRY, VerifierResult, register
 
 # verl's data_source names (verl/utils/reward_score/__init__.py), then the ones `postrl preprocess` writes.
