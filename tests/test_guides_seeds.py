@@ -148,6 +148,9 @@ def test_values_that_are_not_what_their_key_takes_are_refused_with_the_line(tmp_
     text = _out(capsys)
     assert "line 4: rl_config.token_level_loss = 'maybe': 'maybe' is not a boolean" in text
     assert "line 5: rl_config.adv_estimator = 'opo'" in text  # not silently GRPO
+    src.write_text("megatron_training:\n  tokenizer_name_or_path: m\nactor_config:\n  micro_batch_size: 4 NPUs\n")
+    assert main(["convert-config", str(src)]) == 2  # a value the schema refuses names the line it came from
+    assert "got '4 NPUs'" in (text := _out(capsys)) and "It came from line 4: actor_config.micro_batch_size" in text
     with pytest.raises(UserError, match="loss_mode = 'mine'"):
         convert_verl(["actor_rollout_ref.actor.policy_loss.loss_mode=mine"])
 

@@ -173,7 +173,11 @@ def cmd_convert_config(args) -> int:
             f"`postrl convert-config {args.source} --base your_config.yaml` (the fragment's keys win), or add the model key."
         )
     text = render_yaml(conv, source)
-    build_config(conv.tree, f"{source} converted")  # a conversion that does not validate is a bug or a bad value: say so now
+    try:
+        build_config(conv.tree, f"{source} converted")  # a conversion that does not validate is a bug or a bad value: say so now
+    except UserError as exc:  # name the source line each postrl key came from
+        origin = {k: (f"line {conv.lines[m.source]}: " if m.source in conv.lines else "") + m.source for m in conv.mapped for k in m.targets}
+        raise UserError(*(_with_origin(p, origin) for p in exc.problems), title=exc.title) from None
     if args.out:
         out = Path(args.out)
         if out.is_dir():
@@ -190,6 +194,11 @@ def cmd_convert_config(args) -> int:
     else:
         console.print(text, markup=False, highlight=False, soft_wrap=True)
     return 0
+
+
+def _with_origin(problem: str, origin: dict[str, str]) -> str:
+    key = problem.split(":", 1)[0]
+    return f"{problem} (It came from {origin[key]}.)" if key in origin else problem
 
 
 def cmd_tiny_model(args) -> int:
