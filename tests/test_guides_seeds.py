@@ -203,3 +203,13 @@ def test_every_postrl_key_a_table_names_exists():
     named = {k for t in texts for k in _KEY.findall(t)}
     assert len(named) > 60
     assert sorted(k for k in named if not _exists(k)) == []
+
+
+def test_verl_config_as_yaml_and_broken_yaml(tmp_path):
+    src = tmp_path / "verl.yaml"
+    src.write_text("actor_rollout_ref:\n  model:\n    path: m\n  rollout:\n    n: 4\nalgorithm:\n  adv_estimator: rloo\n")
+    cfg = build_config(convert_file(src).tree)
+    assert (cfg.rollout.n_samples_per_prompt, cfg.algorithm.adv_estimator, cfg.algorithm.loss_agg_mode) == (4, "rloo", "token-mean")
+    src.write_text("a: [\n")
+    with pytest.raises(UserError, match="is not valid YAML"):
+        convert_file(src)

@@ -329,6 +329,8 @@ def convert_file(path: str | Path, env: dict[str, str] | None = None, overrides:
     try:
         tree, lines, dups = load_yaml_lines(text, str(path))
     except UserError:
+        if p.suffix in (".yaml", ".yml"):
+            raise
         tree, lines, dups = None, {}, []
     if _is_mindspeed(tree):
         if dups:
@@ -337,6 +339,11 @@ def convert_file(path: str | Path, env: dict[str, str] | None = None, overrides:
         conv = convert_mindspeed(tree, lines, str(path))
         conv.rest = rest
         return conv
+    if isinstance(tree, dict) and {"actor_rollout_ref", "trainer", "reward_model"} & set(tree):  # verl's config as YAML
+        if dups:
+            raise UserError(*dups, title=f"{path}: {len(dups)} key(s) given twice")
+        items = [Item(k, v, lines.get(tuple(k.split(".")))) for k, v in _flatten(tree).items()]
+        return _with_verl_overrides(items, extra, str(path))
     if isinstance(tree, list):  # a YAML list of overrides (Hydra's override file)
         bad = [f"line {lines.get((i,), '?')}: item {v!r} is not of the form key=value. Fix: write it like actor_rollout_ref.rollout.n=8."
                for i, v in enumerate(tree) if not (isinstance(v, str) and "=" in v)]  # fmt: skip
