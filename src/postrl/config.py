@@ -14,6 +14,7 @@ import difflib
 import importlib.util
 import logging
 import re
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -1051,6 +1052,7 @@ def _section_at(cls: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
         if field is None:
             return None
         ann = field.annotation
+        ann = next((a for a in typing.get_args(ann) if isinstance(a, type) and issubclass(a, BaseModel)), ann)  # X | None
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             cls = ann
         else:
