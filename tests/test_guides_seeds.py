@@ -176,6 +176,10 @@ def test_overrides_after_the_file_apply_or_refuse(tmp_path, capsys):
     assert main(ms) == 0 and build_config(yaml.safe_load(out.read_text())).algorithm.clip_ratio_high == 0.3
     assert main(["convert-config", str(INPUTS / "verl_dapo_qwen25_32b.sh"), "no.such_key=1"]) == 2
     assert "names neither a key of" in _out(capsys)
+    assert main(["convert-config", str(SEEDS / "seed001_verl_grpo_script.sh"), "--env", "DATA_DIR"]) == 2
+    assert "--env DATA_DIR: not of the form KEY=VALUE" in _out(capsys)
+    assert main(["convert-config", str(SEEDS / "seed001_verl_grpo_script.sh"), "--env", "DATA_DIR=/d", "-o", str(out)]) == 0
+    assert build_config(yaml.safe_load(out.read_text())).data.train_files == ["/d/gsm8k/train.parquet"]
 
 
 # ------------------------------------------------------------------------------ the tables' words

@@ -152,6 +152,9 @@ def cmd_convert_config(args) -> int:
     from postrl.config import _is_config_key, build_config, parse_overrides, read_yaml_mapping
     from postrl.guides import Mapped, _build_tree, _flatten, convert_file, convert_verl, render_yaml
 
+    bad = [e for e in args.env if not e.partition("=")[0].isidentifier() or "=" not in e]
+    if bad:
+        raise UserError(*(f"--env {e}: not of the form KEY=VALUE (a shell variable's name, then its value). Fix: e.g. --env DATA_DIR=/data." for e in bad))
     env = dict(e.partition("=")[::2] for e in args.env)
     if args.source == "-" or "=" in args.source:  # verl overrides on the command line
         conv, source = convert_verl([args.source, *args.overrides] if args.source != "-" else args.overrides, "the command line"), "the command line"
