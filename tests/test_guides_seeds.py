@@ -217,3 +217,14 @@ def test_verl_config_as_yaml_and_broken_yaml(tmp_path):
     src.write_text("a: [\n")
     with pytest.raises(UserError, match="is not valid YAML"):
         convert_file(src)
+
+
+def test_context_parallel_maps_where_it_is_ulysses():
+    from postrl.guides import convert_mindspeed
+
+    tree = {"megatron_training": {"tokenizer_name_or_path": "m", "context_parallel_size": 2}}
+    assert convert_mindspeed(tree).flat()["train.sequence_parallel_size"] == 2  # MindSpeed's default algo: Ulysses
+    tree["megatron_training"]["context_parallel_algo"] = "megatron_cp_algo"
+    conv = convert_mindspeed(tree)
+    assert "train.sequence_parallel_size" not in conv.flat()
+    assert [u.source for u in conv.unmapped if "ring attention" in u.instead] == ["megatron_training.context_parallel_size"]

@@ -250,8 +250,10 @@ def combinations(got: dict, src: dict, conv: Conversion, combine: Callable, reta
         retarget("finetune", {}, "finetune from Megatron weights = postrl's start from model.path")
     cp_algo = str(got.get("context_parallel_algo", "ulysses_cp_algo"))
     if "context_parallel_size" in got and cp_algo != "ulysses_cp_algo":
-        retarget("context_parallel_size", {}, f"{cp_algo} (ring attention) is not offered: postrl's sequence parallelism is "
-                 "Ulysses (train.sequence_parallel_size, context_parallel_algo: ulysses_cp_algo); not set")  # fmt: skip
+        m = next(m for m in conv.mapped if m.source == src["context_parallel_size"])
+        conv.mapped.remove(m)
+        conv.unmapped.append(Unmapped(m.source, m.value, f"{cp_algo} (ring attention) is not offered: postrl's sequence parallelism "
+                                      "is Ulysses (train.sequence_parallel_size, with context_parallel_algo: ulysses_cp_algo)"))  # fmt: skip
     names = got.get("verifier_function")
     if names is not None:
         weights = _as_list(got.get("verifier_weight", [1.0] * len(_as_list(names))))
