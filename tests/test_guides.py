@@ -14,7 +14,7 @@ from postrl.config import build_config, load_config
 from postrl.guides import _flatten, convert_file, convert_verl, read_verl_overrides, render_yaml
 
 INPUTS = Path(__file__).resolve().parent / "guides_inputs"
-GUIDES = sorted(INPUTS.iterdir())
+GUIDES = sorted(p for p in INPUTS.iterdir() if p.is_file())  # the seeds/ snippets: tests/test_guides_seeds.py
 
 
 def _source_keys(path: Path) -> set[str]:
@@ -53,7 +53,7 @@ def test_mindspeed_dapo_values():
     a, t = cfg.algorithm, cfg.train
     assert (a.name, a.clip_ratio_low, a.clip_ratio_high, a.loss_agg_mode) == ("dapo", 0.2, 0.28, "token-mean")
     assert (a.overlong_buffer.enable, a.overlong_buffer.len, cfg.rollout.max_tokens) == (True, 4096, 20480)
-    assert (a.filter_groups.enable, a.filter_groups.metric, a.filter_groups.max_num_gen_batches) == (True, "acc", -1)
+    assert (a.filter_groups.enable, a.filter_groups.metric, a.filter_groups.max_num_gen_batches) == (True, "acc_for_dapo", -1)
     # filter_groups_train_batch_size (32) trains, global_batch_size (256) generates
     assert (t.global_batch_size, t.gen_batch_size, t.mini_batch_size) == (32, 256, 32)
     assert (t.lr, t.betas, t.max_token_len_per_device, t.log_prob_max_token_len) == (1e-6, (0.9, 0.95), 22528, 45056)
@@ -81,7 +81,7 @@ def test_verl_dapo_values():
     assert t.sequence_parallel_size == 8  # ulysses_sequence_parallel_size
     assert (cfg.checkpoint.save_freq, cfg.checkpoint.save_final) == (0, False)  # save_freq=-1: never
     assert (cfg.cluster.nnodes, cfg.cluster.devices_per_node, cfg.logging.dir) == (16, 8, "runs/DAPO-Qwen2.5-32B")
-    assert [v.name for v in cfg.reward.verifiers] == ["acc_for_dapo"]
+    assert [v.name for v in cfg.reward.verifiers] == ["verl_default"]  # DAPO manager: scored by data_source, as verl
 
 
 def test_verl_combinations():

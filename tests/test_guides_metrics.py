@@ -18,10 +18,11 @@ MINDSPEED = [
     "timing/ref_offload", "timing/reshard_to_infer", "timing/reshard_to_train", "timing/rule_reward",
     "timing/non_overlap_rule_reward", "timing/all", "timing/rollout", "timing/old_log_p", "timing/update",
     "dapo/score/mean", "dapo/rewards/mean", "actor/pg_loss", "response_length/mean", "e2e_tps", "update_tps", "vllm_tps",
+    "dapo/math_17k_acc_rewards/mean",
 ]  # fmt: skip
 VERL = [
     "timing_s/gen", "timing_s/reward", "timing_s/old_log_prob", "timing_s/ref", "timing_s/adv", "timing_s/update_actor",
-    "timing_s/step", "critic/score/mean", "critic/score/max", "critic/score/min", "critic/rewards/mean",
+    "timing_s/step", "timing_s/reshard", "timing_s/generate_sequences", "critic/score/mean", "critic/score/max", "critic/score/min", "critic/rewards/mean",
     "critic/rewards/max", "critic/rewards/min", "perf/total_num_tokens", "perf/time_per_step", "perf/throughput",
     "actor/pg_loss", "actor/grad_norm", "actor/lr", "response_length/mean", "response_length/clip_ratio", "prompt_length/mean",
 ]  # fmt: skip
@@ -36,6 +37,16 @@ def test_rename_formulas():
     assert (ms["dapo/lr"], ms["actor/lr"], ms["timing/all"]) == (1e-6, 1e-6, 2.0)
     assert rename_metrics(m, "postrl", "dapo") is m
     assert lookup(verl, "dapo/score/mean", "dapo") == 0.5  # report / plots read any mode's file
+
+
+def test_per_verifier_alias_and_verl_rollout_timings():
+    m = {"grpo/acc_for_dapo/mean": 0.25, "grpo/acc/mean": 0.5, "grpo/rewards/mean": -0.5, "timing/rollout": 3.0,
+         "timing/resharding_to_infer": 0.5}  # fmt: skip
+    ms = rename_metrics(m, "mindspeed", "grpo")
+    assert ms["grpo/acc_for_dapo_rewards/mean"] == 0.25 and ms["grpo/acc_for_dapo/mean"] == 0.25
+    assert "grpo/acc_rewards/mean" not in ms and "grpo/rewards_rewards/mean" not in ms  # not verifiers
+    verl = rename_metrics(m, "verl", "grpo")
+    assert (verl["timing_s/gen"], verl["timing_s/generate_sequences"], verl["timing_s/reshard"]) == (3.0, 3.0, 0.5)
 
 
 @pytest.mark.parametrize("mode, names", [("verl", VERL), ("mindspeed", MINDSPEED)])

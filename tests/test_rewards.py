@@ -75,7 +75,7 @@ def test_parse_number_and_quick_equal():
 
 def test_registry_names_and_unknown_verifier():
     names = registered_verifiers()
-    for n in ("math_17k_acc", "boxed_acc", "acc_for_dapo", "gsm8k", "gsm8k_flexible", "geo3k", "format"):
+    for n in ("math_17k_acc", "boxed_acc", "acc_for_dapo", "gsm8k", "gsm8k_flexible", "geo3k", "format", "verl_default"):
         assert n in names
     with pytest.raises(UserError, match="math_17k_acc"):
         get_verifier("no_such_verifier")

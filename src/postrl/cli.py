@@ -146,24 +146,62 @@ def cmd_report(args) -> int:
 
 
 def cmd_convert_config(args) -> int:
-    """A MindSpeed-RL YAML or a verl override list -> a postrl YAML (postrl.guides; docs/guides.md)."""
+    """A MindSpeed-RL YAML or a verl script / override list -> a postrl YAML (postrl.guides; docs/guides.md)."""
     from pathlib import Path
 
-    from postrl.config import build_config
-    from postrl.guides import convert_file, convert_verl, render_yaml
+    from postrl.config import _is_config_key, build_config, parse_overrides, read_yaml_mapping
+    from postrl.guides import Mapped, _build_tree, _flatten, convert_file, convert_verl, render_yaml
 
+    bad = [e for e in args.env if not e.partition("=")[0].isidentifier() or "=" not in e]
+    if bad:
+        raise UserError(*(f"--env {e}: not of the form KEY=VALUE (a shell variable's name, then its value). Fix: e.g. --env DATA_DIR=/data." for e in bad))
+    env = dict(e.partition("=")[::2] for e in args.env)
     if args.source == "-" or "=" in args.source:  # verl overrides on the command line
-        conv, source = convert_verl([args.source, *args.overrides] if args.source != "-" else args.overrides), "the command line"
+        conv, source = convert_verl([args.source, *args.overrides] if args.source != "-" else args.overrides, "the command line"), "the command line"
     else:
-        conv, source = convert_file(args.source), args.source
+        conv, source = convert_file(args.source, env, args.overrides), args.source
+    unknown = [o for o in conv.rest if not _is_config_key(o.split("=", 1)[0].lstrip("+"))]
+    if unknown:
+        raise UserError(*(f"override '{o}' names neither a key of {source} ({conv.dialect}) nor a postrl key, so it cannot "
+                          "be applied. Fix: correct the key (docs/guides.md lists both)." for o in unknown))  # fmt: skip
+    conv.mapped += [Mapped(f"{k} (command line)", v, {k: v}) for k, v in parse_overrides(conv.rest)]
+    if args.base:
+        base = _flatten(read_yaml_mapping(args.base, example="configs/tiny_grpo.yaml", keys="sections (model:, data:, ...)"))
+        conv.mapped.insert(0, Mapped(f"--base {args.base}", None, base, ""))
+    _build_tree(conv)
+    if not (conv.tree.get("model") or {}).get("path"):
+        raise UserError(
+            f"{source} converts to a fragment ({len(conv.mapped)} keys, no model path: tokenizer_name_or_path / "
+            "actor_rollout_ref.model.path), not a whole configuration. Fix: convert it together with your configuration, "
+            f"`postrl convert-config {args.source} --base your_config.yaml` (the fragment's keys win), or add the model key."
+        )
     text = render_yaml(conv, source)
-    build_config(conv.tree, f"{source} converted")  # a conversion that does not validate is a bug or a bad value: say so now
+    try:
+        build_config(conv.tree, f"{source} converted")  # a conversion that does not validate is a bug or a bad value: say so now
+    except UserError as exc:  # name the source line each postrl key came from
+        origin = {k: (f"line {conv.lines[m.source]}: " if m.source in conv.lines else "") + m.source for m in conv.mapped for k in m.targets}
+        raise UserError(*(_with_origin(p, origin) for p in exc.problems), title=exc.title) from None
     if args.out:
-        Path(args.out).write_text(text)
-        console.print(f"wrote {args.out}: {len(conv.mapped)} keys mapped, {len(conv.unmapped)} not mapped (listed at its end)")
+        out = Path(args.out)
+        if out.is_dir():
+            raise UserError(f"-o {out} is a directory. Fix: name the YAML file to write, e.g. -o {out / 'converted.yaml'}.")
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(text)
+        except OSError as exc:
+            raise UserError(f"cannot write {out}: {exc.strerror}. Fix: pick a path you may write to.") from None
+        console.print(
+            f"wrote {out}: {len(conv.mapped)} keys mapped, {len(conv.unmapped)} not mapped, {len(conv.notes)} notes (listed at its end)",
+            markup=False, highlight=False,
+        )  # fmt: skip
     else:
         console.print(text, markup=False, highlight=False, soft_wrap=True)
     return 0
+
+
+def _with_origin(problem: str, origin: dict[str, str]) -> str:
+    key = problem.split(":", 1)[0]
+    return f"{problem} (It came from {origin[key]}.)" if key in origin else problem
 
 
 def cmd_tiny_model(args) -> int:
@@ -223,6 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("source", help="MindSpeed-RL YAML, a file of verl key=value overrides, or the first override itself")
     p.add_argument("overrides", nargs="*", default=[], help="more verl overrides (key=value)")
     p.add_argument("-o", "--out", default=None, help="write the postrl YAML here (default: print it)")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="a variable the script uses ($KEY, ${KEY})")
+    p.add_argument("--base", default=None, metavar="CONFIG", help="a postrl config the converted keys go over (for fragments)")
     p.set_defaults(fn=cmd_convert_config)
     p = sub.add_parser("tiny-model", help="build (or find in the cache) the tiny Qwen2 model")
     p.add_argument("--out", default=None)

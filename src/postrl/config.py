@@ -13,6 +13,8 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import logging
+import re
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -371,10 +373,21 @@ class OverlongBufferConfig(Section):
 
 class FilterGroupsConfig(Section):
     enable: bool | None = Field(None, description="DAPO dynamic sampling (default: on for dapo).")
-    metric: str = Field("acc", description="Raw verifier metric whose zero-std groups are dropped.")
+    metric: str = Field(
+        "acc",
+        description="Raw verifier metric whose zero-std groups are dropped: acc, score, seq_reward, or a verifier's name "
+        "(its score). The guides' names are accepted: MindSpeed-RL's <algo>/<verifier>_rewards/mean (the verifier's "
+        "score) and verl's seq_final_reward (= seq_reward).",
+    )
     max_num_gen_batches: int = Field(
         10, description="Give up after this many generation batches per step; <= 0 means no limit."
     )
+
+    @field_validator("metric")
+    @classmethod
+    def _guides_names(cls, v: str) -> str:
+        m = re.fullmatch(r"[A-Za-z_]+/(?P<verifier>.+)_rewards/mean", v)
+        return m["verifier"] if m else {"seq_final_reward": "seq_reward"}.get(v, v)
 
 
 # What `algorithm.name` sets when a key is left unset. A policy loss's own preferences (declared with its
@@ -1088,6 +1101,7 @@ def _section_at(cls: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
         if field is None:
             return None
         ann = field.annotation
+        ann = next((a for a in typing.get_args(ann) if isinstance(a, type) and issubclass(a, BaseModel)), ann)  # X | None
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             cls = ann
         else:

@@ -38,13 +38,14 @@ GUIDE_NAMES: dict[str, dict[str, tuple[str, ...]]] = {
         "timing/resharding_to_train": ("timing/resharding_to_train", "timing/reshard_to_train"),
     },
     "verl": {
-        "timing/rollout": ("timing_s/gen",),
+        # verl's rollout worker times its generate_sequences call and the weight reshard inside it as well.
+        "timing/rollout": ("timing_s/gen", "timing_s/generate_sequences"),
         "timing/reward": ("timing_s/reward",),
         "timing/old_log_p": ("timing_s/old_log_prob",),
         "timing/reference_model": ("timing_s/ref",),
         "timing/adv": ("timing_s/adv",),
         "timing/update": ("timing_s/update_actor",),
-        "timing/resharding_to_infer": ("timing_s/update_weights",),
+        "timing/resharding_to_infer": ("timing_s/update_weights", "timing_s/reshard"),
         "timing/save": ("timing_s/save_checkpoint",),
         "timing/eval": ("timing_s/testing",),
         "timing/all": ("timing_s/step", "perf/time_per_step"),
@@ -74,7 +75,15 @@ def rename_metrics(metrics: dict[str, float], names: str, algo: str) -> dict[str
     for k, v in metrics.items():
         for name in table.get(k, (k,)):
             out[name] = v
+        if names == "mindspeed":  # MindSpeed-RL logs each verifier's mean score as <algo>/<verifier>_rewards/mean
+            head, _, tail = k.partition("/")
+            verifier = tail.removesuffix("/mean")
+            if head == algo and tail.endswith("/mean") and "/" not in verifier and verifier not in _NOT_VERIFIERS:
+                out[f"{algo}/{verifier}_rewards/mean"] = v
     return out
+
+
+_NOT_VERIFIERS = frozenset({"rewards", "score", "acc", "rm_score"})  # <algo>/<name>/mean that are not a verifier's score
 
 
 def lookup(row: dict, name: str, algo: str, default: float | None = None) -> float | None:

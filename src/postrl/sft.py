@@ -29,24 +29,18 @@ def build_examples(rows: list[dict], tokenizer, cfg: Config, source: str, modali
     """(prompt ids, response ids) per row, plus the prompt's image inputs for rows with images; a tool trace
     (a response that is a list of chat messages, data/traces.py) as (prompt ids, response ids, None, loss mask)."""
     from postrl.agents.loop import tool_schemas
-    from postrl.data.traces import encode_trace, is_trace
+    from postrl.data.traces import encode_trace, is_trace, sft_pair
 
     tools = tool_schemas(cfg.rollout.multi_turn)
     out = []
     for i, row in enumerate(rows):
-        prompt = get_dotted(row, cfg.data.prompt_key)
-        response = get_dotted(row, cfg.data.response_key)
-        if prompt is None or response is None:
-            missing = cfg.data.prompt_key if prompt is None else cfg.data.response_key
-            raise UserError(
-                f"{source}, row {i}: no '{missing}' field; SFT needs a prompt (data.prompt_key) and a reference "
-                "response (data.response_key). Fix: set those keys to your columns."
-            )
+        where = f"{source}, row {i}"
+        prompt, response, row_tools = sft_pair(row, cfg.data.prompt_key, cfg.data.response_key, where)
         if is_trace(response):
-            p, r, mask = encode_trace(tokenizer, prompt, list(response), tools, f"{source}, row {i}")
+            p, r, mask = encode_trace(tokenizer, prompt, list(response), row_tools or tools, where)
             out.append((p, r, None, mask))
             continue
-        encoded = encode_prompt(tokenizer, row, prompt, cfg.data, f"{source}, row {i}", file_dir(source), modality, tools)
+        encoded = encode_prompt(tokenizer, row, prompt, cfg.data, where, file_dir(source), modality, row_tools or tools)
         if encoded is None:  # malformed image row, skipped by data.skip_bad_rows
             continue
         p, multi_modal = encoded

@@ -166,7 +166,9 @@ def render_chat(tokenizer: Any, prompt: Any, tools: list[dict] | None = None) ->
     """Token ids of a prompt (chat messages, or a plain string taken as one user message): through the
     tokenizer's chat template, else as plain text (warned once per tokenizer). `tools` (JSON schemas of
     the agent loop's tools) reach the template's `tools=`."""
-    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    from postrl.data.traces import normalize_messages  # ShareGPT's from / value, as the template reads role / content
+
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else normalize_messages(list(prompt), "a prompt")
     if has_chat_template(tokenizer):
         ids = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=True, return_dict=False)
         return list(ids)

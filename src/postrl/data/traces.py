@@ -85,3 +85,86 @@ def _drop_none(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _drop_none(v) for k, v in value.items() if v is not None}
     return value
+
+
+# ------------------------------------------------------------------------------ the formats users bring
+# ShareGPT's speakers (`from`) in the chat roles of the templates (`role`).
+SHAREGPT_ROLES = {
+    "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
+    "system": "system", "tool": "tool", "observation": "tool", "function_response": "tool", "function_call": "assistant",
+}  # fmt: skip
+
+
+def normalize_messages(messages: Any, where: str) -> Any:
+    """Chat messages as the templates read them (`role` / `content`): ShareGPT's `from` / `value` converted
+    (a `function_call` turn becomes an assistant tool call); a plain string is returned as it is."""
+    if isinstance(messages, str) or not isinstance(messages, (list, tuple)):
+        return messages
+    out = []
+    for k, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise UserError(f"{where}: message {k} is {type(m).__name__}, not a mapping with role and content. Fix: write each message as {{\"role\": ..., \"content\": ...}}.")
+        if "role" in m:
+            out.append(m)
+            continue
+        if "from" not in m:
+            raise UserError(
+                f"{where}: message {k} has neither 'role' (OpenAI / TRL) nor 'from' (ShareGPT) but {sorted(m)}. "
+                "Fix: write messages as {\"role\": \"user\", \"content\": ...} (or ShareGPT's {\"from\": \"human\", \"value\": ...})."
+            )
+        role = SHAREGPT_ROLES.get(str(m["from"]).lower())
+        if role is None:
+            raise UserError(
+                f"{where}: message {k} is from '{m['from']}', a ShareGPT speaker postrl does not know. "
+                f"Fix: use one of {', '.join(SHAREGPT_ROLES)} (or write the message with a 'role')."
+            )
+        value = m.get("value", "")
+        if str(m["from"]).lower() == "function_call":
+            import json
+
+            call = json.loads(value) if isinstance(value, str) else value
+            out.append({"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]})
+        else:
+            out.append({"role": role, "content": value, **({"name": m["name"]} if "name" in m else {})})
+    return out
+
+
+def sft_pair(row: dict, prompt_key: str, response_key: str, where: str) -> tuple[Any, Any, list[dict] | None]:
+    """(prompt, response, tools) of an SFT row in any of the formats users bring:
+
+    - the configured columns (data.prompt_key / data.response_key: the verl schema by default);
+    - TRL's conversational `{"messages": [...]}` (ShareGPT's `conversations` too): the messages before the
+      first assistant turn are the prompt, the rest (assistant turns, tool calls, tool results) the trace;
+    - TRL's `prompt` / `completion` (strings, or lists of messages);
+    with a `tools` column of JSON schemas passed to the template. A preference row (`chosen` / `rejected`)
+    is refused with the fix (SFT trains one response: data.response_key: chosen)."""
+    from postrl.utils import get_dotted
+
+    tools = row.get("tools") if isinstance(row.get("tools"), list) else None
+    prompt, response = get_dotted(row, prompt_key), get_dotted(row, response_key)
+    if prompt is not None and response is not None:
+        return normalize_messages(prompt, where), normalize_messages(response, where), tools
+    if "completion" in row and row.get("prompt") is not None:
+        return normalize_messages(row["prompt"], where), normalize_messages(row["completion"], where), tools
+    conversation = row.get("messages", row.get("conversations"))
+    if isinstance(conversation, list):
+        messages = normalize_messages(conversation, where)
+        first = next((k for k, m in enumerate(messages) if m["role"] == "assistant"), None)
+        if first is None or first == 0:
+            raise UserError(
+                f"{where}: the conversation has {'no assistant turn' if first is None else 'no prompt before its first assistant turn'}, "
+                "so there is nothing to learn from (or nothing to condition on). Fix: each row needs user (or system) "
+                "messages followed by the assistant's reply."
+            )
+        return messages[:first], messages[first:], tools
+    if "chosen" in row and "rejected" in row:
+        raise UserError(
+            f"{where}: a preference pair (chosen / rejected); SFT trains on one reference response. Fix: set "
+            "data.response_key: chosen to fine-tune on the preferred responses, or train a reward model with `postrl rm`."
+        )
+    missing = prompt_key if prompt is None else response_key
+    raise UserError(
+        f"{where}: no '{missing}' field; SFT needs a prompt (data.prompt_key) and a reference response "
+        "(data.response_key), TRL's messages or prompt / completion columns, or ShareGPT's conversations. "
+        f"The row has {sorted(row)}. Fix: set those keys to your columns."
+    )

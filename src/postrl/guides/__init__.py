@@ -22,6 +22,7 @@ import yaml
 
 from postrl.errors import UserError
 from postrl.guides.rules import (
+    BadValue,
     Conversion,
     Mapped,
     Rule,
@@ -30,6 +31,7 @@ from postrl.guides.rules import (
     _as_list,
     _bool,
 )
+from postrl.guides.reading import Item, Reading, dedupe, load_yaml_lines, read_script, strip_annotation, yaml_value
 from postrl.guides.verl import VERL, VERL_HEADS, VERL_PREFIXES  # noqa: F401
 from postrl.guides.mindspeed import MINDSPEED, MINDSPEED_PREFIXES, MINDSPEED_SECTIONS  # noqa: F401
 
@@ -49,6 +51,11 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
 _NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")
 
 
+def _where(conv: Conversion, source: str) -> str:
+    line = conv.lines.get(source)
+    return f"line {line}: {source}" if line else source
+
+
 def _apply(conv: Conversion, table: dict[str, Rule], prefixes: dict[str, str], key: str, value: Any, source: str | None = None) -> None:
     source = source or key
     if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
@@ -63,12 +70,27 @@ def _apply(conv: Conversion, table: dict[str, Rule], prefixes: dict[str, str], k
         return
     try:
         targets = {rule.to: value} if isinstance(rule.to, str) else rule.to(value)
+    except BadValue as exc:
+        conv.refused.append(f"{_where(conv, source)} = {value!r}: {exc}, so what it asks for is unclear. Fix: write the value alone.")
+        return
     except (KeyError, TypeError, ValueError):
         targets = None
-    if targets is None:
+    if targets is None and rule.strict:
+        conv.refused.append(
+            f"{_where(conv, source)} = {value!r}: postrl cannot train what this value asks for ({rule.note}), and running "
+            "something else under its name would be wrong. Fix: pick one of those values."
+        )
+    elif targets is None:
         conv.unmapped.append(Unmapped(source, value, f"the value {value!r} has no postrl counterpart: {rule.note}"))
     else:
         conv.mapped.append(Mapped(source, value, targets, rule.note))
+
+
+def _finish(conv: Conversion, where: str) -> Conversion:
+    if conv.refused:
+        raise UserError(*conv.refused, title=f"{where}: {len(conv.refused)} value(s) postrl cannot convert as written")
+    _build_tree(conv)
+    return conv
 
 
 def _build_tree(conv: Conversion) -> None:
@@ -107,13 +129,30 @@ def _unmapped_to_mapped(conv: Conversion, source: str, targets: dict, note: str)
             return
 
 
-def convert_verl(overrides: list[str] | dict[str, Any]) -> Conversion:
+def convert_verl(overrides: list[str] | dict[str, Any] | list[Item], where: str = "the verl overrides") -> Conversion:
     """A verl override list (`key=value` items, Hydra's `+` / `++` prefixes allowed) in postrl's names."""
-    pairs = list(overrides.items()) if isinstance(overrides, dict) else _parse(overrides)
+    if isinstance(overrides, dict):
+        reading = Reading([Item(k, v) for k, v in overrides.items()])
+    elif overrides and isinstance(overrides[0], Item):
+        reading = Reading(list(overrides))  # type: ignore[arg-type]
+    else:
+        reading = Reading([Item(k, v, n) for n, (k, v) in enumerate(_parse(overrides), 1)])  # type: ignore[arg-type]
+    dedupe(reading, "item" if all(isinstance(o, str) for o in overrides) else "line")
+    reading.check(where)
     conv = Conversion("verl")
-    given = dict(pairs)
-    for key, value in pairs:
+    conv.lines = {it.key: it.line for it in reading.items if it.line is not None}
+    given = {it.key: it.value for it in reading.items}
+    for key, value in given.items():
         _apply(conv, VERL, VERL_PREFIXES, key, value)
+    try:
+        _verl_combinations(conv, given)
+    except (BadValue, ValueError, TypeError) as exc:
+        conv.refused.append(f"{exc}. Fix: write the value alone.")
+    return _finish(conv, where)
+
+
+def _verl_combinations(conv: Conversion, given: dict[str, Any]) -> None:
+    """The verl keys whose meaning depends on others (clip_ratio, use_kl_loss, total_training_steps, ...)."""
     flat = conv.flat()
     # verl's clip_ratio fills only the sides that are not given; use_kl_loss=true keeps verl's default coefficient.
     for m in conv.mapped:
@@ -124,6 +163,8 @@ def convert_verl(overrides: list[str] | dict[str, Any]) -> Conversion:
         if m.source == "actor_rollout_ref.actor.kl_loss_coef" and "actor_rollout_ref.actor.use_kl_loss" in given and not _bool(given["actor_rollout_ref.actor.use_kl_loss"]):
             m.targets = {}
             m.note = "ignored: use_kl_loss is false"
+        if m.source == "reward_model.model.path" and not _bool(given.get("reward_model.enable", False)):
+            m.targets, m.note = {}, "ignored: reward_model.enable is not true (as in verl)"
     if "trainer.total_training_steps" in given:  # verl: total_training_steps wins over total_epochs
         for m in conv.mapped:
             if m.source == "trainer.total_epochs":
@@ -132,19 +173,32 @@ def convert_verl(overrides: list[str] | dict[str, Any]) -> Conversion:
     if ratio is not None and "train.total_steps" in flat and int(given.get("actor_rollout_ref.actor.optim.lr_warmup_steps", -1)) < 0:
         _unmapped_to_mapped(conv, "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio",
                             {"train.warmup_steps": int(float(ratio) * int(flat["train.total_steps"]))}, "ratio x trainer.total_training_steps")  # fmt: skip
-    _build_tree(conv)
-    return conv
 
 
-def convert_mindspeed(tree: dict) -> Conversion:
-    """A MindSpeed-RL YAML (its four sections, or the flat keys) in postrl's names."""
-    conv = Conversion("MindSpeed-RL")
-    items: list[tuple[str, str, Any]] = []  # (key, source path, value); a key may stand in two sections
+def _mindspeed_items(tree: dict, lines: dict[tuple, int], conv: Conversion) -> list[tuple[str, str, Any]]:
+    """(key, source path, value) of every leaf (a key may stand in two sections), annotations stripped with a note."""
+    items: list[tuple[str, str, Any]] = []
     for top, value in tree.items():
         if top in MINDSPEED_SECTIONS and isinstance(value, dict):
             items += [(k, f"{top}.{k}", v) for k, v in _flatten(value).items()]
         else:
             items += [(k, k, v) for k, v in (_flatten({top: value}) if isinstance(value, dict) else {top: value}).items()]
+    out = []
+    for key, source, value in items:
+        line = lines.get(tuple(source.split(".")))
+        if line:
+            conv.lines[source] = line
+        value, note = strip_annotation(value)
+        if note is not None:
+            conv.notes.append(f"{_where(conv, source)}: '{note}' after the value is read as the guide's annotation and dropped (value {value!r})")
+        out.append((key, source, value))
+    return out
+
+
+def convert_mindspeed(tree: dict, lines: dict[tuple, int] | None = None, where: str = "the MindSpeed-RL YAML") -> Conversion:
+    """A MindSpeed-RL YAML (its four sections, or the flat keys) in postrl's names."""
+    conv = Conversion("MindSpeed-RL")
+    items = _mindspeed_items(tree, lines or {}, conv)
     for key, source, value in items:
         _apply(conv, MINDSPEED, MINDSPEED_PREFIXES, key, value, source)
     got = {k: v for k, _, v in items}
@@ -153,20 +207,32 @@ def convert_mindspeed(tree: dict) -> Conversion:
     def combine(key: str, targets: dict, note: str) -> None:
         _unmapped_to_mapped(conv, src[key], targets, note)
 
+    def retarget(key: str, targets: dict, note: str) -> None:
+        for m in conv.mapped:
+            if m.source == src.get(key):
+                m.targets, m.note = targets, note
+
+    try:
+        combinations(got, src, conv, combine, retarget)
+    except (BadValue, ValueError, TypeError) as exc:
+        conv.refused.append(f"{exc}. Fix: write the value alone.")
+    return _finish(conv, where)
+
+
+def combinations(got: dict, src: dict, conv: Conversion, combine: Callable, retarget: Callable) -> None:
+    """The MindSpeed-RL keys whose meaning depends on others (clip_higher, filter_groups, min_lr, betas, ...)."""
     if _bool(got.get("clip_higher_enable", False)):
         clip = {f"algorithm.{k}": got[k] for k in ("clip_ratio_low", "clip_ratio_high") if k in got}
         for m in conv.mapped:  # clip_higher's two sides win over clip_ratio
             if m.source == src.get("clip_ratio"):
                 m.targets = {k: v for k, v in m.targets.items() if k not in clip}
             if m.source in (src.get("clip_ratio_low"), src.get("clip_ratio_high")):
-                m.targets = {f"algorithm.{m.source.rsplit('.', 1)[1]}": m.value}
+                m.targets = {f"algorithm.{m.source.rsplit('.', 1)[-1]}": m.value}
     if "filter_groups_train_batch_size" in got and _bool(got.get("filter_groups_enable", False)):
         combine("filter_groups_train_batch_size", {"train.global_batch_size": int(got["filter_groups_train_batch_size"])},
                 "groups trained per step; the generation batch is global_batch_size (train.gen_batch_size)")  # fmt: skip
-        for m in conv.mapped:
-            if m.source == src.get("global_batch_size"):
-                m.targets = {"train.gen_batch_size": m.value}
-                m.note = "prompts per generation batch (dynamic sampling keeps filter_groups_train_batch_size of them)"
+        retarget("global_batch_size", {"train.gen_batch_size": got.get("global_batch_size")},
+                 "prompts per generation batch (dynamic sampling keeps filter_groups_train_batch_size of them)")  # fmt: skip
     if "min_lr" in got and got.get("lr"):
         combine("min_lr", {"train.min_lr_ratio": float(got["min_lr"]) / float(got["lr"])}, "min_lr / lr")
     if "lr_warmup_fraction" in got and "train_iters" in got:
@@ -176,6 +242,18 @@ def convert_mindspeed(tree: dict) -> Conversion:
         for k in ("adam_beta1", "adam_beta2"):
             if k in got:
                 combine(k, {"train.betas": betas}, "train.betas")
+    if _bool(got.get("use_kl_in_reward", False)) and "init_kl_coef" in got:  # the coefficient of the KL in the reward
+        retarget("init_kl_coef", {"algorithm.kl_ctrl.kl_coef": got["init_kl_coef"]}, "use_kl_in_reward: the KL-in-reward coefficient")
+    if "load" in got and _bool(got.get("finetune", False)):
+        retarget("load", {}, "with finetune: true, `load` holds the converted Megatron weights to start from: postrl starts from "
+                 "the Hugging Face weights at model.path (tokenizer_name_or_path)")  # fmt: skip
+        retarget("finetune", {}, "finetune from Megatron weights = postrl's start from model.path")
+    cp_algo = str(got.get("context_parallel_algo", "ulysses_cp_algo"))
+    if "context_parallel_size" in got and cp_algo != "ulysses_cp_algo":
+        m = next(m for m in conv.mapped if m.source == src["context_parallel_size"])
+        conv.mapped.remove(m)
+        conv.unmapped.append(Unmapped(m.source, m.value, f"{cp_algo} (ring attention) is not offered: postrl's sequence parallelism "
+                                      "is Ulysses (train.sequence_parallel_size, with context_parallel_algo: ulysses_cp_algo)"))  # fmt: skip
     names = got.get("verifier_function")
     if names is not None:
         weights = _as_list(got.get("verifier_weight", [1.0] * len(_as_list(names))))
@@ -186,52 +264,140 @@ def convert_mindspeed(tree: dict) -> Conversion:
             if "verifier_weight" in got:
                 combine("verifier_weight", {}, "in reward.verifiers")
         for n in unknown:
-            conv.unmapped.append(Unmapped(f"{src['verifier_function']}[{n}]", n, f"no postrl verifier of that name; registered: {', '.join(sorted(set(VERIFIERS.values())))}, or your own package.module:function"))
+            conv.refused.append(
+                f"{_where(conv, src['verifier_function'])}: no postrl verifier is named '{n}', and scoring with another one would "
+                f"train something else. Fix: one of {', '.join(sorted(set(VERIFIERS.values())))}, or your own package.module:function "
+                "in reward.verifiers."
+            )
     sinks = ["console", "jsonl"] + [s for s, k in (("tensorboard", "use_tensorboard"), ("wandb", "use_wandb")) if _bool(got.get(k, False))]
     for m in conv.mapped:
         if m.source in (src.get("use_tensorboard"), src.get("use_wandb")):
             m.targets = {"logging.sinks": sinks}
-    _build_tree(conv)
+
+
+def _is_mindspeed(tree: Any) -> bool:
+    """MindSpeed-RL's sections, or its flat keys (the guides' snippets): most leaf names in its table."""
+    if not isinstance(tree, dict):
+        return False
+    if set(tree) & set(MINDSPEED_SECTIONS) or "rl_config" in tree:
+        return True
+    leaves = [k.rsplit(".", 1)[-1] for k in _flatten(tree)]
+    return bool(leaves) and sum(k in MINDSPEED or k.split(".")[0] in MINDSPEED for k in leaves) * 2 >= len(leaves)
+
+
+def read_verl_overrides(text: str, env: dict[str, str] | None = None) -> list[str]:
+    """The `key=value` items of a verl command line or override file (kept for callers that want strings)."""
+    reading = read_script(text, env)
+    reading.check("the verl script")
+    return [f"{it.key}={it.value}" for it in reading.items]
+
+
+def _mindspeed_override(tree: dict, key: str, value: Any) -> bool:
+    """Set a MindSpeed-RL key (flat, or under its section) in the file's tree where it stands; False if not one."""
+    head, _, rest = key.partition(".")
+    if head in MINDSPEED_SECTIONS and rest:
+        tree.setdefault(head, {})
+        node = tree[head]
+        *parents, leaf = rest.split(".")
+    elif key.split(".")[0] in MINDSPEED or key in MINDSPEED or key.startswith(tuple(MINDSPEED_PREFIXES)):
+        node = next((tree[s] for s in MINDSPEED_SECTIONS if isinstance(tree.get(s), dict) and key.split(".")[0] in tree[s]), tree)
+        *parents, leaf = key.split(".")
+    else:
+        return False
+    for k in parents:
+        node = node.setdefault(k, {})
+    node[leaf] = value
+    return True
+
+
+def convert_file(path: str | Path, env: dict[str, str] | None = None, overrides: list[str] | None = None) -> Conversion:
+    """Detect the dialect of a file: a YAML mapping of MindSpeed-RL's keys, else a verl script or override list.
+
+    `overrides` (key=value) in the file's dialect replace the file's values before the conversion; the
+    others are left in `Conversion.rest` for the caller (postrl's own keys)."""
+    extra = [Item(k, v, None, o.split("=", 1)[1]) for (k, v), o in zip(_parse(overrides or []), overrides or [])]
+    p = Path(path)
+    if p.is_dir():
+        raise UserError(f"'{path}' is a directory. Fix: pass the MindSpeed-RL YAML or the verl script inside it.")
+    if not p.exists():
+        raise UserError(f"'{path}' does not exist. Fix: pass a MindSpeed-RL YAML or a file of verl overrides (key=value).")
+    data = p.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        text = None
+    if text is None or "\x00" in text:
+        raise UserError(f"{path} is not a text file (it is not UTF-8 text). Fix: pass the MindSpeed-RL YAML or the verl script itself.")
+    try:
+        tree, lines, dups = load_yaml_lines(text, str(path))
+    except UserError:
+        if p.suffix in (".yaml", ".yml"):
+            raise
+        tree, lines, dups = None, {}, []
+    if _is_mindspeed(tree):
+        if dups:
+            raise UserError(*dups, title=f"{path}: {len(dups)} key(s) given twice")
+        rest = [f"{it.key}={it.raw}" for it in extra if not _mindspeed_override(tree, it.key, it.value)]
+        conv = convert_mindspeed(tree, lines, str(path))
+        conv.rest = rest
+        return conv
+    if isinstance(tree, dict) and {"actor_rollout_ref", "trainer", "reward_model"} & set(tree):  # verl's config as YAML
+        if dups:
+            raise UserError(*dups, title=f"{path}: {len(dups)} key(s) given twice")
+        items = [Item(k, v, lines.get(tuple(k.split(".")))) for k, v in _flatten(tree).items()]
+        return _with_verl_overrides(items, extra, str(path))
+    if isinstance(tree, list):  # a YAML list of overrides (Hydra's override file)
+        bad = [f"line {lines.get((i,), '?')}: item {v!r} is not of the form key=value. Fix: write it like actor_rollout_ref.rollout.n=8."
+               for i, v in enumerate(tree) if not (isinstance(v, str) and "=" in v)]  # fmt: skip
+        if bad:
+            raise UserError(*bad, title=f"{path}: {len(bad)} list item(s) are not verl overrides")
+        items = [Item(k.lstrip("+"), yaml_value(v), lines.get((i,))) for i, (k, _, v) in enumerate(x.partition("=") for x in tree)]
+        return _with_verl_overrides(items, extra, str(path))
+    reading = read_script(text, env)
+    reading.check(str(path))
+    if not reading.items:
+        raise UserError(
+            f"{path} is neither a MindSpeed-RL YAML (megatron_training / actor_config / rl_config / generate_config "
+            "sections, or their keys) nor a list of verl overrides (key=value). Fix: pass one of those."
+        )
+    conv = _with_verl_overrides(reading.items, extra, str(path))
+    conv.notes[:0] = reading.notes
     return conv
 
 
-def read_verl_overrides(text: str) -> list[str]:
-    """The `key=value` items of a verl command line or override file (one or more a line; `\\`, comments,
-    `python3 -m verl.trainer.main_ppo` and shell variables' quotes tolerated)."""
-    import shlex
-
-    items = []
-    for line in text.replace("\\\n", " ").splitlines():
-        line = line.split(" #", 1)[0].strip()
-        if not line or line.startswith("#"):
-            continue
-        for tok in shlex.split(line, posix=True):
-            if "=" in tok and not tok.startswith("-"):
-                key = tok.split("=", 1)[0].lstrip("+")
-                if "." in key or key in ("data", "trainer"):
-                    items.append(tok)
-    return items
+# verl's defaults (ppo_trainer.yaml) for the keys that decide what is trained, where postrl's default differs
+# (GRPO's seq-mean-token-mean, the math_17k_acc verifier) or could: a converted script trains what verl would.
+VERL_DEFAULTS: dict[str, tuple[str, Any]] = {
+    "actor_rollout_ref.actor.loss_agg_mode": ("algorithm.loss_agg_mode", "token-mean"),
+    "actor_rollout_ref.actor.clip_ratio": ("algorithm.clip_ratio_low", 0.2),
+    "actor_rollout_ref.actor.clip_ratio_high": ("algorithm.clip_ratio_high", 0.2),
+    "reward_model.reward_manager": ("reward.verifiers", [{"name": "verl_default", "weight": 1.0}]),
+}
 
 
-def convert_file(path: str | Path) -> Conversion:
-    """Detect the dialect of a file: a YAML mapping with MindSpeed-RL's sections, else a verl override list."""
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"'{path}' does not exist. Fix: pass a MindSpeed-RL YAML or a file of verl overrides (key=value).")
-    text = p.read_text()
-    try:
-        tree = yaml.safe_load(text)
-    except yaml.YAMLError:
-        tree = None
-    if isinstance(tree, dict) and (set(tree) & set(MINDSPEED_SECTIONS) or "rl_config" in tree):
-        return convert_mindspeed(tree)
-    items = read_verl_overrides(text)
-    if not items:
-        raise UserError(
-            f"{path} is neither a MindSpeed-RL YAML (megatron_training / actor_config / rl_config / generate_config "
-            "sections) nor a list of verl overrides (key=value). Fix: pass one of those."
-        )
-    return convert_verl(items)
+def _with_verl_overrides(items: list[Item], extra: list[Item], where: str) -> Conversion:
+    """The file's items with the command line's verl keys replacing theirs; postrl keys left in `rest`."""
+    dedupe_file = Reading(list(items))
+    dedupe(dedupe_file)
+    dedupe_file.check(where)
+    items, rest = dedupe_file.items, []
+    notes = dedupe_file.notes
+    for it in extra:
+        if it.key in VERL or it.key.startswith(VERL_HEADS + tuple(VERL_PREFIXES)) or any(i.key == it.key for i in items):
+            items = [i for i in items if i.key != it.key] + [it]
+        else:
+            rest.append(f"{it.key}={it.raw}")
+    conv = convert_verl(items, where)
+    flat = conv.flat()
+    for verl_key, (key, value) in VERL_DEFAULTS.items():  # a whole script: what verl runs when it names nothing
+        if key == "reward.verifiers" and "custom_reward_function.path" in {i.key for i in items}:
+            continue  # the user's own function: listed as not mapped, with how to name it in reward.verifiers
+        if key not in flat and verl_key not in {i.key for i in items}:
+            conv.mapped.append(Mapped(f"{verl_key} (not given)", value, {key: value}, "verl's default, where postrl's differs or decides what is trained"))
+    _build_tree(conv)
+    conv.notes += notes + [f"{it.key}={it.value!r}: given on the command line (replaces the file's value, if any)" for it in extra if f"{it.key}={it.raw}" not in rest]
+    conv.rest = rest
+    return conv
 
 
 def split_overrides(overrides: list[str], is_postrl_key: Callable[[str], bool]) -> tuple[list[str], list[str]]:
@@ -281,4 +447,8 @@ def render_yaml(conv: Conversion, source: str) -> str:
         lines.append(f"# Not mapped ({len(conv.unmapped)} keys): what postrl offers instead.")
         for u in conv.unmapped:
             lines.append(f"#   {u.source} = {u.value!r}: {u.instead}")
+    if conv.notes:
+        lines.append("")
+        lines.append(f"# Read, with nothing to convert ({len(conv.notes)} notes).")
+        lines += [f"#   {n}" for n in conv.notes]
     return "\n".join(lines) + "\n"

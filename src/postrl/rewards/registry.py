@@ -61,6 +61,7 @@ def _load_builtins() -> None:
     import postrl.rewards.format  # noqa: F401
     import postrl.rewards.gsm8k  # noqa: F401
     import postrl.rewards.math  # noqa: F401
+    import postrl.rewards.by_source  # noqa: F401  (after the verifiers it hands rows to)
 
 
 def get_entry(name: str) -> VerifierEntry:
