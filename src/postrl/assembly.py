@@ -27,6 +27,7 @@ import torch
 
 from postrl import distributed, reference
 from postrl.algorithms import needs_critic
+from postrl.config import derive_total_steps
 from postrl.data.dataset import PromptSampler, load_train_prompts
 from postrl.evaluate import load_val_sets
 from postrl.experience import Experience
@@ -163,6 +164,8 @@ def _build_training(run: Run, log: Callable[[str], None]) -> None:
     cfg, rt, policy = run.cfg, run.runtime, run.policy
     held = held_models(cfg)
     run.examples = load_train_prompts(cfg, policy.tokenizer, policy.modality, run.tools, log)
+    if (said := derive_total_steps(cfg, len(run.examples))) is not None:  # before the actor's LR schedule
+        log(said)
     run.ref_model = reference.build(cfg, policy, rt) if held.reference else None
     # FSDP2 shards the model in place (before the optimizer sees its parameters); DDP wraps it.
     train_model = distributed.wrap_model(

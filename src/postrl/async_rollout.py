@@ -22,7 +22,7 @@ continue the unfinished sequences; every token records the version that sampled 
 
 A worker that dies or raises is restarted from the trained position up to `rollout.max_worker_restarts`
 times; past that (and at once for a data error the worker reports, which would recur) the run stops
-with a checkpoint of the steps trained so far (trainer.py).
+with a checkpoint of the steps trained so far (batch_source.Worker, trainer.py).
 """
 
 from __future__ import annotations
