@@ -1,12 +1,13 @@
 """The GRPO / DAPO training loop, top to bottom (docs/architecture.md).
 
-    prompts -> rollout (n per prompt) -> rule rewards (+ overlong shaping) -> dynamic sampling
+    batch of step s (rollout, rewards, dynamic sampling)           batch_source.py -> experience.py
     -> group advantages                                            experience.py
     -> old / ref log-probs -> clipped policy update (mini x micro batches, clip, AdamW, LR)   actor.py
-    -> weight sync to the rollout engine -> metrics, validation, checkpoint                  here
+    -> publish the weights for the next batches -> metrics, validation, checkpoint           here
 
-The trainer builds the pieces once (runtime, policy, reference, data, rewards, engine, actor) and
-then only composes them; formulas live in algorithms/, files in checkpoint/.
+assembly.py builds the pieces once (runtime, policy, reference, data, rewards, engine, actor); the
+trainer only composes them. Where rollout runs (this rank, a worker process) is its BatchSource's
+business: the loop reads the same for every placement. Formulas live in algorithms/, files in checkpoint/.
 """
 
 from __future__ import annotations
