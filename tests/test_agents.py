@@ -9,6 +9,8 @@ running the loop for real is tests/test_learning.py's tool demo.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 
 import pytest
@@ -293,7 +295,8 @@ class _ByTurns:
     """A vLLM engine seen without `generate_continuing`: the loop then makes one engine call per turn."""
 
     def __init__(self, engine):
-        self.engine, self.name, self.capabilities = engine, engine.name, engine.capabilities
+        self.engine, self.name = engine, engine.name
+        self.capabilities = dataclasses.replace(engine.capabilities, continuous_batching=False)
 
     def generate(self, prompts, params, multi_modal=None):
         return self.engine.generate(prompts, params, multi_modal=multi_modal)

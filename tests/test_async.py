@@ -10,21 +10,24 @@ from postrl.rollout import EngineCapabilities, RolloutEngine
 
 def test_engines_declare_capabilities_and_the_protocol_requires_them():
     """HF samples with the trainer's model (no log-probs of its own, nothing to sleep); vLLM holds its own
-    weights, reports sampling log-probs and can free device memory; neither is remote yet. An engine
-    that declares no capabilities is not a RolloutEngine."""
+    weights, reports sampling log-probs, can free device memory and batches continuously (the agent
+    loop's turns). An engine that declares no capabilities is not a RolloutEngine."""
     from postrl.rollout.hf import HFEngine
     from postrl.rollout.vllm import VLLMEngine
 
-    assert HFEngine.capabilities == EngineCapabilities(reports_logprobs=False, shares_trainer_model=True, can_sleep=False, remote=False)
-    assert VLLMEngine.capabilities == EngineCapabilities(reports_logprobs=True, shares_trainer_model=False, can_sleep=True, remote=False)
+    assert HFEngine.capabilities == EngineCapabilities(reports_logprobs=False, shares_trainer_model=True, can_sleep=False)
+    assert VLLMEngine.capabilities == EngineCapabilities(reports_logprobs=True, shares_trainer_model=False, can_sleep=True, continuous_batching=True)
     with pytest.raises(AttributeError):  # frozen: an engine's declaration is not changed by the trainer
-        HFEngine.capabilities.remote = True  # type: ignore[misc]
+        HFEngine.capabilities.continuous_batching = True  # type: ignore[misc]
 
     class Nameless:
         name = "x"
 
         def generate(self, prompts, params, multi_modal=None): ...
+        def generate_continuing(self, requests, on_finish, seed=None): ...
         def sync_weights(self, model): ...
+        def set_threads(self, n): ...
+        def pop_metrics(self): ...
         def probe_logprobs(self, token_ids): ...
         def probe_routing(self, token_ids, top_k): ...
         def sleep(self): ...

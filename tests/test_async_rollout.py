@@ -205,14 +205,14 @@ def test_a_killed_worker_is_restarted_and_past_the_limit_the_run_stops_with_a_ch
                 self.proc.join()
             return real(self, model, version)
 
-        tr.rollout.publish = kill_then_publish.__get__(tr.rollout)
+        tr.batches.rollout.publish = kill_then_publish.__get__(tr.batches.rollout)
         try:
             return tr, tr.fit()
         finally:
-            assert tr.rollout.proc is None  # closed: no worker left running
+            assert tr.batches.rollout.proc is None  # closed: no worker left running
 
     tr, _ = run("restarted", 1)
-    assert tr.step == 3 and tr.rollout.restarts == 1
+    assert tr.step == 3 and tr.batches.rollout.restarts == 1
     with pytest.raises(UserError, match="(?s)exited with code -9 without a batch for step 1.*max_worker_restarts.*1 step.*saved in"):
         run("stopped", 0)
     assert (tmp_path / "stopped" / "run" / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
@@ -267,7 +267,7 @@ def test_async_one_step_off_runs_lora_agents_vision_and_dynamic_sampling(tmp_pat
     tr = Trainer(cfg)
     before = {n: p.detach().clone() for n, p in tr.model.named_parameters() if p.requires_grad}
     if kind == "lora":
-        assert all(".lora_" in s.name for s in tr.rollout.weights.slots)
+        assert all(".lora_" in s.name for s in tr.batches.rollout.weights.slots)
     tr.fit()
     assert cfg.algorithm.rollout_correction.enable
     rows = [r for r in _rows(tmp_path / "run") if "async/staleness_max" in r]

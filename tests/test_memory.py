@@ -236,3 +236,18 @@ def test_expert_parallelism_is_the_engines_tensor_parallel_group(capsys):
     overrides = ["model.path=builtin:tiny-qwen2", "cluster.devices_per_node=2", "train.sequence_parallel_size=2", "algorithm.adv_estimator=gae"]
     assert main(["train", str(root / "configs/tiny_dapo.yaml"), *overrides]) != 0
     assert "the critic's value passes and update do not split sequences yet" in " ".join(capsys.readouterr().out.split())
+
+
+def test_check_config_of_ppo_with_kl_in_the_reward_counts_the_critic_and_the_reference(capsys):
+    """The 7B recipe as PPO (adv_estimator gae) with algorithm.use_kl_in_reward and no KL loss, on 8 devices
+    with FSDP2 (s = 1/8), bf16: the trainer holds the reference (use_kl_in_reward loads it) and the critic
+    (assembly.held_models). Qwen2.5-7B: P = 7,615,616,512, untied head V h = 152,064 x 3,584 = 544,997,376.
+    reference 2 P / 8 = 1,903,904,128 B = 1.77 GiB; critic P_c = P - V h + h + 1 = 7,070,622,721,
+    16 P_c / 8 = 14,141,245,442 B = 13.17 GiB (weights, gradients, AdamW)."""
+    ppo = ("algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true", "algorithm.kl.coef=0", "cluster.devices_per_node=8")
+    out = _check_config(capsys, "qwen25_7b_grpo.yaml", *ppo)
+    assert _row(out, "reference model") == round(1_903_904_128 / GiB, 2) == 1.77
+    assert _row(out, "critic (PPO value model") == round(14_141_245_442 / GiB, 2) == 13.17
+    grpo = _check_config(capsys, "qwen25_7b_grpo.yaml", "algorithm.kl.coef=0", "cluster.devices_per_node=8")
+    assert _row(grpo, "reference model") == 0 and "critic (PPO" not in grpo
+    assert _row(out, "= update peak") == pytest.approx(_row(grpo, "= update peak") + 1.77 + 13.17, abs=0.02)

@@ -22,7 +22,7 @@ continue the unfinished sequences; every token records the version that sampled 
 
 A worker that dies or raises is restarted from the trained position up to `rollout.max_worker_restarts`
 times; past that (and at once for a data error the worker reports, which would recur) the run stops
-with a checkpoint of the steps trained so far (trainer.py).
+with a checkpoint of the steps trained so far (batch_source.Worker, trainer.py).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from postrl.distributed import RENDEZVOUS_FILE_ENV
 from postrl.errors import UserError
 from postrl.experience import Batch, select_groups
 from postrl.rollout import Completion, SamplingParams
+from postrl.rollout.base import EngineWrapper
 from postrl.transport import SharedWeights
 
 _RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT",
@@ -133,7 +134,7 @@ class CoreShare:
 # ------------------------------------------------------------------------------------- the worker
 
 
-class VersionedEngine:
+class VersionedEngine(EngineWrapper):
     """The worker's engine: loads newer published weights before each generation call, stamps every
     completion with the version that sampled it, and (partial rollout) continues unfinished sequences
     under weights that arrive mid-generation. An engine without sampling log-probs (HF) gets them from
@@ -141,17 +142,15 @@ class VersionedEngine:
 
     def __init__(self, engine, model, weights: SharedWeights, cfg, autocast, stop, parent: int, on_load=None, logprobs=True,
                  share: CoreShare | None = None):  # fmt: skip
-        self.engine, self.model, self.weights, self.cfg, self.autocast = engine, model, weights, cfg, autocast
+        super().__init__(engine)
+        self.capabilities = replace(engine.capabilities, continuous_batching=False)  # each call is stamped: no stream
+        self.model, self.weights, self.cfg, self.autocast = model, weights, cfg, autocast
         self.share = share
         self.logprobs = logprobs and not engine.capabilities.reports_logprobs  # compute them (rollout correction needs q)
         self.stop, self.parent, self.on_load = stop, parent, on_load
         self.version, self.loaded = -1, -1  # the version held, and the publication it came from
         self.checksums: dict[int, float] = {}
         self.load_stats: dict[str, float] = {}
-        self.takes_rows = getattr(engine, "takes_rows", False)
-
-    def __getattr__(self, name: str) -> Any:  # name, capabilities, pop_metrics, ... of the wrapped engine
-        return getattr(self.engine, name)
 
     def _load(self) -> None:
         self.loaded = self.weights.publications()  # read first: a copy published meanwhile is loaded next time
@@ -218,9 +217,8 @@ class VersionedEngine:
         return completions
 
     def _engine_threads(self) -> None:
-        """vLLM on CPU runs at the thread count it was given (VLLMEngine.rollout_threads): this process's now."""
-        if hasattr(self.engine, "rollout_threads"):
-            self.engine.rollout_threads = torch.get_num_threads()
+        """vLLM on CPU runs at the thread count it was given (VLLMEngine.set_threads): this process's now."""
+        self.engine.set_threads(torch.get_num_threads())
 
 
 def _chunk_seed(seed: int | None, done: int) -> int | None:
@@ -317,39 +315,26 @@ def _serve(spec: _Spec, weights: SharedWeights, out: Any, stop: Any, share: Core
 
 
 def _build(spec: _Spec, weights: SharedWeights, stop, share: CoreShare):
-    from postrl.data.dataset import PromptSampler
-    from postrl.experience import Experience
+    """The worker's part of the run (assembly.py's rollout-worker role): its policy copy holds the published
+    weights, its engine is versioned, and it checks the engine on every version it loads (the sync guard)."""
+    from postrl.assembly import build_run
     from postrl.guards import Guards
-    from postrl.models import load_policy
-    from postrl.rewards import RewardFunction
-    from postrl.rewards.model_rewards import load_model_rewards
-    from postrl.rollout import make_engine
-    from postrl.runtime import init_runtime, seed_everything
 
     cfg = spec.cfg
-    seed_everything(cfg.train.seed)
-    rt = init_runtime(cfg.train.device, cfg.model.dtype, cfg.train.strategy)
-    policy = load_policy(cfg.model, dtype="float32", device=rt.device)
-    model = policy.model.to(rt.device).eval()
-    model.postrl_modality = policy.modality
-    weights.load(model)
-    engine = make_engine(
-        cfg.rollout, model, policy.tokenizer, log=None, max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_tokens,
-        seed=cfg.train.seed, modality=policy.modality, trust_remote_code=cfg.model.trust_remote_code, runtime=rt,
-    )  # fmt: skip
     guards = Guards(cfg, log=lambda msg: None)
     probe = spec.examples[0].prompt_ids if not spec.examples[0].multi_modal else None
 
-    def check(engine, model):  # the sync guard, on every version the worker loads
-        return guards.check_sync(engine, model, probe, rt.autocast()) if probe is not None else {}
+    def versioned(engine, run):
+        autocast = run.runtime.autocast
 
-    versioned = VersionedEngine(engine, model, weights, cfg.rollout, rt.autocast(), stop, spec.parent, on_load=check,
-                                logprobs=cfg.algorithm.rollout_correction.enable, share=share)  # fmt: skip
-    reward_fn = RewardFunction(cfg.reward, models=load_model_rewards(cfg, rt.device))
-    sampler = PromptSampler(len(spec.examples), cfg.data.shuffle, cfg.data.seed)
-    sampler.load_state_dict(spec.sampler)
-    experience = Experience(cfg, versioned, policy.tokenizer, reward_fn, spec.examples, sampler)
-    return versioned, reward_fn, experience, sampler
+        def check(engine, model):  # the sync guard, on every version the worker loads
+            return guards.check_sync(engine, model, probe, autocast()) if probe is not None else {}
+
+        return VersionedEngine(engine, run.policy.model, weights, cfg.rollout, autocast(), stop, spec.parent, on_load=check,
+                               logprobs=cfg.algorithm.rollout_correction.enable, share=share)  # fmt: skip
+
+    run = build_run(cfg, "rollout-worker", examples=spec.examples, sampler_state=spec.sampler, prepare=weights.load, wrap=versioned)
+    return run.engine, run.reward_fn, run.experience, run.sampler
 
 
 # ------------------------------------------------------------------------------------ the trainer's

@@ -96,7 +96,7 @@ def _print_memory(cfg, device_gib: float | None) -> None:
 
 
 def cmd_eval(args) -> int:
-    from postrl.evaluate import run_eval
+    from postrl.eval_cli import run_eval
 
     return run_eval(args, console)
 

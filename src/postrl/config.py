@@ -1285,3 +1285,13 @@ def sandbox_problems(cfg: Config) -> list[str]:
 
 def dump_config(cfg: Config) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def derive_total_steps(cfg: Config, train_prompts: int) -> str | None:
+    """train.total_epochs -> train.total_steps once the kept prompts are counted (the assembly calls it right
+    after loading them, before the LR schedule is built); returns the line that says so, None without epochs."""
+    t = cfg.train
+    if not t.total_epochs:
+        return None
+    t.total_steps = max(1, t.total_epochs * (train_prompts // t.global_batch_size))
+    return f"train.total_epochs {t.total_epochs}: {t.total_steps} steps"

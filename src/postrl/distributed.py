@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from postrl import lora
+from postrl.rollout.base import EngineWrapper
 from postrl.runtime import accelerator
 
 if TYPE_CHECKING:
@@ -430,21 +431,20 @@ def clip_grad_norm_(params: list[torch.nn.Parameter], max_norm: float) -> torch.
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
-class _GenerateUnsharded:
+class _GenerateUnsharded(EngineWrapper):
     """An engine whose model is FSDP2-sharded: each generate call runs inside `unsharded(model)`."""
 
     def __init__(self, engine: Any, model: torch.nn.Module):
-        self.engine, self.model, self.name, self.capabilities = engine, model, engine.name, engine.capabilities
+        super().__init__(engine)
+        self.model = model
 
     def generate(self, prompts, params, multi_modal=None, **kwargs):  # kwargs: the agent loop's rows
         with unsharded(self.model):
             return self.engine.generate(prompts, params, multi_modal, **kwargs)
 
-    def sync_weights(self, model: torch.nn.Module) -> None:
-        self.engine.sync_weights(model)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.engine, name)
+    def generate_continuing(self, requests, on_finish, seed=None) -> None:
+        with unsharded(self.model):
+            self.engine.generate_continuing(requests, on_finish, seed=seed)
 
 
 def colocate(engine: Any, model: torch.nn.Module) -> Any:

@@ -27,38 +27,24 @@ SOME_HEADROOM = 0.08  # pass@k this far above greedy: the tiny recipes lift gree
 
 def diagnose(cfg: Any, n_prompts: int = 48, log=print) -> dict[str, Any]:
     """Greedy / sampled accuracy and pass@k on `n_prompts` held-out prompts (training prompts without val files)."""
-    from postrl.agents.loop import tool_schemas
+    from postrl.assembly import build_run
     from postrl.evaluate import evaluate, load_val_sets
-    from postrl.models import load_policy
-    from postrl.rewards import RewardFunction
-    from postrl.rollout import make_engine
-    from postrl.runtime import configure_threads, init_runtime
 
-    rt = init_runtime(cfg.train.device, cfg.model.dtype)
-    policy = load_policy(cfg.model, device=rt.device)
-    policy.model.to(rt.device).eval()
-    configure_threads(policy.model, cfg.train.num_threads, log)
-    engine = make_engine(
-        cfg.rollout, policy.model, policy.tokenizer, log=log, modality=policy.modality,
-        max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_tokens, seed=cfg.train.seed,
-        trust_remote_code=cfg.model.trust_remote_code, runtime=rt,
-    )  # fmt: skip
+    run = build_run(cfg, "doctor", log)
+    policy, agent = run.policy, cfg.rollout.multi_turn.enable
     files = (cfg.eval.files or cfg.data.train_files)[:1]
-    tools = tool_schemas(cfg.rollout.multi_turn)
-    name, examples = next(iter(load_val_sets(files, policy.tokenizer, cfg.data, n_prompts, policy.modality, tools).items()))
-    reward_fn = RewardFunction(cfg.reward)
+    name, examples = next(iter(load_val_sets(files, policy.tokenizer, cfg.data, n_prompts, policy.modality, run.tools).items()))
     n = cfg.rollout.n_samples_per_prompt
     try:
         greedy_cfg = cfg.eval.model_copy(update={"temperature": 0.0, "n_samples": 1, "max_tokens": cfg.rollout.max_tokens})
-        greedy = evaluate(engine, policy.tokenizer, reward_fn, examples, greedy_cfg, name, cfg.train.seed)
+        greedy = evaluate(run.engine, policy.tokenizer, run.reward_fn, examples, greedy_cfg, name, cfg.train.seed, agent)
         report = {"prompts": len(examples), "greedy": greedy[f"val/{name}/acc_mean@1"], "n": n, "sampled": {}}
         for t in sorted({*TEMPERATURES, cfg.rollout.temperature}):
             sample_cfg = cfg.eval.model_copy(update={"temperature": t, "n_samples": n, "max_tokens": cfg.rollout.max_tokens})
-            m = evaluate(engine, policy.tokenizer, reward_fn, examples, sample_cfg, name, cfg.train.seed)
+            m = evaluate(run.engine, policy.tokenizer, run.reward_fn, examples, sample_cfg, name, cfg.train.seed, agent)
             report["sampled"][t] = {"acc": m[f"val/{name}/acc_mean@{n}"], "pass@k": m[f"val/{name}/pass@{n}"]}
     finally:
-        reward_fn.close()
-        engine.close()
+        run.close()
     report["temperature"] = cfg.rollout.temperature
     report["advice"] = advice(report)
     return report

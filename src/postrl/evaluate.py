@@ -21,10 +21,8 @@ policy's own tokens. `eval.temperature: 0` is greedy decoding (one sample per pr
 
 from __future__ import annotations
 
-import json
 from math import comb
 from pathlib import Path
-from typing import Any
 
 from postrl.errors import UserError
 
@@ -118,15 +116,16 @@ def report_ks(n: int) -> list[int]:
     return ks + [n]
 
 
-def evaluate(engine, tokenizer, reward_fn, examples: list, eval_cfg, name: str, seed: int = 0) -> dict[str, float]:
-    """acc_mean@n and pass@k of the engine's completions on `examples` (see the module docstring)."""
+def evaluate(engine, tokenizer, reward_fn, examples: list, eval_cfg, name: str, seed: int = 0, agent: bool = False) -> dict[str, float]:
+    """acc_mean@n and pass@k of the engine's completions on `examples` (see the module docstring); `agent`:
+    the engine is the agent loop (rollout.multi_turn.enable), which takes the prompts' rows."""
     from postrl.agents.loop import generate_for, model_text, model_tokens
     from postrl.rollout import SamplingParams
 
     greedy = eval_cfg.temperature == 0
     n = 1 if greedy else eval_cfg.n_samples
     params = SamplingParams(temperature=eval_cfg.temperature or 1.0, max_tokens=eval_cfg.max_tokens, n=n, seed=seed, greedy=greedy)
-    completions = generate_for(engine, examples, params)  # the agent loop too, when rollout.multi_turn is on
+    completions = generate_for(engine, examples, params, agent)  # the agent loop too, when rollout.multi_turn is on
     texts = [model_text(tokenizer, c) for c in completions]  # what the policy wrote, not the tools' output
     owners = [examples[c.prompt_index] for c in completions]
     res = reward_fn(texts, [e.ground_truth for e in owners], [e.row for e in owners])
@@ -165,78 +164,3 @@ def load_val_sets(files: list[str], tokenizer, data_cfg, max_prompts: int, modal
             raise UserError(f"eval file '{f}' holds no usable prompts (all empty or overlong). Fix: check the file.")
         sets[val_set_name(f, examples)] = examples
     return sets
-
-
-def evaluate_model(cfg, log: Any = None) -> tuple[dict[str, float], str]:
-    """Load model.path (model directory or checkpoint) and evaluate it on every eval file."""
-    from postrl.agents.loop import tool_schemas
-    from postrl.models import load_policy
-    from postrl.rewards import RewardFunction
-    from postrl.rollout import make_engine
-    from postrl.runtime import configure_threads, init_runtime
-
-    if not cfg.model.path.startswith("builtin:"):
-        cfg.model.path = str(_resolve(cfg.model.path))
-    rt = init_runtime(cfg.train.device, cfg.model.dtype)
-    policy = load_policy(cfg.model, device=rt.device)  # weights in model.dtype: nothing trains here (runtime.py: precision)
-    model, tokenizer = policy.model, policy.tokenizer
-    model.to(rt.device).eval()
-    configure_threads(model, cfg.train.num_threads, log)
-    engine = make_engine(
-        cfg.rollout, model, tokenizer, log=log,
-        max_model_len=cfg.data.max_prompt_length + (cfg.eval.max_tokens or cfg.rollout.max_tokens), seed=cfg.train.seed,
-        modality=policy.modality, runtime=rt,
-    )  # fmt: skip
-    reward_fn = RewardFunction(cfg.reward)
-    results: dict[str, float] = {}
-    try:
-        val_sets = load_val_sets(cfg.eval.files or [], tokenizer, cfg.data, cfg.eval.max_prompts, policy.modality, tool_schemas(cfg.rollout.multi_turn))
-        for name, examples in val_sets.items():
-            results.update(evaluate(engine, tokenizer, reward_fn, examples, cfg.eval, name, cfg.train.seed))
-    finally:
-        reward_fn.close()
-    return results, policy.path
-
-
-def _resolve(path: str) -> Path:
-    from postrl.checkpoint import resolve_model_dir
-
-    return resolve_model_dir(path)
-
-
-def _checkpoint_config(path: Path) -> tuple[Path, Path] | None:
-    """(config.yaml, model dir) when `path` is a checkpoint (iter_* or a root with the tracker file)."""
-    from postrl.checkpoint import TRACKER, iter_dir, read_tracker
-
-    if (path / TRACKER).exists():
-        path = iter_dir(path, read_tracker(path))
-    if (path / "config.yaml").is_file() and (path / "model" / "config.json").is_file():
-        return path / "config.yaml", path / "model"
-    return None
-
-
-def run_eval(args: Any, console: Any) -> int:
-    from postrl.config import load_config
-
-    overrides = list(args.overrides)
-    config = Path(args.config)
-    if config.is_dir():
-        found = _checkpoint_config(config)
-        if found is None:
-            raise UserError(
-                f"'{args.config}' is a directory but not a postrl checkpoint (no config.yaml and model/). "
-                "Fix: pass a YAML config (with --model for the weights), or a checkpoint directory."
-            )
-        config, model_dir = found
-        overrides.insert(0, f"model.path={model_dir}")
-        overrides.insert(1, "model.tokenizer_path=null")
-    if args.model:
-        overrides.append(f"model.path={_resolve(args.model)}")
-        overrides.append("model.tokenizer_path=null")
-    cfg = load_config(config, overrides)
-    results, path = evaluate_model(cfg, log=console.print)
-    console.print(f"model: {path}")
-    for k, v in results.items():
-        console.print(f"  {k:<45} {v:.4f}", markup=False, highlight=False)
-    console.print(json.dumps(results), markup=False, highlight=False, soft_wrap=True)
-    return 0

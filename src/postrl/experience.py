@@ -162,7 +162,7 @@ class Experience:
         r = cfg.rollout
         params = SamplingParams(r.temperature, r.top_p, r.top_k, r.max_tokens, G, seed)
         with timer("rollout"):
-            completions = generate_for(self.engine, examples, params)  # the agent loop when rollout.multi_turn is on
+            completions = generate_for(self.engine, examples, params, self.cfg.rollout.multi_turn.enable)  # the agent loop when rollout.multi_turn is on
         masks = [trajectory_mask(c) for c in completions]  # 1 on the tokens the policy sampled
         with timer("reward"):
             texts = [model_text(self.tokenizer, c) for c in completions]  # what the policy wrote, not tool output

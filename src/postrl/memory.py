@@ -15,6 +15,10 @@ Resident state (runtime.py: fp32 master weights whatever model.dtype says):
                      of every weight through forward and backward); under FSDP2 two gathered blocks
                      (the one computing and the prefetched one): 2 x 2 x (block params); 0 in fp32
   reference          b P s for the KL reference (frozen, compute dtype); 0 without KL or offloaded
+                     (held with algorithm.kl.coef > 0 or algorithm.use_kl_in_reward: assembly.held_models)
+  critic             PPO's value model (algorithm.adv_estimator: gae): the backbone and a one-label head,
+                     P_c = P - V h (untied LM head dropped) + h + 1, trained in full: 4 P_c s weights,
+                     4 P_c s gradients (freed before rollout), 8 P_c s AdamW
 Activations of one micro-batch of N tokens (the update pass; the log-prob passes keep none):
   per token and layer, what autograd saves for a Qwen2/Llama block with flash / SDPA attention (no
   [T x T] scores): normed inputs of attention and MLP (2h), q, k, v (h + 2k), q and k after RoPE
@@ -216,14 +220,21 @@ class Estimate:
     response_tokens: int
     adapter_params: int = 0  # LoRA: what trains (0: every weight)
     sequence_parallel: int = 1
+    critic_state: float = 0.0  # PPO's value model: fp32 weights + AdamW moments (resident)
+    critic_grads: float = 0.0  # ... and its gradients during the update
+
+    @property
+    def critic(self) -> float:
+        return self.critic_state + self.critic_grads
 
     @property
     def update(self) -> float:
-        return self.params + self.grads + self.optimizer + self.compute_weights + self.reference + self.activations + self.logits
+        return (self.params + self.grads + self.optimizer + self.compute_weights + self.reference + self.critic
+                + self.activations + self.logits)  # fmt: skip
 
     @property
     def rollout(self) -> float:
-        return self.params + self.optimizer + self.reference + self.rollout_extra
+        return self.params + self.optimizer + self.reference + self.critic_state + self.rollout_extra
 
     @property
     def peak(self) -> float:
@@ -262,9 +273,11 @@ def estimate(
     logprob_chunk_tokens: int = 1024,
     adapter_params: int = 0,
     sequence_parallel: int = 1,
+    critic: bool = False,
 ) -> Estimate:
     """Per-device bytes of a GRPO step (module docstring: the formulas); `adapter_params` > 0: LoRA;
-    `sequence_parallel` u > 1: each rank holds micro_tokens / u and response_tokens / u of a micro-batch."""
+    `sequence_parallel` u > 1: each rank holds micro_tokens / u and response_tokens / u of a micro-batch;
+    `critic`: PPO's value model besides."""
     P, b, a = shape.params(), compute_bytes, adapter_params
     micro_tokens, response_tokens = -(-micro_tokens // sequence_parallel), -(-response_tokens // sequence_parallel)
     sharded = strategy == "fsdp2" and world > 1
@@ -301,7 +314,14 @@ def estimate(
         response_tokens=response_tokens,
         adapter_params=a,
         sequence_parallel=sequence_parallel,
+        critic_state=12 * critic_params(shape) * s if critic else 0.0,
+        critic_grads=4 * critic_params(shape) * s if critic else 0.0,
     )
+
+
+def critic_params(shape: Shape) -> int:
+    """PPO's value model: the policy's backbone (no untied LM head) and a one-label head (critic.py)."""
+    return shape.params() - (0 if shape.tied else shape.vocab * shape.hidden) + shape.hidden + 1
 
 
 def estimate_for_config(cfg, device_gib: float) -> tuple[Estimate | None, str]:
@@ -323,9 +343,10 @@ def estimate_for_config(cfg, device_gib: float) -> tuple[Estimate | None, str]:
             f"{shape.heads} attention heads, and Ulysses attention gives each rank of the group a whole share of them. "
             f"Fix: choose one of {divisors or [1]}."
         )
+    from postrl.assembly import held_models
+
     adapters = shape.adapter_params(m.lora_rank, m.target_modules) if m.lora_rank else 0
-    # a KL reference of its own: with LoRA the reference is the base (adapters off), unless ref_model_path names one
-    separate_ref = cfg.algorithm.kl.coef > 0 and (not m.lora_rank or bool(cfg.checkpoint.ref_model_path))
+    held = held_models(cfg)  # the models the trainer builds (a LoRA reference is the base, adapters off)
     seq = d.max_prompt_length + r.max_tokens
     # verl's convention: with sequence parallelism u a dynamic micro-batch holds u x the per-device budget
     micro = t.max_token_len_per_device * t.sequence_parallel_size if t.use_dynamic_bsz else t.micro_batch_size * seq
@@ -333,11 +354,11 @@ def estimate_for_config(cfg, device_gib: float) -> tuple[Estimate | None, str]:
     est = estimate(
         shape, world=world, strategy=t.strategy, compute_bytes=2 if cfg.model.dtype != "float32" else 4,
         gradient_checkpointing=cfg.model.gradient_checkpointing, micro_tokens=micro,
-        response_tokens=micro * r.max_tokens // seq, use_ref=separate_ref, ref_offload=t.ref_offload,
+        response_tokens=micro * r.max_tokens // seq, use_ref=held.separate_reference, ref_offload=t.ref_offload,
         engine="hf" if r.engine == "hf" else "vllm", gpu_memory_utilization=r.gpu_memory_utilization,
         device_bytes=device_gib * GiB, rollout_sequences=-(-t.gen_batch_size * r.n_samples_per_prompt // world),
         sequence_len=seq, logprob_chunk_tokens=t.logprob_chunk_tokens, adapter_params=adapters,
-        sequence_parallel=t.sequence_parallel_size,
+        sequence_parallel=t.sequence_parallel_size, critic=held.critic,
     )  # fmt: skip
     layout = f"{t.strategy} over {world} device(s)" if world > 1 else "one device"
     if t.sequence_parallel_size > 1:
@@ -369,6 +390,7 @@ def report(
         (f"optimizer{trained} (AdamW: 2 fp32 moments)", est.optimizer),
         ("compute weights (half-precision copies)", est.compute_weights),
         ("reference model", est.reference),
+        *([("critic (PPO value model: fp32 weights, gradients, AdamW)", est.critic)] if est.critic else []),
         (f"activations ({est.micro_tokens:,} tokens / micro-batch{' / rank' if est.sequence_parallel > 1 else ''})", est.activations),
         (f"log-prob logits ({est.response_tokens:,} response tokens)", est.logits),
         ("= update peak", est.update),

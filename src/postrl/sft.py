@@ -169,21 +169,19 @@ def save_model(policy: Policy, out: Path) -> Path:
 
 
 def eval_greedy(policy: Policy, cfg: Config, max_prompts: int, rt: Runtime) -> dict[str, float]:
+    from postrl.agents.loop import tool_schemas
+    from postrl.assembly import build_engine
     from postrl.evaluate import evaluate, load_val_sets
     from postrl.rewards import RewardFunction
-    from postrl.rollout.hf import HFEngine
 
-    tokenizer = policy.tokenizer
-    engine = HFEngine(policy.model, tokenizer, modality=policy.modality, runtime=rt)
-    tools = None
-    if cfg.rollout.multi_turn.enable:  # the agent loop, as validation in RL runs it
-        from postrl.agents.loop import AgentLoop, tool_schemas
-
-        engine, tools = AgentLoop(engine, tokenizer, cfg.rollout.multi_turn, model=policy.model), tool_schemas(cfg.rollout.multi_turn)
+    tokenizer, tools = policy.tokenizer, tool_schemas(cfg.rollout.multi_turn)
+    # the HF engine on the policy just trained (the agent loop around it, as validation in RL runs it)
+    engine = build_engine(cfg, policy, rt, rollout=cfg.rollout.model_copy(update={"engine": "hf"}))
     reward_fn = RewardFunction(cfg.reward)
     out = {}
     greedy = cfg.eval.model_copy(update={"n_samples": 1, "temperature": 0.0})
     for name, examples in load_val_sets(cfg.data.val_files, tokenizer, cfg.data, max_prompts, policy.modality, tools).items():
-        out.update(evaluate(engine, tokenizer, reward_fn, examples, greedy, name))
+        out.update(evaluate(engine, tokenizer, reward_fn, examples, greedy, name, agent=cfg.rollout.multi_turn.enable))
     reward_fn.close()
+    engine.close()
     return out

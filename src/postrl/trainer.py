@@ -1,12 +1,13 @@
 """The GRPO / DAPO training loop, top to bottom (docs/architecture.md).
 
-    prompts -> rollout (n per prompt) -> rule rewards (+ overlong shaping) -> dynamic sampling
+    batch of step s (rollout, rewards, dynamic sampling)           batch_source.py -> experience.py
     -> group advantages                                            experience.py
     -> old / ref log-probs -> clipped policy update (mini x micro batches, clip, AdamW, LR)   actor.py
-    -> weight sync to the rollout engine -> metrics, validation, checkpoint                  here
+    -> publish the weights for the next batches -> metrics, validation, checkpoint           here
 
-The trainer builds the pieces once (runtime, policy, reference, data, rewards, engine, actor) and
-then only composes them; formulas live in algorithms/, files in checkpoint/.
+assembly.py builds the pieces once (runtime, policy, reference, data, rewards, engine, actor); the
+trainer only composes them. Where rollout runs (this rank, a worker process) is its BatchSource's
+business: the loop reads the same for every placement. Formulas live in algorithms/, files in checkpoint/.
 """
 
 from __future__ import annotations
@@ -19,21 +20,15 @@ from typing import Any
 import torch
 
 from postrl import checkpoint, distributed, guards, lora, reference
-from postrl.actor import Actor
-from postrl.agents.loop import tool_schemas
-from postrl.algorithms import needs_critic
+from postrl.assembly import build_run
+from postrl.batch_source import open_source
 from postrl.config import Config
-from postrl.critic import CRITIC_DIR, Critic
-from postrl.data.dataset import PromptSampler, load_train_prompts
+from postrl.critic import CRITIC_DIR
 from postrl.errors import Stopped, UserError
-from postrl.evaluate import ValidationHistory, evaluate, load_val_sets
-from postrl.experience import Batch, Experience, batch_metrics, staleness_metrics
+from postrl.evaluate import ValidationHistory, evaluate
+from postrl.experience import Batch, batch_metrics, staleness_metrics
 from postrl.metrics import MetricsLogger, Timer, plot_logged, progress_bar, read_jsonl, step_line, throughput, val_line
-from postrl.models import load_policy
-from postrl.rewards import RewardFunction
-from postrl.rewards.model_rewards import load_model_rewards
-from postrl.rollout import make_engine
-from postrl.runtime import StopOnSignal, configure_threads, init_runtime, rng_state, seed_everything, set_rng_state, threads_for
+from postrl.runtime import StopOnSignal, init_runtime, rng_state, set_rng_state
 
 
 class Trainer:
@@ -52,16 +47,12 @@ class Trainer:
         self.lock = checkpoint.RunLock(cfg.logging.dir) if rt.is_main else None
         self.algo_name = cfg.algorithm.name
         self.G = cfg.rollout.n_samples_per_prompt
-        seed_everything(cfg.train.seed)
-        if cfg.train.deterministic:
-            torch.use_deterministic_algorithms(True)
-
-        # fp32 master weights whatever model.dtype says; forwards compute in model.dtype (runtime.py).
-        self.policy = load_policy(cfg.model, dtype="float32", device=rt.device)
+        # runtime -> policy -> prompts -> reference -> actor (+ critic) -> validation -> rewards -> engine -> Experience
+        run = build_run(cfg, "trainer", self.log, runtime=rt)
+        self.run, self.policy, self.actor, self.critic, self.ref_model = run, run.policy, run.actor, run.critic, run.ref_model
         self.model, self.tokenizer, self.model_path = self.policy.model, self.policy.tokenizer, self.policy.path
-        self.model.to(rt.device).train()
-        self.async_mode = cfg.rollout.mode == "async"  # a rollout worker process beside this one (async_rollout.py)
-        configure_threads(self.model, cfg.train.num_threads, self.log, per_rank=2 if self.async_mode else 1)
+        self.train_examples, self.sampler, self.val_sets = run.examples, run.sampler, run.val_sets
+        self.reward_fn, self.engine, self.experience = run.reward_fn, run.engine, run.experience
         if lora.is_lora(self.model):
             self.log(lora.summary(self.model))
             ck = cfg.checkpoint
@@ -69,29 +60,6 @@ class Trainer:
                 ck.back_off = ck.end_with_best = None
                 self.log("[yellow]checkpoint.back_off / end_with_best are off with LoRA: the best weights are kept merged "
                          "into the base, and the adapters cannot be put back from them (keep_best still keeps them).[/yellow]")
-        tools = tool_schemas(cfg.rollout.multi_turn)  # the agent loop's tools, rendered into the prompts
-        self.train_examples = load_train_prompts(cfg, self.tokenizer, self.policy.modality, tools, self.log)
-        self.ref_model = reference.build(cfg, self.policy, rt) if cfg.algorithm.kl.coef > 0 or cfg.algorithm.use_kl_in_reward else None
-        # FSDP2 shards self.model in place (before the optimizer sees its parameters); DDP wraps it.
-        train_model = distributed.wrap_model(
-            self.model, cfg.train.strategy, compute_dtype=rt.dtype, reshard_after_forward=cfg.train.reshard_after_forward
-        )
-        self.actor = Actor(cfg, self.policy, train_model, rt, self.log)
-        self.critic = Critic(cfg, self.model_path, self.actor, rt, self.log) if needs_critic(cfg.algorithm.adv_estimator) else None
-
-        self.val_sets = load_val_sets(cfg.eval.files or [], self.tokenizer, cfg.data, cfg.eval.max_prompts, self.policy.modality, tools)
-        self.sampler = PromptSampler(len(self.train_examples), cfg.data.shuffle, cfg.data.seed)
-        models = load_model_rewards(cfg, rt.device)  # reward model / judge, if any
-        self.reward_fn = RewardFunction(cfg.reward, models=models)
-        engine = make_engine(
-            cfg.rollout, self.model, self.tokenizer, log=self.log,
-            max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_tokens, seed=cfg.train.seed,
-            modality=self.policy.modality, trust_remote_code=cfg.model.trust_remote_code, runtime=rt,
-        )  # fmt: skip
-        self.engine = distributed.colocate(engine, self.model)
-        if not self.async_mode:  # async: the worker supplies sampling log-probs from any engine
-            guards.note_uncorrectable(cfg, engine, self.log)
-        self.experience = Experience(cfg, self.engine, self.tokenizer, self.reward_fn, self.train_examples, self.sampler)
         self.logger = MetricsLogger(cfg.logging.dir, cfg.logging.sinks, cfg.model_dump(mode="json"), enabled=rt.is_main,
                                     metric_names=cfg.logging.metric_names, algo=self.algo_name)  # fmt: skip
         self.step = 0
@@ -104,20 +72,8 @@ class Trainer:
         if restored is not None:
             self.load_state_dict(restored)
             self.engine.sync_weights(self.model)
-        self.rollout = None  # async, on rank 0: the worker starts from the restored step and sampler position
-        if self.async_mode and rt.is_main:  # several ranks: rank 0's worker makes every batch, broadcast to all
-            from postrl.async_rollout import AsyncRollout
-
-            lend = (rt.world_size == 1 and not isinstance(cfg.train.num_threads, int)
-                    and threads_for(self.model, cfg.train.num_threads, per_rank=2)[0] is not None)  # fmt: skip
-            self.rollout = AsyncRollout(cfg, self.model, self.train_examples, self.sampler.state_dict(), self.step,
-                                        torch.get_num_threads(), self.log, lend=lend)  # fmt: skip
-            self.rollout.borrow_in(self.model, *([self.ref_model] if self.ref_model not in (None, self.model) else []))
-            self.log(f"rollout: async, a worker process at most {cfg.rollout.max_staleness} update(s) behind"
-                     + (", partial rollout" if cfg.rollout.partial_rollout else "")
-                     + (f", its batches broadcast to {rt.world_size} ranks" if rt.world_size > 1 else ""))  # fmt: skip
-        elif self.async_mode:
-            self._publish(self.step)  # rank 0's worker takes the first weights (a gather under FSDP2)
+        # where rollout runs (batch_source.py): this rank's engine, or a worker process from the restored position
+        self.batches = open_source(cfg, run, self.guards, self.step, self.log)
 
     def log(self, msg: str) -> None:
         self.console.print(msg)
@@ -179,9 +135,6 @@ class Trainer:
             part.free_grads()  # the last update's fp32 gradients: rollout needs the memory more
         with self.timer("all"):
             batch, gen_stats = self._collect()  # the global batch, the same on every rank
-            if not self.async_mode:
-                with self.timer("resharding_to_train"):
-                    self.engine.sleep()  # GPU vLLM: free the KV cache and offload weights for the update
             with self.timer("adv"):
                 adv_B = self.experience.advantages(batch) if self.critic is None else torch.zeros(batch.size)  # GAE: below
                 local = self.actor.pack(batch, adv_B)  # this rank's rows
@@ -199,14 +152,8 @@ class Trainer:
                     update_stats.update(self.critic.update(local))
             with self.timer("update"):
                 update_stats.update(self.actor.update(local, use_ref=self.cfg.algorithm.kl.coef > 0))
-            with self.timer("resharding_to_infer"):
-                if self.async_mode:  # the worker loads them before its next generation call and checks its engine
-                    self._publish(self.step + 1)
-                else:
-                    self.engine.sync_weights(self.model)
-                    if not self.train_examples[0].multi_modal:  # the probe is a text prompt
-                        probe = self.train_examples[0].prompt_ids
-                        update_stats.update(self.guards.check_sync(self.engine, self.model, probe, self.runtime.autocast()))
+            with self.timer("resharding_to_infer"):  # the weights for the next batches, checked where they land
+                update_stats.update(self.batches.publish(self.model, self.step + 1))
         return self._step_metrics(batch, gen_stats, update_stats)
 
     def _collect(self):
@@ -214,9 +161,7 @@ class Trainer:
         the steps trained so far are checkpointed first, as they were before this step began."""
         before = {"rng": rng_state(), "sampler": self.sampler.state_dict()}
         try:
-            if self.async_mode:
-                return self._receive()
-            return self.experience.collect(self.step, self.timer)
+            return self.batches.next_batch(self.step, self.timer)
         except UserError as exc:
             if self.step == 0 or self.cfg.checkpoint.save_freq and self.step % self.cfg.checkpoint.save_freq == 0:
                 raise  # nothing trained yet, or this step's checkpoint exists
@@ -225,55 +170,6 @@ class Trainer:
                 *exc.problems, f"The {self.step} step(s) trained so far are saved in {path}; after the fix, the same "
                 "command continues from there (checkpoint.resume: auto).", title=exc.title,
             ) from None
-
-    def _publish(self, version: int) -> None:
-        """Async: the weights for the worker (rank 0 writes them; under FSDP2 every rank joins the gather)."""
-        if self.rollout is not None:
-            self.rollout.publish(self.model, version)
-        else:
-            from postrl.transport import join_publish
-
-            join_publish(self.model)
-
-    def _receive(self):
-        """Async: the worker's batch of this step, on every rank (rank 0 takes it, then broadcasts it); the sampler
-        moves to the position after its prompts. A data error the worker raised stops every rank."""
-        got = None
-        if self.rollout is not None:
-            try:
-                got = self._receive_on_main()
-            except UserError as exc:
-                if not distributed.is_distributed():
-                    raise
-                got = exc
-        got = distributed.broadcast_object(got)
-        if isinstance(got, UserError):
-            raise got
-        batch, stats, seconds, sampler = got
-        for name, value in seconds.items():  # the worker's rollout / reward time: timing/rollout, timing/reward
-            self.timer.seconds[name] = self.timer.seconds.get(name, 0.0) + value
-        self.sampler.load_state_dict(sampler)
-        return batch, stats
-
-    def _receive_on_main(self):
-        """The worker's batch of this step. A worker that died is restarted from the trained position
-        (rollout.max_worker_restarts), then the run stops."""
-        from postrl.async_rollout import WORKER_LOG, WorkerDied
-
-        while True:
-            try:
-                with self.timer("wait_rollout"):
-                    batch, stats, seconds, sampler = self.rollout.next_batch(self.step)
-                break
-            except WorkerDied as exc:
-                if self.rollout.restarts >= self.cfg.rollout.max_worker_restarts:
-                    raise UserError(
-                        f"{exc} (its traceback, if it raised: {Path(self.cfg.logging.dir) / WORKER_LOG}), and it was "
-                        f"restarted {self.rollout.restarts} time(s) already (rollout.max_worker_restarts). Fix the cause "
-                        "it names, or raise rollout.max_worker_restarts.", title="the rollout worker failed",
-                    ) from None
-                self.rollout.restart(self.sampler.state_dict(), self.step, str(exc))
-        return batch, stats, seconds, sampler
 
     def _stop_for_signal(self, signum: int) -> None:
         """Preemption (SIGTERM) or Ctrl-C: checkpoint the finished step, release everything, exit cleanly."""
@@ -294,10 +190,8 @@ class Trainer:
             return
         self._closed = True
         self.logger.close()
-        if self.rollout is not None:
-            self.rollout.close()
-        self.reward_fn.close()
-        self.engine.close()
+        self.batches.close()
+        self.run.close()  # the rewards' workers and the engine
         if self.lock is not None:
             self.lock.release()
 
@@ -361,11 +255,10 @@ class Trainer:
     # -------------------------------------------------------------------------------- validation
     def validate(self, last: bool = False) -> dict[str, float]:
         start = time.perf_counter()
-        if self.async_mode:  # the trainer's own engine serves validation only: bring it up to date first
-            self.engine.sync_weights(self.model)
+        engine, agent = self.batches.validation_engine(self.model), self.cfg.rollout.multi_turn.enable
         out = {}
         for name, examples in self.val_sets.items():
-            out.update(evaluate(self.engine, self.tokenizer, self.reward_fn.score_rules, examples, self.cfg.eval, name, self.cfg.train.seed))
+            out.update(evaluate(engine, self.tokenizer, self.reward_fn.score_rules, examples, self.cfg.eval, name, self.cfg.train.seed, agent))
         out["timing/eval"] = time.perf_counter() - start
         found = self.history.record(self.step, out)  # the headline metric (checkpoint.keep_best)
         checkpoint.keep_if_best(self.cfg, self.model, self.tokenizer, self.step, found)
@@ -377,9 +270,7 @@ class Trainer:
         """checkpoint.back_off / end_with_best: validation fell below the best; back to the best weights
         (during the run at a smaller LR)."""
         checkpoint.load_weights(self.model, Path(self.cfg.checkpoint.dir) / checkpoint.BEST / "model")
-        self.engine.sync_weights(self.model)
-        if self.async_mode and not last:  # the worker samples the next batches from them
-            self._publish(self.step)
+        self.batches.publish(self.model, self.step)  # the next batches are sampled from them
         self.history.restore(self.step, best["step"], best["value"])
         out.update({"training/back_off": 1.0, "training/back_off_to_step": float(best["step"])})
         fell = f"{best['metric']} fell to {value:.1%} at step {self.step}, {best['value'] - value:.1%} below the best {best['value']:.1%}"

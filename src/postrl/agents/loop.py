@@ -36,11 +36,9 @@ from typing import TYPE_CHECKING, Any
 from postrl.agents.env import EnvCalls, load_environment
 from postrl.agents.render import TurnRenderer, truncate_text
 from postrl.errors import UserError
-from postrl.rollout.base import Completion, SamplingParams, eos_token_ids
+from postrl.rollout.base import Completion, EngineWrapper, SamplingParams, eos_token_ids
 
 if TYPE_CHECKING:
-    import torch
-
     from postrl.config import MultiTurnConfig
 
 CALL_END = "</tool_call>"
@@ -78,17 +76,15 @@ class Trajectory:
         self.done, self.finished = True, finished
 
 
-class AgentLoop:
-    """A rollout engine that runs the agent loop on `engine` (the same protocol; docs/agents.md)."""
-
-    takes_rows = True  # generate(..., rows=) resets the environments (`generate_for`)
+class AgentLoop(EngineWrapper):
+    """A rollout engine that runs the agent loop on `engine` (the same protocol; docs/agents.md). Its
+    `generate` also takes the prompts' dataset `rows` (environments reset from them: `generate_for`)."""
 
     def __init__(self, engine: Any, tokenizer: Any, cfg: "MultiTurnConfig", model: Any = None, log: Any = None):
         from postrl.agents.tools import load_tools, start_python_tool
 
-        self.engine, self.tokenizer, self.cfg = engine, tokenizer, cfg
-        self.name = engine.name
-        self.capabilities = engine.capabilities  # what the wrapped engine can do is what the loop can
+        super().__init__(engine)  # what the wrapped engine can do is what the loop can
+        self.tokenizer, self.cfg = tokenizer, cfg
         self.tools = load_tools(list(cfg.tools), sandbox_limits=cfg.sandbox.model_dump())
         if "python" in self.tools:
             start_python_tool(self.tools["python"].sandbox_limits, log)  # refuses where the code cannot be fenced
@@ -106,15 +102,6 @@ class AgentLoop:
         self.reset_stats()
 
     # ------------------------------------------------------------------ the engine protocol
-    def sync_weights(self, model: "torch.nn.Module") -> None:
-        self.engine.sync_weights(model)
-
-    def probe_logprobs(self, token_ids: list[int]) -> list[float] | None:
-        return self.engine.probe_logprobs(token_ids)
-
-    def sleep(self) -> None:
-        self.engine.sleep()
-
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
@@ -140,7 +127,7 @@ class AgentLoop:
                 if not self.env_calls.reset(t.env, rows[t.prompt_index]):
                     t.env = None
         turn_params = replace(params, stop_token_ids=tuple(params.stop_token_ids) + self.stop_ids)
-        if multi_modal is None and hasattr(self.engine, "generate_continuing"):
+        if multi_modal is None and self.engine.capabilities.continuous_batching:
             self._run_continuing(trajs, turn_params, budget)
         else:
             self._run_by_turns(prompts, trajs, turn_params, budget, multi_modal)
@@ -359,12 +346,13 @@ def tool_schemas(multi_turn: "MultiTurnConfig") -> list[dict] | None:
     return [t.schema for t in load_tools(list(multi_turn.tools)).values()]
 
 
-def generate_for(engine: Any, examples: list, params: SamplingParams) -> list[Completion]:
-    """`engine.generate` on prompt examples (data/dataset.py's PromptExample); the agent loop also gets their
-    dataset rows, from which environments reset."""
+def generate_for(engine: Any, examples: list, params: SamplingParams, agent: bool = False) -> list[Completion]:
+    """`engine.generate` on prompt examples (data/dataset.py's PromptExample); with `agent`
+    (rollout.multi_turn.enable: the engine is an AgentLoop) it also gets their dataset rows, from which
+    environments reset."""
     from postrl.data.dataset import multi_modal_of
 
     prompts, mm = [e.prompt_ids for e in examples], multi_modal_of(examples)
-    if getattr(engine, "takes_rows", False):
+    if agent:
         return engine.generate(prompts, params, multi_modal=mm, rows=[e.row for e in examples])
     return engine.generate(prompts, params, multi_modal=mm)

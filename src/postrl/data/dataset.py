@@ -206,8 +206,8 @@ class PromptSampler:
 
 
 def load_train_prompts(cfg, tokenizer, modality: Modality | None, tools: list[dict] | None, log) -> list[PromptExample]:
-    """The run's training prompts (`load_prompts`), said at start; `train.total_epochs` turned into steps here,
-    before the LR schedule is built; a warning when the prompts ask for an answer format no verifier reads."""
+    """The run's training prompts (`load_prompts`), said at start; a warning when the prompts ask for an answer
+    format no verifier reads. (`train.total_epochs` becomes steps in config.derive_total_steps.)"""
     from postrl.rewards.math import answer_format_problem
 
     examples, summary = load_prompts(cfg.data.train_files, tokenizer, cfg.data, modality=modality, tools=tools)
@@ -216,7 +216,4 @@ def load_train_prompts(cfg, tokenizer, modality: Modality | None, tools: list[di
     head = [tokenizer.decode(e.prompt_ids) for e in examples[:32]]
     if (problem := answer_format_problem(head, [v.name for v in cfg.reward.verifiers])) is not None:
         log(f"[yellow]{problem}[/yellow]")  # e.g. DAPO-Math-17k's "Answer:" prompts with math_17k_acc
-    if cfg.train.total_epochs:
-        cfg.train.total_steps = max(1, cfg.train.total_epochs * (len(examples) // cfg.train.global_batch_size))
-        log(f"train.total_epochs {cfg.train.total_epochs}: {cfg.train.total_steps} steps")
     return examples

@@ -8,7 +8,7 @@ An engine knows token ids, not text: it takes prompt token ids and returns compl
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
@@ -38,14 +38,17 @@ class EngineCapabilities:
         copies nothing and a sharded (FSDP2) policy must be unsharded around each generate call.
     can_sleep: `sleep()` can free device memory for the update (whether it does is the engine's
         setting, e.g. rollout.enable_sleep_mode on GPU vLLM); False: sleep() is always a no-op.
-    remote: the engine runs outside the trainer's process (async rollout, DESIGN.md section 10), so
-        weights travel by transport and completions may come from an older policy version.
+    continuous_batching: `generate_continuing` runs requests as one continuous batch in which finished
+        requests are followed by new ones (vLLM; the agent loop's turns join it). False: it raises.
+
+    Where rollout runs (this process, a worker process, a pool) is not an engine's property: it is the
+    trainer's batch source (batch_source.py).
     """
 
     reports_logprobs: bool
     shares_trainer_model: bool
     can_sleep: bool
-    remote: bool = False
+    continuous_batching: bool = False
 
 
 @dataclass
@@ -84,7 +87,9 @@ class Completion:
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """What the trainer needs from a rollout engine."""
+    """Everything a caller may use of a rollout engine (the trainer, Experience, the agent loop, the async
+    worker, validation, doctor). Wrappers (`EngineWrapper`) forward each member by name: no caller probes
+    an engine with `hasattr`."""
 
     name: str  # for messages and the guides' metric names (vllm_tps); behaviour follows `capabilities`
     capabilities: EngineCapabilities
@@ -100,8 +105,24 @@ class RolloutEngine(Protocol):
         """
         ...
 
+    def generate_continuing(self, requests: list, on_finish: Callable, seed: int | None = None) -> None:
+        """One continuous batch of (key, prompt ids, params) requests; `on_finish` gets the finished ones
+        and returns new requests that join the batch (the agent loop, vllm.py). Only engines whose
+        `capabilities.continuous_batching` is True implement it."""
+        ...
+
     def sync_weights(self, model: "torch.nn.Module") -> None:
         """Load the trainer's current weights into the engine (no disk) and reset its caches."""
+        ...
+
+    def set_threads(self, n: int) -> None:
+        """The CPU threads of the next generation calls (the async worker lends and borrows them); a no-op
+        for an engine that runs on the process's own threads or on an accelerator."""
+        ...
+
+    def pop_metrics(self) -> dict[str, float]:
+        """What the engine counted since the last call (the agent loop: agent/*, timing/agent_*), then reset;
+        {} for an engine that counts nothing."""
         ...
 
     def probe_logprobs(self, token_ids: list[int]) -> list[float] | None:
@@ -121,6 +142,43 @@ class RolloutEngine(Protocol):
     def close(self) -> None:
         """Release the engine at the end of the run."""
         ...
+
+
+class EngineWrapper:
+    """An engine around an engine (the agent loop, the async worker's versioned engine, the FSDP2 unshard):
+    every member of the protocol forwards to `self.engine`; a wrapper overrides what it changes."""
+
+    def __init__(self, engine: RolloutEngine):
+        self.engine = engine
+        self.name = engine.name
+        self.capabilities = engine.capabilities
+
+    def generate(self, prompts, params, multi_modal=None, **kw) -> list[Completion]:
+        return self.engine.generate(prompts, params, multi_modal=multi_modal, **kw)
+
+    def generate_continuing(self, requests, on_finish, seed=None) -> None:
+        self.engine.generate_continuing(requests, on_finish, seed=seed)
+
+    def sync_weights(self, model: "torch.nn.Module") -> None:
+        self.engine.sync_weights(model)
+
+    def probe_logprobs(self, token_ids: list[int]) -> list[float] | None:
+        return self.engine.probe_logprobs(token_ids)
+
+    def probe_routing(self, token_ids: list[int], top_k: int) -> Any:
+        return self.engine.probe_routing(token_ids, top_k)
+
+    def set_threads(self, n: int) -> None:
+        self.engine.set_threads(n)
+
+    def pop_metrics(self) -> dict[str, float]:
+        return self.engine.pop_metrics()
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def close(self) -> None:
+        self.engine.close()
 
 
 def eos_token_ids(model: "torch.nn.Module", tokenizer: Any) -> list[int]:

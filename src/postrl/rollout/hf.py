@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 class HFEngine:
     name = "hf"
-    capabilities = EngineCapabilities(reports_logprobs=False, shares_trainer_model=True, can_sleep=False, remote=False)
+    capabilities = EngineCapabilities(reports_logprobs=False, shares_trainer_model=True, can_sleep=False)
 
     def __init__(
         self, model: torch.nn.Module, tokenizer: Any, max_batch_sequences: int = 512, modality: Modality | None = None,
@@ -47,6 +47,15 @@ class HFEngine:
     def probe_routing(self, token_ids: list[int], top_k: int) -> None:
         """None: the trainer's own routers route the rollout, so there is no mismatch to measure."""
         return None
+
+    def generate_continuing(self, requests, on_finish, seed=None) -> None:
+        raise NotImplementedError("the hf engine has no continuous batching (capabilities.continuous_batching)")
+
+    def set_threads(self, n: int) -> None:
+        """Nothing to set: generation runs on the process's threads."""
+
+    def pop_metrics(self) -> dict[str, float]:
+        return {}
 
     def sleep(self) -> None:
         """Nothing to free: the engine is the trainer's model."""

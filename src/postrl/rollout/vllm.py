@@ -72,7 +72,7 @@ class VLLMEngine:
     """
 
     name = "vllm"
-    capabilities = EngineCapabilities(reports_logprobs=True, shares_trainer_model=False, can_sleep=True, remote=False)
+    capabilities = EngineCapabilities(reports_logprobs=True, shares_trainer_model=False, can_sleep=True, continuous_batching=True)
 
     def __init__(
         self,
@@ -283,6 +283,13 @@ class VLLMEngine:
         return torch.stack([torch.topk(c, top_k, dim=-1).indices for c in prefill])
 
     # ------------------------------------------------------------------------------ sleep mode
+
+    def set_threads(self, n: int) -> None:
+        """The CPU threads of the next calls (the async worker's share, lent or borrowed; _rollout_threads)."""
+        self.rollout_threads = n
+
+    def pop_metrics(self) -> dict[str, float]:
+        return {}
 
     def sleep(self) -> None:
         """Free accelerator memory for the policy update (with enable_sleep_mode; else a no-op): the
