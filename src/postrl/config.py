@@ -831,6 +831,19 @@ class GuardsConfig(Section):
     slow_reward_share: float = Field(0.1, ge=0, le=1, description="Warn when more than this share of reward calls time out.")
 
 
+class SamplesConfig(Section):
+    """Samples written as JSONL under <logging.dir>/samples/ (src/postrl/samples.py): prompt, every turn with its tool
+    calls and results, response, reward, acc, version, step."""
+
+    rollout_freq: int = Field(
+        0, ge=0, description="Write the batch trained on to rollout_step_N.jsonl every N steps (verl: trainer.rollout_data_dir); 0 = off."
+    )
+    val: bool = Field(True, description="Write every validation's generations to val_step_N.jsonl (verl: trainer.validation_data_dir).")
+    print_val: int = Field(
+        0, ge=0, description="Print this many generations of each validation set as a table on the console (verl: trainer.log_val_generations)."
+    )
+
+
 class LoggingConfig(Section):
     sinks: list[Literal["console", "jsonl", "tensorboard", "wandb", "swanlab"]] = Field(
         default_factory=lambda: ["console", "jsonl"],
@@ -839,6 +852,7 @@ class LoggingConfig(Section):
     )
     dir: str = Field("runs/default", description="Run directory: metrics.jsonl, plots, checkpoints.")
     log_interval: int = Field(1, ge=1, description="Print a step line every N steps.")
+    samples: SamplesConfig = Field(default_factory=SamplesConfig)
     progress: bool = Field(True, description="Show a rich progress bar.")
     verbose: bool = Field(
         False, description="Show third-party warnings and logs (transformers, vLLM, torch, Python warnings) and "

@@ -118,8 +118,9 @@ def report_ks(n: int) -> list[int]:
     return ks + [n]
 
 
-def evaluate(engine, tokenizer, reward_fn, examples: list, eval_cfg, name: str, seed: int = 0) -> dict[str, float]:
-    """acc_mean@n and pass@k of the engine's completions on `examples` (see the module docstring)."""
+def evaluate(engine, tokenizer, reward_fn, examples: list, eval_cfg, name: str, seed: int = 0, record=None) -> dict[str, float]:
+    """acc_mean@n and pass@k of the engine's completions on `examples` (see the module docstring). `record`
+    (samples.SampleWriter.for_validation) receives (name, examples, completions, acc, scores) to write them."""
     from postrl.agents.loop import generate_for, model_text, model_tokens
     from postrl.rollout import SamplingParams
 
@@ -139,6 +140,8 @@ def evaluate(engine, tokenizer, reward_fn, examples: list, eval_cfg, name: str, 
         out[f"val/{name}/pass@{k}"] = sum(pass_at_k(n, c, k) for c in correct) / len(correct)
     scores = [s + c.env_reward for s, c in zip(res.scores, completions)]  # + environments', as in training
     out[f"val/{name}/score_mean"] = sum(scores) / len(scores)
+    if record is not None:
+        record(name, examples, completions, acc, scores)
     out[f"val/{name}/response_length_mean"] = sum(model_tokens(c) for c in completions) / len(completions)
     if any(c.turn_spans is not None for c in completions):  # the agent loop: how often the policy used its tools
         out[f"val/{name}/tool_calls_mean"] = sum(c.tool_calls for c in completions) / len(completions)

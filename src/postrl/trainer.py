@@ -34,6 +34,7 @@ from postrl.rewards import RewardFunction
 from postrl.rewards.model_rewards import load_model_rewards
 from postrl.rollout import make_engine
 from postrl.runtime import StopOnSignal, configure_threads, init_runtime, rng_state, seed_everything, set_rng_state, threads_for
+from postrl.samples import SampleWriter
 
 
 class Trainer:
@@ -99,6 +100,7 @@ class Trainer:
         self._closed = False
         self.guards = guards.Guards(cfg, self.log)
         self.history = ValidationHistory(cfg.checkpoint.keep_best)  # the headline validation metric
+        self.samples = SampleWriter(cfg, self.tokenizer, self.log, enabled=rt.is_main)  # <logging.dir>/samples/*.jsonl
 
         restored = checkpoint.resume(cfg, len(self.train_examples), self.log)
         if restored is not None:
@@ -207,6 +209,7 @@ class Trainer:
                     if not self.train_examples[0].multi_modal:  # the probe is a text prompt
                         probe = self.train_examples[0].prompt_ids
                         update_stats.update(self.guards.check_sync(self.engine, self.model, probe, self.runtime.autocast()))
+        self.samples.rollout(self.step + 1, batch)
         return self._step_metrics(batch, gen_stats, update_stats)
 
     def _collect(self):
@@ -365,7 +368,8 @@ class Trainer:
             self.engine.sync_weights(self.model)
         out = {}
         for name, examples in self.val_sets.items():
-            out.update(evaluate(self.engine, self.tokenizer, self.reward_fn.score_rules, examples, self.cfg.eval, name, self.cfg.train.seed))
+            out.update(evaluate(self.engine, self.tokenizer, self.reward_fn.score_rules, examples, self.cfg.eval, name, self.cfg.train.seed,
+                                record=self.samples.for_validation(self.step)))
         out["timing/eval"] = time.perf_counter() - start
         found = self.history.record(self.step, out)  # the headline metric (checkpoint.keep_best)
         checkpoint.keep_if_best(self.cfg, self.model, self.tokenizer, self.step, found)
