@@ -84,3 +84,16 @@ def test_a_tiny_agent_run_writes_every_rollout_and_validation_generation(tmp_pat
         assert len(lines) == 6 and {x["set"] for x in lines} == {"tool_arithmetic"}
         assert sum(x["acc"] for x in lines) / 6 == pytest.approx(logged["val/tool_arithmetic/acc_mean@1"])
         assert all(x["ground_truth"] and "What is" in x["prompt"] for x in lines)
+
+
+def test_verls_sample_keys_turn_the_samples_on():
+    from postrl.config import load_config
+    from postrl.guides import convert_verl
+
+    flat = convert_verl(["trainer.rollout_data_dir=/data/rollouts", "trainer.validation_data_dir=/data/val",
+                         "trainer.log_val_generations=5"]).flat()  # fmt: skip
+    assert flat == {"logging.samples.rollout_freq": 1, "logging.samples.val": True, "logging.samples.print_val": 5}
+    assert convert_verl(["trainer.rollout_data_dir=null", "trainer.validation_data_dir=null"]).flat() == {
+        "logging.samples.rollout_freq": 0, "logging.samples.val": False}  # fmt: skip
+    cfg = load_config(None, ["model.path=builtin:tiny-qwen2", "trainer.rollout_data_dir=/x", "trainer.log_val_generations=3"])
+    assert (cfg.logging.samples.rollout_freq, cfg.logging.samples.val, cfg.logging.samples.print_val) == (1, True, 3)
