@@ -826,7 +826,21 @@ class GuardsConfig(Section):
     )
     drift_limit: float = Field(0.1, gt=0, description="Warn when rollout/logprob_diff_mean exceeds this.")
     entropy_floor: float = Field(0.01, ge=0, description="Warn when actor/entropy stays below this ...")
+    seq_entropy_floor: float = Field(
+        1.0, ge=0, description="... or when actor/entropy x response_length/mean (the answer's entropy, nats) stays below this: "
+        "a 48-token answer at 0.017 per token has 0.8 nats, e^0.8 = 2.3 distinct answers per group. 0 = off.",
+    )
     entropy_steps: int = Field(5, ge=1, description="... for this many steps in a row.")
+    collapse_drop: float = Field(
+        0.1, ge=0, le=1, description="heldout_collapse: warn when the headline validation metric falls more than this "
+        "(absolute; or collapse_share of the best, whichever is smaller) below its best while the training reward holds; "
+        "with checkpoint.back_off also go back to the best weights. 0 = off.",
+    )
+    collapse_share: float = Field(0.25, gt=0, le=1, description="heldout_collapse: ... or more than this share of the best.")
+    collapse_window: int = Field(5, ge=1, description="heldout_collapse: training steps whose mean reward is compared.")
+    collapse_reward_tol: float = Field(
+        0.02, ge=0, description="heldout_collapse: the reward 'holds' when its recent mean is at least the mean at the best less this."
+    )
     no_signal_steps: int = Field(5, ge=1, description="Warn when every group has zero reward spread this many steps in a row.")
     slow_reward_share: float = Field(0.1, ge=0, le=1, description="Warn when more than this share of reward calls time out.")
 

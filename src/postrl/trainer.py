@@ -373,7 +373,8 @@ class Trainer:
         out["timing/eval"] = time.perf_counter() - start
         found = self.history.record(self.step, out)  # the headline metric (checkpoint.keep_best)
         checkpoint.keep_if_best(self.cfg, self.model, self.tokenizer, self.step, found)
-        if (best := checkpoint.fell_below_best(self.cfg, found, last)) is not None:
+        collapsed = self.guards.after_validation(self.history.points, found)  # held-out collapse: warns
+        if (best := checkpoint.fell_below_best(self.cfg, found, last, collapsed)) is not None:
             self._back_off(best, found[1], out, last)
         return out
 
