@@ -116,3 +116,17 @@ def test_the_entropy_floor_counts_the_whole_answer(tmp_path, entropy, length, fi
     assert ("guard entropy" in console.file.getvalue()) == fires
     if fires and entropy * length < 1.0:
         assert f"{entropy * length:.2f} nats per {length:.0f}-token answer" in console.file.getvalue()
+
+
+def test_the_closing_line_names_the_best_weights_and_how_to_export_them():
+    from pathlib import Path
+
+    from postrl.evaluate import ValidationHistory
+
+    history = ValidationHistory("val/*/acc_mean@1")
+    for step, value in ISSUE_40:
+        history.record(step, {METRIC: value})
+    history.restore(30, 20, 0.99)  # end_with_best put step 20's weights back at the end
+    line = history.summary(Path("ck/best"))
+    assert "best 99.0% (step 20), last 99.0% (step 30)" in line and "at step 30 from 49.0% to step 20's weights" in line
+    assert "the best weights (step 20) are in ck/best (postrl export ck/best OUT)" in line

@@ -89,7 +89,8 @@ class ValidationHistory:
                 f"at step {s} from {fell:.1%} to step {to}'s weights" for s, to, fell in self.back_offs
             )
         if last >= start:
-            return f"[bold]{line}[/bold]"
+            kept = f"; the best weights (step {b}) are in {best_dir} (postrl export {best_dir} OUT)" if best_dir is not None else ""
+            return f"[bold]{line}{kept}[/bold]"
         where = (
             f"the best weights are in {best_dir} (postrl export that directory)"
             if best_dir is not None
