@@ -130,3 +130,13 @@ def test_the_closing_line_names_the_best_weights_and_how_to_export_them():
     line = history.summary(Path("ck/best"))
     assert "best 99.0% (step 20), last 99.0% (step 30)" in line and "at step 30 from 49.0% to step 20's weights" in line
     assert "the best weights (step 20) are in ck/best (postrl export ck/best OUT)" in line
+
+
+def test_the_rewards_before_a_resume_are_read_back_from_metrics_jsonl(tmp_path):
+    _, g, _ = _guards(tmp_path)
+    rows = [{"step": s, "grpo/rewards/mean": r} for s, r in ISSUE_40_REWARD.items()] + [{"step": 20, "val/lookup/acc_mean@1": 0.99}]
+    g.replay(rows, upto_step=25)
+    assert sorted(g.rewards) == list(range(1, 26)) and g.rewards[20] == pytest.approx(0.84)
+    _, verl, _ = _guards(tmp_path / "verl", "logging.metric_names=verl")
+    verl.replay([{"step": 3, "critic/rewards/mean": 0.5}], upto_step=25)  # verl's name of grpo/rewards/mean
+    assert verl.rewards == {3: 0.5}

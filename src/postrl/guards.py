@@ -210,6 +210,17 @@ class Guards:
                 self.warned.add(key)
                 self.log(f"[yellow]warning (step {step}): {message}[/yellow]")
 
+    def replay(self, rows: list[dict], upto_step: int) -> None:
+        """The training rewards an earlier part of the run logged (metrics.jsonl rows, any logging.metric_names),
+        so heldout_collapse compares across a resume."""
+        from postrl.metrics import lookup
+
+        name = self.cfg.algorithm.name
+        for row in rows:
+            value = lookup(row, f"{name}/rewards/mean", name)
+            if value is not None and isinstance(row.get("step"), int) and row["step"] <= upto_step:
+                self.rewards[row["step"]] = value
+
     def after_validation(self, points: list[tuple[int, float]], found: tuple[str, float] | None) -> bool:
         """heldout_collapse on the headline validation history (`points`, ValidationHistory's); True when it holds
         (the trainer then backs off where checkpoint.back_off is on). Speaks once per best."""

@@ -338,7 +338,9 @@ class Trainer:
         self.sampler.load_state_dict(restored.sampler)
         metrics_path = Path(self.cfg.logging.dir) / "metrics.jsonl"
         if metrics_path.exists():
-            self.history.replay(read_jsonl(metrics_path), self.step)
+            rows = read_jsonl(metrics_path)
+            self.history.replay(rows, self.step)
+            self.guards.replay(rows, self.step)  # the training rewards heldout_collapse compares
         self.log(f"resumed from {restored.path} at step {self.step}")
         if self.step >= self.cfg.train.total_steps:
             self.log(
