@@ -85,7 +85,7 @@ class ValidationHistory:
         b, best = max(self.points, key=lambda sv: (sv[1], -sv[0]))
         line = f"held-out accuracy: start {start:.1%} (step {s0}), best {best:.1%} (step {b}), last {last:.1%} (step {s1})"
         if self.back_offs:
-            line += "; back-offs (checkpoint.back_off): " + ", ".join(
+            line += "; back to the best weights (checkpoint.back_off / end_with_best): " + ", ".join(
                 f"at step {s} from {fell:.1%} to step {to}'s weights" for s, to, fell in self.back_offs
             )
         if last >= start:
