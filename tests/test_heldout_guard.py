@@ -103,10 +103,13 @@ def _step(entropy: float, length: float) -> dict[str, float]:
 @pytest.mark.parametrize(
     "entropy, length, fires",
     [
-        (0.017, 48.0, True),   # issue 40: 0.8 nats per answer, above the per-token floor 0.01
+        (0.012, 30.0, True),   # 0.36 nats per answer: above the per-token floor 0.01, below the answer's 0.5
         (0.30, 48.0, False),   # 14 nats per answer
         (0.005, 300.0, True),  # below the per-token floor whatever the length
-        (0.04, 30.0, False),   # 1.2 nats per answer
+        # issue 40's tool run (0.017 x 48 = 0.8 nats) and `make run` from step 14 on (0.73-0.99 nats, held-out
+        # accuracy at its best 49.0%): the same entropy, one healthy, so entropy is not this failure's signal
+        (0.017, 48.0, False),
+        (0.0255, 28.5, False),
     ],
 )  # fmt: skip
 def test_the_entropy_floor_counts_the_whole_answer(tmp_path, entropy, length, fires):
@@ -114,7 +117,7 @@ def test_the_entropy_floor_counts_the_whole_answer(tmp_path, entropy, length, fi
     for step in range(1, 6):
         g.after_step(_step(entropy, length), step)
     assert ("guard entropy" in console.file.getvalue()) == fires
-    if fires and entropy * length < 1.0:
+    if fires and entropy >= 0.01:
         assert f"{entropy * length:.2f} nats per {length:.0f}-token answer" in console.file.getvalue()
 
 
