@@ -888,9 +888,37 @@ class GuardsConfig(Section):
     )
     drift_limit: float = Field(0.1, gt=0, description="Warn when rollout/logprob_diff_mean exceeds this.")
     entropy_floor: float = Field(0.01, ge=0, description="Warn when actor/entropy stays below this ...")
+    seq_entropy_floor: float = Field(
+        0.5, ge=0, description="... or when actor/entropy x response_length/mean (the answer's entropy, nats) stays below this "
+        "(e^0.5 = 1.6 distinct answers per group). Not lower-bounded by health: `make run` ends at 0.7-0.9 nats per answer "
+        "with its held-out accuracy at its best (docs/learning.md). 0 = off.",
+    )
     entropy_steps: int = Field(5, ge=1, description="... for this many steps in a row.")
+    collapse_drop: float = Field(
+        0.1, ge=0, le=1, description="heldout_collapse: warn when the headline validation metric falls more than this "
+        "(absolute; or collapse_share of the best, whichever is smaller) below its best while the training reward holds; "
+        "with checkpoint.back_off also go back to the best weights. 0 = off.",
+    )
+    collapse_share: float = Field(0.25, gt=0, le=1, description="heldout_collapse: ... or more than this share of the best.")
+    collapse_window: int = Field(5, ge=1, description="heldout_collapse: training steps whose mean reward is compared.")
+    collapse_reward_tol: float = Field(
+        0.02, ge=0, description="heldout_collapse: the reward 'holds' when its recent mean is at least the mean at the best less this."
+    )
     no_signal_steps: int = Field(5, ge=1, description="Warn when every group has zero reward spread this many steps in a row.")
     slow_reward_share: float = Field(0.1, ge=0, le=1, description="Warn when more than this share of reward calls time out.")
+
+
+class SamplesConfig(Section):
+    """Samples written as JSONL under <logging.dir>/samples/ (src/postrl/samples.py): prompt, every turn with its tool
+    calls and results, response, reward, acc, version, step."""
+
+    rollout_freq: int = Field(
+        0, ge=0, description="Write the batch trained on to rollout_step_N.jsonl every N steps (verl: trainer.rollout_data_dir); 0 = off."
+    )
+    val: bool = Field(True, description="Write every validation's generations to val_step_N.jsonl (verl: trainer.validation_data_dir).")
+    print_val: int = Field(
+        0, ge=0, description="Print this many generations of each validation set as a table on the console (verl: trainer.log_val_generations)."
+    )
 
 
 class LoggingConfig(Section):
@@ -901,6 +929,7 @@ class LoggingConfig(Section):
     )
     dir: str = Field("runs/default", description="Run directory: metrics.jsonl, plots, checkpoints.")
     log_interval: int = Field(1, ge=1, description="Print a step line every N steps.")
+    samples: SamplesConfig = Field(default_factory=SamplesConfig)
     progress: bool = Field(True, description="Show a rich progress bar.")
     verbose: bool = Field(
         False, description="Show third-party warnings and logs (transformers, vLLM, torch, Python warnings) and "

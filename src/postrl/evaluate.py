@@ -83,11 +83,12 @@ class ValidationHistory:
         b, best = max(self.points, key=lambda sv: (sv[1], -sv[0]))
         line = f"held-out accuracy: start {start:.1%} (step {s0}), best {best:.1%} (step {b}), last {last:.1%} (step {s1})"
         if self.back_offs:
-            line += "; back-offs (checkpoint.back_off): " + ", ".join(
+            line += "; back to the best weights (checkpoint.back_off / end_with_best): " + ", ".join(
                 f"at step {s} from {fell:.1%} to step {to}'s weights" for s, to, fell in self.back_offs
             )
         if last >= start:
-            return f"[bold]{line}[/bold]"
+            kept = f"; the best weights (step {b}) are in {best_dir} (postrl export {best_dir} OUT)" if best_dir is not None else ""
+            return f"[bold]{line}{kept}[/bold]"
         where = (
             f"the best weights are in {best_dir} (postrl export that directory)"
             if best_dir is not None
@@ -116,9 +117,10 @@ def report_ks(n: int) -> list[int]:
     return ks + [n]
 
 
-def evaluate(engine, tokenizer, reward_fn, examples: list, eval_cfg, name: str, seed: int = 0, agent: bool = False) -> dict[str, float]:
+def evaluate(engine, tokenizer, reward_fn, examples: list, eval_cfg, name: str, seed: int = 0, agent: bool = False, record=None) -> dict[str, float]:
     """acc_mean@n and pass@k of the engine's completions on `examples` (see the module docstring); `agent`:
-    the engine is the agent loop (rollout.multi_turn.enable), which takes the prompts' rows."""
+    the engine is the agent loop (rollout.multi_turn.enable), which takes the prompts' rows. `record`
+    (samples.SampleWriter.for_validation) receives (name, examples, completions, acc, scores) to write them."""
     from postrl.agents.loop import generate_for, model_text, model_tokens
     from postrl.rollout import SamplingParams
 
@@ -138,6 +140,8 @@ def evaluate(engine, tokenizer, reward_fn, examples: list, eval_cfg, name: str, 
         out[f"val/{name}/pass@{k}"] = sum(pass_at_k(n, c, k) for c in correct) / len(correct)
     scores = [s + c.env_reward for s, c in zip(res.scores, completions)]  # + environments', as in training
     out[f"val/{name}/score_mean"] = sum(scores) / len(scores)
+    if record is not None:
+        record(name, examples, completions, acc, scores)
     out[f"val/{name}/response_length_mean"] = sum(model_tokens(c) for c in completions) / len(completions)
     if any(c.turn_spans is not None for c in completions):  # the agent loop: how often the policy used its tools
         out[f"val/{name}/tool_calls_mean"] = sum(c.tool_calls for c in completions) / len(completions)

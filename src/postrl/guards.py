@@ -12,7 +12,15 @@ waste the run (weights that never reach the rollout engine). docs/algorithms.md 
                  the trainer's (every token in float32, on average in bf16 / fp16): a gap means the
                  sync did not happen (trl#5312, verl#7495).
 - drift:         the engine's sampling log-probs vs the trainer's on the batch (rollout/logprob_diff_mean).
-- entropy:       entropy below a floor for several steps in a row: the policy has collapsed.
+- entropy:       entropy below a floor for several steps in a row: the policy has collapsed. Two floors: per
+                 token (entropy_floor), and per answer (entropy x mean response length below
+                 seq_entropy_floor nats, 0.5: e^0.5 = 1.6 distinct answers in a group, however high the
+                 per-token number looks on a long answer). Issue 40's 0.017 on a 48-token answer (0.8 nats)
+                 stays above it on purpose: the healthy `make run` ends at 0.7-0.9 nats per answer.
+- heldout_collapse: at a validation, held-out accuracy well below its best while the training reward
+                 holds or rises: the policy fits the training prompts and loses what carried over (on agent
+                 tasks, copying an unseen entity into the tool call: docs/learning.md). Backs off to the best
+                 weights where checkpoint.back_off is on.
 - no_signal:     every group's reward without spread for several steps in a row: zero advantages,
                  nothing to learn.
 - slow_reward:   more than a share of the reward calls of a step hit reward.timeout_s.
@@ -74,13 +82,60 @@ def drift(diff_mean: float | None, limit: float) -> str | None:
     )
 
 
-def entropy(value: float, floor: float, streak: int, need: int) -> str | None:
+def entropy(value: float, floor: float, streak: int, need: int, length: float | None = None, seq_floor: float | None = None) -> str | None:
+    """Per-token entropy below `floor`, or (with `length`, the mean response length) the answer's entropy
+    value x length below `seq_floor` nats, for `need` steps in a row (`streak`)."""
     if streak < need:
         return None
+    if value < floor or not (length and seq_floor):
+        what = f"actor/entropy has stayed below {floor} for {streak} steps (now {value:.4f})"
+    else:
+        what = (f"the answers' entropy (actor/entropy x response_length/mean) has stayed below {seq_floor} nats for {streak} "
+                f"steps (now {value:.4f} per token, {value * length:.2f} nats per {length:.0f}-token answer)")  # fmt: skip
     return (
-        f"guard entropy: actor/entropy has stayed below {floor} for {streak} steps (now {value:.4f}): the policy "
-        "has collapsed onto near-deterministic outputs and explores nothing. Fix: lower train.lr, raise "
-        "algorithm.clip_ratio_high (clip-higher), add algorithm.entropy_coef, or resume from an earlier checkpoint."
+        f"guard entropy: {what}: the policy has collapsed onto near-deterministic outputs, the samples of "
+        "a group are nearly all the same, and it explores nothing. Fix: lower train.lr, raise "
+        "algorithm.clip_ratio_high (clip-higher), add algorithm.entropy_coef or algorithm.kl.coef (KL to the SFT "
+        "model), or resume from an earlier checkpoint (checkpoint.keep_best)."
+    )
+
+
+def collapsed(value: float, best: float, drop: float, share: float) -> bool:
+    """Held-out accuracy `value` well below its `best`: by more than `drop` (absolute) or `share` of the best,
+    whichever is smaller (from 99% a fall of 10 points, from 20% one of 5)."""
+    return best - value > min(drop, share * best) + 1e-9
+
+
+def heldout_collapse(
+    metric: str, points: list[tuple[int, float]], rewards: dict[int, float], drop: float, share: float, window: int, tol: float
+) -> tuple[str, int] | None:
+    """(message, the best's step) when the last validation in `points` ((step, value), oldest first) fell well
+    below the best one (`collapsed`) while the training reward (`rewards`: step -> mean reward) held or rose:
+    the mean over the `window` steps before the last validation is at least the mean over the `window` steps
+    up to the best one (from step 1 when the best is the start) less `tol`. None otherwise, or without the rewards."""
+    if len(points) < 2:
+        return None
+    (step, value), (b, best) = points[-1], max(points, key=lambda sv: (sv[1], -sv[0]))
+    if b >= step or not collapsed(value, best, drop, share):
+        return None
+
+    def mean_over(first: int, last: int) -> float | None:
+        got = [rewards[s] for s in range(first, last + 1) if s in rewards]
+        return sum(got) / len(got) if got else None
+
+    at_best = mean_over(max(b - window + 1, 1), b) if b > 0 else mean_over(1, window)  # the start: the first steps'
+    now = mean_over(step - window + 1, step)
+    if at_best is None or now is None or now < at_best - tol:
+        return None  # the training reward fell too: not this guard's pattern (or unknown, e.g. before a resume)
+    return (
+        f"guard heldout_collapse: {metric} fell to {value:.1%} at step {step} from its best {best:.1%} at step {b} "
+        f"({best - value:.1%} below it), while the training reward held ({at_best:.3f} over the {window} steps to step "
+        f"{max(b, 1)}, {now:.3f} over the last {window}): the policy fits the training prompts and loses what carried over "
+        "to unseen ones (on agent tasks, e.g. copying an unseen name into the tool call). Read the failing "
+        f"trajectories in <logging.dir>/samples/val_step_{step}.jsonl against val_step_{b}.jsonl. Fix: keep the best "
+        "weights (checkpoint.keep_best with end_with_best, or back_off to go back now), add algorithm.kl.coef (KL to "
+        "the SFT model), lower train.lr, or train on more varied prompts.",
+        b,
     )
 
 
@@ -112,7 +167,8 @@ class Guards:
         self.cfg, self.log = cfg, log
         self.g = cfg.guards
         self.streaks = Streaks()
-        self.warned: set[str] = set()  # each guard speaks once per run
+        self.warned: set[str] = set()  # each guard speaks once per run (heldout_collapse once per best)
+        self.rewards: dict[int, float] = {}  # step -> the training batch's mean reward (heldout_collapse)
         # Two computations of the same log-probs agree on every token in float32; in bf16 / fp16 another
         # kernel (another engine, or another attention backend with and without grad) rounds logits of
         # size ~10 in their 8th significant bit, and a few unlikely tokens differ by 0.1 or more with the
@@ -135,12 +191,16 @@ class Guards:
         if not g.enable:
             return
         gap, statistic = self._first_ratio_gap(m)
-        entropy_streak = self.streaks.update("entropy", m["actor/entropy"] < g.entropy_floor)
+        length = m.get("response_length/mean")
+        low = m["actor/entropy"] < g.entropy_floor or bool(length and m["actor/entropy"] * length < g.seq_entropy_floor)
+        entropy_streak = self.streaks.update("entropy", low)
+        if f"{name}/rewards/mean" in m:
+            self.rewards[step] = m[f"{name}/rewards/mean"]
         signal_streak = self.streaks.update("no_signal", m[f"{name}/zero_spread_groups_ratio"] >= 1.0)
         found = {
             "first_ratio": first_ratio(gap, self.tolerance(g.first_ratio_tol), statistic),
             "drift": drift(m.get("rollout/logprob_diff_mean"), g.drift_limit),
-            "entropy": entropy(m["actor/entropy"], g.entropy_floor, entropy_streak, g.entropy_steps),
+            "entropy": entropy(m["actor/entropy"], g.entropy_floor, entropy_streak, g.entropy_steps, length, g.seq_entropy_floor),
             "no_signal": no_signal(signal_streak, g.no_signal_steps),
             "slow_reward": slow_reward(
                 int(m.get("reward/timeouts", 0)), int(m.get("reward/calls", 0)), g.slow_reward_share, self.cfg.reward.timeout_s
@@ -150,6 +210,32 @@ class Guards:
             if message and key not in self.warned:
                 self.warned.add(key)
                 self.log(f"[yellow]warning (step {step}): {message}[/yellow]")
+
+    def replay(self, rows: list[dict], upto_step: int) -> None:
+        """The training rewards an earlier part of the run logged (metrics.jsonl rows, any logging.metric_names),
+        so heldout_collapse compares across a resume."""
+        from postrl.metrics import lookup
+
+        name = self.cfg.algorithm.name
+        for row in rows:
+            value = lookup(row, f"{name}/rewards/mean", name)
+            if value is not None and isinstance(row.get("step"), int) and row["step"] <= upto_step:
+                self.rewards[row["step"]] = value
+
+    def after_validation(self, points: list[tuple[int, float]], found: tuple[str, float] | None) -> bool:
+        """heldout_collapse on the headline validation history (`points`, ValidationHistory's); True when it holds
+        (the trainer then backs off where checkpoint.back_off is on). Speaks once per best."""
+        g = self.g
+        if not g.enable or found is None or not g.collapse_drop:
+            return False
+        hit = heldout_collapse(found[0], points, self.rewards, g.collapse_drop, g.collapse_share, g.collapse_window, g.collapse_reward_tol)
+        if hit is None:
+            return False
+        message, best_step = hit
+        if f"heldout_collapse@{best_step}" not in self.warned:
+            self.warned.add(f"heldout_collapse@{best_step}")
+            self.log(f"[yellow]warning (step {points[-1][0]}): {message}[/yellow]")
+        return True
 
     @torch.no_grad()
     def check_sync(self, engine: Any, model: torch.nn.Module, probe: list[int], autocast: Any = None) -> dict[str, float]:

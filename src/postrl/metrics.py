@@ -277,10 +277,20 @@ def plot_run(metrics_path: str | Path, out_png: str | Path, algo: str) -> Path:
     axes[0].legend()
     axes[1].plot(steps, [r["response_length/mean"] for r in train])
     axes[1].set_title("response length (tokens)")
+    for ax in axes[:2]:  # where validation ran: read the training curves against the held-out points
+        for s in sorted({s for s, _, _ in val}):
+            ax.axvline(s, color="grey", linestyle=":", linewidth=0.8)
     for name in sorted({k for _, k, _ in val}):
         pts = [(s, v) for s, k, v in val if k == name]
         axes[2].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
-    axes[2].set_title("held-out accuracy")
+        for s, v in pts:
+            axes[2].annotate(f"{v:.1%}", (s, v), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7)
+        b = max(pts, key=lambda p: (p[1], -p[0]))
+        axes[2].plot([b[0]], [b[1]], marker="*", markersize=14, color="gold", markeredgecolor="black", linestyle="none")
+    backs = [r["step"] for r in rows if r.get("training/back_off")]
+    if backs:  # checkpoint.back_off / end_with_best put the best weights back here
+        axes[2].plot(backs, [min(v for _, _, v in val)] * len(backs), marker="x", color="red", linestyle="none", label="back to best")
+    axes[2].set_title("held-out accuracy (star: best)")
     if val:
         axes[2].legend()
     for ax in axes:

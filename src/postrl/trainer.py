@@ -29,6 +29,7 @@ from postrl.evaluate import ValidationHistory, evaluate
 from postrl.experience import Batch, batch_metrics, staleness_metrics
 from postrl.metrics import MetricsLogger, Timer, plot_logged, progress_bar, read_jsonl, step_line, throughput, val_line
 from postrl.runtime import StopOnSignal, init_runtime, rng_state, set_rng_state
+from postrl.samples import SampleWriter
 
 
 class Trainer:
@@ -67,6 +68,7 @@ class Trainer:
         self._closed = False
         self.guards = guards.Guards(cfg, self.log)
         self.history = ValidationHistory(cfg.checkpoint.keep_best)  # the headline validation metric
+        self.samples = SampleWriter(cfg, self.tokenizer, self.log, enabled=rt.is_main)  # <logging.dir>/samples/*.jsonl
 
         restored = checkpoint.resume(cfg, len(self.train_examples), self.log)
         if restored is not None:
@@ -154,6 +156,7 @@ class Trainer:
                 update_stats.update(self.actor.update(local, use_ref=self.cfg.algorithm.kl.coef > 0))
             with self.timer("resharding_to_infer"):  # the weights for the next batches, checked where they land
                 update_stats.update(self.batches.publish(self.model, self.step + 1))
+        self.samples.rollout(self.step + 1, batch)
         return self._step_metrics(batch, gen_stats, update_stats)
 
     def _collect(self):
@@ -229,7 +232,9 @@ class Trainer:
         self.sampler.load_state_dict(restored.sampler)
         metrics_path = Path(self.cfg.logging.dir) / "metrics.jsonl"
         if metrics_path.exists():
-            self.history.replay(read_jsonl(metrics_path), self.step)
+            rows = read_jsonl(metrics_path)
+            self.history.replay(rows, self.step)
+            self.guards.replay(rows, self.step)  # the training rewards heldout_collapse compares
         self.log(f"resumed from {restored.path} at step {self.step}")
         if self.step >= self.cfg.train.total_steps:
             self.log(
@@ -258,11 +263,13 @@ class Trainer:
         engine, agent = self.batches.validation_engine(self.model), self.cfg.rollout.multi_turn.enable
         out = {}
         for name, examples in self.val_sets.items():
-            out.update(evaluate(engine, self.tokenizer, self.reward_fn.score_rules, examples, self.cfg.eval, name, self.cfg.train.seed, agent))
+            out.update(evaluate(engine, self.tokenizer, self.reward_fn.score_rules, examples, self.cfg.eval, name, self.cfg.train.seed, agent,
+                                record=self.samples.for_validation(self.step)))
         out["timing/eval"] = time.perf_counter() - start
         found = self.history.record(self.step, out)  # the headline metric (checkpoint.keep_best)
         checkpoint.keep_if_best(self.cfg, self.model, self.tokenizer, self.step, found)
-        if (best := checkpoint.fell_below_best(self.cfg, found, last)) is not None:
+        collapsed = self.guards.after_validation(self.history.points, found)  # held-out collapse: warns
+        if (best := checkpoint.fell_below_best(self.cfg, found, last, collapsed)) is not None:
             self._back_off(best, found[1], out, last)
         return out
 

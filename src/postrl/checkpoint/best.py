@@ -63,12 +63,15 @@ def keep_if_best(cfg: Any, model: Any, tokenizer: Any, step: int, found: tuple[s
         save_best(cfg, model, tokenizer, step, value, name)
 
 
-def fell_below_best(cfg: Any, found: tuple[str, float] | None, last: bool = False) -> dict | None:
+def fell_below_best(cfg: Any, found: tuple[str, float] | None, last: bool = False, collapsed: bool = False) -> dict | None:
     """The kept best {"step", "metric", "value"} when this validation (`found`) is more than the allowed
     fall below it: checkpoint.back_off during the run, checkpoint.end_with_best (else back_off) at the
-    `last` validation; else None (also when neither is set, or without keep_best)."""
+    `last` validation; else None (also when neither is set, or without keep_best). `collapsed` (the
+    heldout_collapse guard held) makes any fall enough where back_off is on."""
     c = cfg.checkpoint
     allowed = (c.end_with_best if c.end_with_best is not None else c.back_off) if last else c.back_off
+    if collapsed and c.back_off is not None:
+        allowed = 0.0
     if found is None or allowed is None or not c.keep_best:
         return None
     best = best_so_far(cfg)

@@ -32,6 +32,14 @@ from postrl.guides.rules import (
 )
 
 
+SAMPLES_DIR_NOTE = "written to <logging.dir>/samples/ (rollout_step_N.jsonl, val_step_N.jsonl), not to the directory given"
+
+
+def _unset(v) -> bool:
+    """verl's null (no dump) as a command line or YAML gives it."""
+    return v is None or str(v).strip().lower() in ("", "null", "none", "~")
+
+
 # verl's ppo_trainer.yaml and the DAPO recipe's overrides. Keys not listed fall under a prefix rule
 # below, or are reported as unknown.
 VERL: dict[str, Rule] = {
@@ -182,7 +190,9 @@ VERL: dict[str, Rule] = {
     "trainer.max_actor_ckpt_to_keep": via(lambda v: {"checkpoint.keep_last": int(v) if v else 0}),
     "trainer.critic_warmup": drop(GAE),
     "trainer.balance_batch": drop("postrl balances every update's rows across ranks by tokens (partition.py) always"),
-    "trainer.log_val_generations": drop(LOGGING),
+    "trainer.log_val_generations": to("logging.samples.print_val", "that many validation generations printed as a table per validation"),
+    "trainer.rollout_data_dir": via(lambda v: {"logging.samples.rollout_freq": 0 if _unset(v) else 1}, SAMPLES_DIR_NOTE),
+    "trainer.validation_data_dir": via(lambda v: {"logging.samples.val": not _unset(v)}, SAMPLES_DIR_NOTE),
     "trainer.val_only": drop("use `postrl eval CONFIG`"),
     "trainer.del_local_ckpt_after_load": drop("checkpoints are kept per checkpoint.keep_last"),
     "trainer.ray_wait_register_center_timeout": drop(PLACEMENT),
