@@ -1,0 +1,556 @@
+"""Rollout as a service (`rollout.placement: pool`, DESIGN.md section 12): rollout replicas as Ray actors on
+their own cores / devices, on any node of the cluster; weights by broadcast (docs/async.md).
+
+    trainer (rank 0)                                      replica r (a Ray actor in its placement group)
+    next_batch(s): deal prompt chunks of batch b          | policy copy + engine (vLLM / HF, agents) + rewards
+      (b <= newest version + k) to replicas as they free  | receiver thread: version v from the trainer's
+      up; a batch is returned once all its groups are in  |   group -> staging buffer, checked by checksum
+    publish(model, v): gather once (FSDP2), broadcast ->  | generate(chunk): load the newest version, then
+      every replica's group {trainer, replica}            |   Experience.generate_and_score (stamped)
+
+Dealing: batch b's prompts are drawn in the sync loop's order (gen_batch_size prompts, more for dynamic
+sampling) and split into `ceil(gen_batch_size / replicas)`-group chunks; a replica that frees up takes the
+next chunk whose batch is within the bound (b - k <= the newest published version), so no sequence is more
+than k updates old, whichever replica made it. Each chunk carries the seeds of sync step b.
+
+Weights: each replica meets the trainer in a torch.distributed group of two (gloo on CPU, the accelerator
+record's backend otherwise) over a TCP store the trainer hosts; a publication is a header (version,
+publication number, checksum) and one flat buffer per dtype, gathered from FSDP2 shards once
+(transport.SharedWeights packs them). One group per replica rather than one for all: a replica that dies
+breaks only its own group (its restart forms a new one), at the cost of one send per replica from the
+trainer. The replica checks the publication number (none missed) and the checksum of what it loaded before
+it samples; the trainer checks every batch's versions and checksums against what it published.
+
+Faults: a replica that dies (its actor's call fails) is restarted up to `rollout.pool.max_restarts` times
+(default rollout.max_worker_restarts), then dropped while the rest go on; the chunks it had are dealt again.
+Every batch carries the sampler position after its prompts, as the worker's do (batch_source.Worker).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from postrl.async_rollout import WorkerDied, partial_metrics, split_stale
+from postrl.errors import UserError
+from postrl.experience import Batch, concat, select, select_groups
+from postrl.transport import SharedWeights, checksum, trainable
+
+_TIMEOUT = datetime.timedelta(seconds=120)  # a collective that waits longer than this fails (its peer is gone)
+
+
+def make_group(backend: str, store: Any, rank: int) -> Any:
+    """A two-member process group {trainer: 0, replica: 1} on `store`, outside the default group."""
+    import torch.distributed as dist
+
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, 2, _TIMEOUT)
+    if backend == "nccl":
+        return dist.ProcessGroupNCCL(store, rank, 2)
+    if backend == "hccl":
+        import torch_npu  # noqa: F401 - registers ProcessGroupHCCL
+
+        return torch.distributed.ProcessGroupHCCL(store, rank, 2)  # type: ignore[attr-defined]
+    raise ValueError(f"no process group for backend {backend!r}")
+
+
+class ReceivedWeights:
+    """The replica's side of the broadcast, with SharedWeights' reading interface (VersionedEngine reads it):
+    a thread receives each publication into a staging buffer and hands it over whole."""
+
+    def __init__(self, slots: list, device: torch.device):
+        self.slots, self.device = slots, device
+        sizes: dict[torch.dtype, int] = {}
+        for s in slots:
+            sizes[s.dtype] = max(sizes.get(s.dtype, 0), s.offset + s.numel)
+        self.sizes = sizes
+        self.ready: dict[torch.dtype, torch.Tensor] | None = None
+        self.header = (-1, 0, 0.0)  # version, publication number, checksum of the ready buffers
+        self.cond = threading.Condition()
+        self.error: BaseException | None = None
+        self.load_seconds = 0.0
+
+    def receive_forever(self, group: Any) -> None:
+        try:
+            while True:
+                head = torch.zeros(2, dtype=torch.int64, device=self.device)
+                group.broadcast(head, 0).wait()
+                total = torch.zeros(1, dtype=torch.float64, device=self.device)
+                group.broadcast(total, 0).wait()
+                bufs = {}
+                for dtype, n in self.sizes.items():
+                    bufs[dtype] = torch.empty(n, dtype=dtype, device=self.device)
+                    group.broadcast(bufs[dtype], 0).wait()
+                version, number = (int(x) for x in head.tolist())
+                with self.cond:
+                    if number != self.header[1] + 1:  # a publication missed: never sample with older weights
+                        raise RuntimeError(f"publication {number} arrived after {self.header[1]}: one was missed")
+                    self.ready, self.header = bufs, (version, number, float(total.item()))
+                    self.cond.notify_all()
+        except BaseException as exc:  # noqa: BLE001 - the trainer went away, or a check failed: the sampler sees it
+            with self.cond:
+                self.error = exc
+                self.cond.notify_all()
+
+    def _check(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"the weight receiver stopped: {self.error}")
+
+    def latest(self) -> int:
+        self._check()
+        return self.header[0]
+
+    def publications(self) -> int:
+        return self.header[1]
+
+    def wait_newer(self, than: int, timeout: float) -> bool:
+        with self.cond:
+            self.cond.wait_for(lambda: self.header[0] > than or self.error is not None, timeout)
+        self._check()
+        return self.header[0] > than
+
+    @torch.no_grad()
+    def load(self, model: torch.nn.Module) -> tuple[int, float]:
+        """The newest publication into `model`; its checksum must equal the trainer's (else it was torn)."""
+        start = time.perf_counter()
+        with self.cond:
+            self._check()
+            bufs, (version, _, expected) = self.ready, self.header
+        named = dict(model.named_parameters())
+        params = [named[s.name] for s in self.slots]
+        for s, p in zip(self.slots, params):
+            p.copy_(bufs[s.dtype][s.offset : s.offset + s.numel].view(s.shape))
+        got = checksum(params)
+        if got != expected:
+            raise RuntimeError(f"weights of version {version} loaded with checksum {got!r}, published as {expected!r}")
+        self.load_seconds += time.perf_counter() - start
+        return version, got
+
+
+class _Never:
+    def is_set(self) -> bool:
+        return False
+
+
+class Replica:
+    """One rollout replica (the body of a Ray actor): the assembly's rollout-worker role, its weights from the
+    trainer's group, generating the chunks it is dealt."""
+
+    def __init__(self, cfg: Any, examples: list, slots: list, threads: int):
+        from postrl.async_rollout import VersionedEngine
+        from postrl.assembly import build_run
+        from postrl.guards import Guards
+
+        torch.set_num_threads(threads)
+        self.cfg, self.examples = cfg, examples
+        guards = Guards(cfg, log=lambda msg: None)
+        probe = examples[0].prompt_ids if not examples[0].multi_modal else None
+        self.weights: ReceivedWeights | None = None
+        self.slots = slots
+
+        def versioned(engine, run):
+            autocast = run.runtime.autocast
+            self.weights = ReceivedWeights(slots, torch.device("cpu") if run.runtime.device.type == "cpu" else run.runtime.device)
+
+            def check(engine, model):  # the sync guard, on every version loaded
+                return guards.check_sync(engine, model, probe, autocast()) if probe is not None else {}
+
+            return VersionedEngine(engine, run.policy.model, self.weights, cfg.rollout, autocast(), _Never(), os.getppid(),
+                                   on_load=check, logprobs=cfg.algorithm.rollout_correction.enable)  # fmt: skip
+
+        self.run = build_run(cfg, "rollout-worker", examples=examples, prepare=lambda model: None, wrap=versioned)
+
+    def where(self) -> dict:
+        import ray
+
+        return {"node": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+
+    def connect(self, host: str, port: int, prefix: str, backend: str) -> None:
+        """Join the trainer's group (in a thread: the trainer sends to it from now on)."""
+        import torch.distributed as dist
+
+        def serve():
+            store = dist.PrefixStore(prefix, dist.TCPStore(host, port, None, False, timeout=_TIMEOUT))
+            self.weights.receive_forever(make_group(backend, store, 1))
+
+        threading.Thread(target=serve, daemon=True, name="postrl-weights").start()
+
+    def generate(self, index: int, gen: int, lo: int, rows: list[int], min_version: int) -> dict:
+        """Generate and score prompts `rows` (chunk `lo` of generation batch `gen` of batch `index`) with
+        weights of `min_version` or newer."""
+        from postrl.metrics import Timer
+        from postrl.partition import shard_seed
+
+        exp = self.run.experience
+        idle = exp.engine.wait_for(max(min_version, 0))  # and some weights at all
+        start = time.perf_counter()
+        timer = Timer()
+        failures = {"reward/calls": 0, "reward/timeouts": 0, "reward/errors": 0, "reward/invalid": 0}
+        batch = exp.generate_and_score([self.examples[i] for i in rows], shard_seed(exp._seed(index, gen), lo), timer, failures)
+        load, self.weights.load_seconds = self.weights.load_seconds, 0.0
+        return {"batch": batch, "failures": failures, "seconds": dict(timer.seconds), "busy": time.perf_counter() - start,
+                "idle": idle, "load_s": load, "checksums": dict(exp.engine.checksums), "tokens": sum(batch.model_tokens)}  # fmt: skip
+
+
+@dataclass
+class _Chunk:
+    index: int  # the batch (training step) it is for
+    gen: int  # its generation batch within the step (dynamic sampling draws more)
+    lo: int  # its first prompt's place in the generation batch
+    rows: list[int]  # prompt indices
+
+
+@dataclass
+class _Member:
+    """The trainer's handle on one replica."""
+
+    rank: int
+    actor: Any = None
+    placement: Any = None
+    group: Any = None
+    where: dict = field(default_factory=dict)
+    task: Any = None  # the ObjectRef of its chunk in flight
+    chunk: _Chunk | None = None
+    restarts: int = 0
+    alive: bool = True
+    sent: int = 0  # publications sent to this actor
+    tokens: float = 0.0
+    busy: float = 0.0
+    lag: list = field(default_factory=list)
+    publish_s: float = 0.0
+    load_s: float = 0.0
+
+
+@dataclass
+class _Open:
+    """A batch being made: its chunks per generation batch and the groups kept so far."""
+
+    index: int
+    gen: int = 0
+    pending: dict = field(default_factory=dict)  # gen -> {lo: Batch or None}
+    kept: list = field(default_factory=list)
+    n_kept: int = 0
+    n_generated: int = 0
+    failures: dict = field(default_factory=dict)
+    seconds: dict = field(default_factory=dict)
+    closed: bool = False  # no more prompts will be drawn for it
+    sampler: dict | None = None
+
+
+class RolloutPool:
+    """The trainer's side of the pool, with AsyncRollout's interface (batch_source.Worker drives either)."""
+
+    def __init__(self, cfg, model: torch.nn.Module, examples: list, sampler: dict, step: int, threads: int, log, lend: bool = False):
+        from postrl.data.dataset import PromptSampler
+        from postrl.launch import _import_ray
+
+        self.cfg, self.examples, self.log = cfg, examples, log
+        self.k, self.G = cfg.rollout.max_staleness, cfg.rollout.n_samples_per_prompt
+        self.pool = cfg.rollout.pool
+        self.max_restarts = self.pool.max_restarts if self.pool.max_restarts is not None else cfg.rollout.max_worker_restarts
+        self.ray = ray = _import_ray(one_node=not cfg.cluster.ray_address)
+        if not ray.is_initialized():
+            ray.init(address=cfg.cluster.ray_address, include_dashboard=False, log_to_driver=False)
+        import torch.distributed as dist
+
+        from postrl.runtime import accelerator
+
+        self.acc = accelerator()
+        self.backend = self.acc.backend
+        self.host = ray.util.get_node_ip_address()
+        self.store = dist.TCPStore(self.host, 0, None, True, timeout=_TIMEOUT, wait_for_workers=False)
+        self.packer = SharedWeights(model, torch.multiprocessing.get_context("spawn"))
+        self.sums: dict[int, set[float]] = {}
+        self.version, self.header = -1, (0, 0.0)  # newest published; its publication number and checksum
+        self.restarts = 0  # AsyncRollout's: a whole-pool restart (batch_source.Worker counts them)
+        self.sampler = PromptSampler(len(examples), cfg.data.shuffle, cfg.data.seed)
+        self.examples_ref = ray.put(examples)
+        self.members = [_Member(r) for r in range(self.pool.replicas)]
+        self.generation = 0  # group names are unique per start
+        self.publish(model, step)
+        self._start(sampler, step)
+
+    # ------------------------------------------------------------------------- replicas
+    def _launch(self, m: _Member) -> None:
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        p = self.pool
+        bundle = {"CPU": p.cpus_per_replica, **p.resources}
+        if p.devices_per_replica:
+            bundle[self.acc.ray_resource] = p.devices_per_replica
+        m.placement = placement_group([bundle])
+        actor_cls = self.ray.remote(Replica)
+        m.actor = actor_cls.options(
+            num_cpus=p.cpus_per_replica, resources={self.acc.ray_resource: p.devices_per_replica} if p.devices_per_replica and self.acc.ray_resource != "GPU" else None,
+            num_gpus=p.devices_per_replica if self.acc.ray_resource == "GPU" else 0, max_concurrency=2,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(m.placement), name=None,
+        ).remote(self.cfg, self.examples_ref, self.packer.slots, p.cpus_per_replica)  # fmt: skip
+
+    def _connect(self, m: _Member) -> None:
+        """Form the replica's group with the trainer and send it the newest weights."""
+        import torch.distributed as dist
+
+        self.generation += 1
+        prefix = f"pool/{m.rank}/{self.generation}"
+        m.where = self.ray.get(m.actor.where.remote())
+        m.actor.connect.remote(self.host, self.store.port, prefix, self.backend)
+        m.group = make_group(self.backend, dist.PrefixStore(prefix, self.store), 0)
+        self._send(m)
+
+    def _start(self, sampler: dict, step: int) -> None:
+        self.sampler.load_state_dict(sampler)
+        self.open: list[_Open] = []  # batches being made or made, from `step` on, in order
+        self.next_index = self.next_consumed = step
+        self.queue: list[_Chunk] = []
+        self.step_start = time.perf_counter()
+        for m in self.members:
+            if m.alive:
+                self._launch(m)
+        for m in self.members:
+            if m.alive:
+                self._connect(m)
+        self.log(f"rollout: a pool of {self.alive()} replica(s) on Ray, at most {self.k} update(s) behind: "
+                 + ", ".join(f"replica {m.rank} on node {m.where['node'][:8]}" for m in self.members if m.alive))  # fmt: skip
+
+    def alive(self) -> int:
+        return sum(m.alive for m in self.members)
+
+    def _failed(self, m: _Member, why: str) -> None:
+        """Replica `m` died: its chunk goes back to the front of the queue; restart it or drop it."""
+        if m.chunk is not None and m.chunk.index >= self.next_consumed:
+            self.queue.insert(0, m.chunk)
+        m.task = m.chunk = None
+        self._kill(m)
+        if m.restarts >= self.max_restarts:
+            m.alive = False
+            self.log(f"[yellow]rollout pool: replica {m.rank} failed ({why}) after {m.restarts} restart(s); dropped, "
+                     f"{self.alive()} replica(s) go on[/yellow]")  # fmt: skip
+            if not self.alive():
+                raise WorkerDied(f"every rollout replica failed; the last: {why}")
+            return
+        m.restarts += 1
+        self.log(f"[yellow]rollout pool: replica {m.rank} failed ({why}); restarting it "
+                 f"(restart {m.restarts} of {self.max_restarts})[/yellow]")  # fmt: skip
+        self._launch(m)
+        self._connect(m)
+
+    def _kill(self, m: _Member) -> None:
+        for part in ("actor", "placement"):
+            try:
+                obj = getattr(m, part)
+                if obj is not None:
+                    self.ray.kill(obj) if part == "actor" else self.ray.util.remove_placement_group(obj)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        m.actor = m.placement = m.group = None
+        m.sent = 0
+
+    # --------------------------------------------------------------------------- weights
+    def publish(self, model: torch.nn.Module, version: int) -> None:
+        total = self.packer.publish(model, version)  # FSDP2: the shards gathered once
+        self.sums.setdefault(version, set()).add(total)
+        for old in [v for v in self.sums if v < version - self.k - 1]:
+            del self.sums[old]
+        self.version, self.header = version, (self.header[0] + 1, total)
+        self.publish_s = 0.0
+        for m in self.members:
+            if m.alive and m.group is not None:
+                try:
+                    self._send(m)
+                except Exception as exc:  # noqa: BLE001 - its peer is gone: the replica died
+                    self._failed(m, f"the weight broadcast failed: {exc}")
+
+    def _send(self, m: _Member) -> None:
+        start = time.perf_counter()
+        device = self.acc.current_device() if self.backend != "gloo" else torch.device("cpu")
+        m.sent += 1  # the replica counts them: one missed is caught
+        head = torch.tensor([self.version, m.sent], dtype=torch.int64, device=device)
+        total = self.header[1]
+        m.group.broadcast(head, 0).wait()
+        m.group.broadcast(torch.tensor([total], dtype=torch.float64, device=device), 0).wait()
+        for buf in self.packer.buffers.values():
+            m.group.broadcast(buf.to(device), 0).wait()
+        m.publish_s += time.perf_counter() - start
+        self.publish_s += time.perf_counter() - start
+
+    # ---------------------------------------------------------------------------- dealing
+    def _draw(self, b: _Open) -> None:
+        """The next generation batch of `b`, in chunks on the queue (the sync loop's prompt order)."""
+        b.gen += 1
+        gen_batch = self.cfg.train.gen_batch_size
+        rows = self.sampler.next_indices(gen_batch)
+        size = math.ceil(gen_batch / max(1, self.alive()))
+        b.pending[b.gen] = {lo: None for lo in range(0, gen_batch, size)}
+        self.queue.extend(_Chunk(b.index, b.gen, lo, rows[lo : lo + size]) for lo in range(0, gen_batch, size))
+        b.n_generated += gen_batch
+        if not self.cfg.algorithm.filter_groups.enable:  # no more prompts for it: the next batch may draw
+            b.closed, b.sampler = True, self.sampler.state_dict()
+
+    def _open_next(self) -> None:
+        """Open the next batch once the last one drew all its prompts and it is within the bound."""
+        while (not self.open or self.open[-1].closed) and self.next_index - self.k <= self.version:
+            b = _Open(self.next_index)
+            self.next_index += 1
+            self.open.append(b)
+            self._draw(b)
+
+    def _deal(self) -> None:
+        self._open_next()
+        for m in self.members:
+            if m.alive and m.task is None and self.queue:
+                chunk = self.queue.pop(0)
+                m.chunk, m.dealt = chunk, time.perf_counter()
+                m.task = m.actor.generate.remote(chunk.index, chunk.gen, chunk.lo, chunk.rows, chunk.index - self.k)
+
+    def _take(self, m: _Member, out: dict) -> None:
+        chunk, m.task, m.chunk = m.chunk, None, None
+        b = next(o for o in self.open if o.index == chunk.index)
+        for version, value in out["checksums"].items():  # what it sampled with is what the trainer published
+            if version in self.sums and value not in self.sums[version]:
+                raise UserError(
+                    f"rollout replica {m.rank} sampled with weights of version {version} whose checksum ({value!r}) differs "
+                    f"from what the trainer published ({sorted(self.sums[version])}): a weight update was missed or torn. "
+                    "This is a bug in postrl's pool transport; please report it with the run's config."
+                )
+        batch: Batch = out["batch"]
+        b.pending[chunk.gen][chunk.lo] = batch
+        for key, n in out["failures"].items():
+            b.failures[key] = b.failures.get(key, 0) + n
+        for key, s in out["seconds"].items():
+            b.seconds[key] = b.seconds.get(key, 0.0) + s
+        m.tokens += out["tokens"]
+        m.busy += out["busy"]
+        m.load_s += out["load_s"]
+        m.lag.extend(chunk.index - v for v in batch.versions)
+        if all(x is not None for x in b.pending[chunk.gen].values()):
+            whole = concat([b.pending[chunk.gen][lo] for lo in sorted(b.pending[chunk.gen])])
+            del b.pending[chunk.gen]
+            fg = self.cfg.algorithm.filter_groups
+            if fg.enable:
+                from postrl import algorithms as algo
+
+                keep = algo.group_keep_mask(torch.tensor(self._filter_metric(whole)), self.G)
+                whole = select_groups(whole, keep.nonzero().flatten().tolist(), self.G)
+            b.kept.append(whole)
+            b.n_kept += whole.size // self.G
+            if fg.enable and not b.closed:
+                if b.n_kept >= self.cfg.train.global_batch_size:
+                    b.closed, b.sampler = True, self.sampler.state_dict()
+                elif 0 < fg.max_num_gen_batches <= b.gen:
+                    raise UserError(
+                        f"dynamic sampling drew {fg.max_num_gen_batches} generation batches at step {b.index} and kept "
+                        f"only {b.n_kept} of the {self.cfg.train.global_batch_size} groups it needs: the data is too hard "
+                        "or too easy for this model. Fix: use data matched to the model's level, raise "
+                        "rollout.n_samples_per_prompt or train.gen_batch_size, or set "
+                        "algorithm.filter_groups.max_num_gen_batches: 0 (no limit)."
+                    )
+                else:
+                    self._draw(b)
+
+    def _filter_metric(self, batch: Batch) -> list[float]:
+        from postrl.experience import Experience
+
+        return Experience._filter_metric(self, batch)  # type: ignore[arg-type] - reads self.cfg only
+
+    def _done(self, b: _Open) -> bool:
+        return b.closed and not b.pending and b.n_kept >= self.cfg.train.global_batch_size
+
+    def next_batch(self, step: int) -> tuple[Batch, dict[str, float], dict[str, float], dict]:
+        """The batch of `step`, as soon as all its groups are in; the replicas go on with the next ones."""
+        start = time.perf_counter()
+        self.next_consumed = step
+        while True:
+            self._deal()
+            if self.open and self.open[0].index == step and self._done(self.open[0]):
+                break
+            busy = {m.task: m for m in self.members if m.alive and m.task is not None}
+            if not busy:
+                raise WorkerDied(f"the rollout pool has no work in flight for step {step}")
+            ready, _ = self.ray.wait(list(busy), num_returns=1, timeout=1.0)
+            for ref in ready:
+                m = busy[ref]
+                try:
+                    out = self.ray.get(ref)
+                except (self.ray.exceptions.RayActorError, self.ray.exceptions.RayTaskError) as exc:
+                    if isinstance(getattr(exc, "cause", None), UserError):
+                        raise exc.cause from None  # a data error would recur on any replica
+                    self._failed(m, _why(exc))
+                    continue
+                self._take(m, out)
+        b = self.open.pop(0)
+        self.next_consumed = step + 1
+        full = select(concat(b.kept), list(range(self.cfg.train.global_batch_size * self.G)))
+        batch, dropped = split_stale(full, step, self.k, self.G)
+        if dropped:
+            self.log(f"[yellow]rollout pool: dropped {dropped} group(s) older than rollout.max_staleness={self.k} at step {step}[/yellow]")
+        a = self.cfg.algorithm.name
+        stats = {f"{a}/num_gen_batches": float(b.gen), f"{a}/kept_groups_ratio": b.n_kept / b.n_generated, **b.failures}
+        stats.update(self._metrics(step, time.perf_counter() - start))
+        stats["async/dropped_stale_groups"] = float(dropped)
+        stats["async/trainer_idle_s"] = time.perf_counter() - start
+        stats["async/queue_depth"] = float(sum(o.closed and not o.pending for o in self.open))
+        stats.update(partial_metrics(batch))
+        return batch, stats, b.seconds, b.sampler
+
+    def _metrics(self, step: int, waited: float) -> dict[str, float]:
+        """rollout_pool/*: per replica (r0, r1, ...) and in total, over the time since the last batch."""
+        now = time.perf_counter()
+        wall = max(now - self.step_start, 1e-9)
+        self.step_start = now
+        out: dict[str, float] = {"rollout_pool/replicas_alive": float(self.alive()), "rollout_pool/publish_s": self.publish_s,
+                                 "rollout_pool/restarts": float(sum(m.restarts for m in self.members))}  # fmt: skip
+        tokens = idle = 0.0
+        lags: list[int] = []
+        for m in self.members:
+            p = f"rollout_pool/r{m.rank}"
+            out[f"{p}/tokens_per_s"] = m.tokens / wall
+            out[f"{p}/idle_share"] = max(0.0, 1 - m.busy / wall) if m.alive else 1.0
+            out[f"{p}/version_lag"] = sum(m.lag) / len(m.lag) if m.lag else 0.0
+            out[f"{p}/weight_update_s"] = m.publish_s + m.load_s
+            tokens += m.tokens
+            idle += out[f"{p}/idle_share"]
+            lags += m.lag
+            m.tokens = m.busy = m.publish_s = m.load_s = 0.0
+            m.lag = []
+        out["rollout_pool/tokens_per_s"] = tokens / wall
+        out["rollout_pool/idle_share"] = idle / len(self.members)
+        out["rollout_pool/version_lag"] = sum(lags) / len(lags) if lags else 0.0
+        out["rollout_pool/version_lag_max"] = float(max(lags, default=0))
+        return out
+
+    def restart(self, sampler: dict, step: int, why: str) -> None:
+        """Every replica failed: start them all again from the trained position."""
+        self.restarts += 1
+        self.log(f"[yellow]{why}; restarting the pool (restart {self.restarts}) from step {step}[/yellow]")
+        for m in self.members:
+            self._kill(m)
+            m.alive, m.restarts, m.task, m.chunk = True, 0, None, None
+        self._start(sampler, step)
+
+    def borrow_in(self, *models: torch.nn.Module) -> None:
+        """The replicas have their own cores: nothing to lend."""
+
+    def where(self) -> list[dict]:
+        """Each live replica's node and process id."""
+        return [dict(m.where, rank=m.rank) for m in self.members if m.alive]
+
+    def close(self) -> None:
+        for m in self.members:
+            self._kill(m)
+        self.members = []
+
+
+def _why(exc: BaseException) -> str:
+    """One line for a replica's failure: an error it raised (its last traceback line), or how its actor died."""
+    lines = [x.strip() for x in str(exc).splitlines() if x.strip()]
+    if isinstance(getattr(exc, "cause", None), BaseException):
+        return f"{type(exc.cause).__name__}: {exc.cause}"
+    return f"{type(exc).__name__}: {lines[-1] if lines else ''}"[:300]
