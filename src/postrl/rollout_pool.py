@@ -325,6 +325,9 @@ class RolloutPool:
 
     def _failed(self, m: _Member, why: str) -> None:
         """Replica `m` died: its chunk goes back to the front of the queue; restart it or drop it."""
+        from rich.markup import escape
+
+        why = escape(why)
         if m.chunk is not None and m.chunk.index >= self.next_consumed:
             self.queue.insert(0, m.chunk)
         m.task = m.chunk = None
