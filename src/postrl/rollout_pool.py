@@ -249,14 +249,13 @@ class RolloutPool:
 
     def __init__(self, cfg, model: torch.nn.Module, examples: list, sampler: dict, step: int, threads: int, log, lend: bool = False):
         from postrl.data.dataset import PromptSampler
-        from postrl.launch import _import_ray
 
         self.cfg, self.examples, self.log = cfg, examples, log
         self.k, self.G = cfg.rollout.max_staleness, cfg.rollout.n_samples_per_prompt
         self.pool = cfg.rollout.pool
         self.max_restarts = self.pool.max_restarts if self.pool.max_restarts is not None else cfg.rollout.max_worker_restarts
-        self.ray = ray = _import_ray(one_node=not cfg.cluster.ray_address)
-        if not ray.is_initialized():
+        self.ray = ray = _import_ray()
+        if not ray.is_initialized():  # a local instance, or the cluster cluster.ray_address names ('auto' finds it)
             ray.init(address=cfg.cluster.ray_address, include_dashboard=False, log_to_driver=False)
         import torch.distributed as dist
 
@@ -549,6 +548,17 @@ class RolloutPool:
         for m in self.members:
             self._kill(m)
         self.members = []
+
+
+def _import_ray():
+    try:
+        import ray
+    except ImportError as exc:
+        raise UserError(
+            f"rollout.placement is 'pool' but Ray cannot be imported ({exc}): the pool's replicas are Ray actors. Fix: "
+            "pip install 'postrl[ray]', or use rollout.placement: worker (one rollout process on this machine)."
+        ) from None
+    return ray
 
 
 def _why(exc: BaseException) -> str:
