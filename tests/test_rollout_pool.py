@@ -31,7 +31,7 @@ def _pair(cfg, model):
     """A trainer-side packer and a replica-side ReceivedWeights joined by a gloo group of two (threads)."""
     import torch.distributed as dist
 
-    from postrl.rollout_pool import ReceivedWeights, make_group
+    from postrl.rollout_replica import ReceivedWeights, make_group
     from postrl.transport import SharedWeights
 
     packer = SharedWeights(model, torch.multiprocessing.get_context("spawn"))
