@@ -83,8 +83,8 @@ def main() -> int:
     med = {m: statistics.median(v) for m, v in tps.items()}
     print(f"\n{'mode':>9} | median e2e tokens/s | median seconds per step by phase")
     for m in modes:
-        keys = ["timing/step", "timing/wait_rollout", "timing/update_actor", "async/trainer_idle_s", "rollout_pool/publish_s",
-                "rollout_pool/idle_share", "rollout_pool/tokens_per_s"]  # fmt: skip
+        keys = ["timing/all", "timing/rollout", "timing/update", "timing/wait_rollout", "rollout_pool/publish_s",
+                "rollout_pool/idle_share", "rollout_pool/version_lag"]  # fmt: skip
         got = "  ".join(f"{k.split('/')[-1]} {statistics.median(r.get(k, 0.0) for r in phases[m]):.2f}" for k in keys
                         if any(k in r for r in phases[m]))  # fmt: skip
         print(f"{m:>9} | {med[m]:19.0f} | {got}")
