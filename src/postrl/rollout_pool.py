@@ -63,6 +63,7 @@ class _Member:
     restarts: int = 0
     alive: bool = True
     sent: int = 0  # publications sent to this actor
+    keep: list = field(default_factory=list)  # the tensors of the publication being sent
     tokens: float = 0.0
     busy: float = 0.0
     lag: list = field(default_factory=list)
@@ -144,7 +145,8 @@ class RolloutPool:
         m.where = self.ray.get(m.actor.where.remote())
         m.actor.connect.remote(self.host, self.store.port, prefix, self.backend)
         m.group = make_group(self.backend, dist.PrefixStore(prefix, self.store), 0)
-        self._send(m)
+        for work in self._send(m):
+            work.wait()
 
     def _start(self, sampler: dict, step: int) -> None:
         self.sampler.load_state_dict(sampler)
@@ -205,25 +207,31 @@ class RolloutPool:
             del self.sums[old]
         self.version, self.header = version, (self.header[0] + 1, total)
         self.publish_s = 0.0
-        for m in self.members:
+        start = time.perf_counter()
+        sending = []
+        for m in self.members:  # every replica's sends start at once (each group is its own connection) ...
             if m.alive and m.group is not None:
                 try:
-                    self._send(m)
+                    sending.append((m, self._send(m)))
                 except Exception as exc:  # noqa: BLE001 - its peer is gone: the replica died
                     self._failed(m, f"the weight broadcast failed: {exc}")
+        for m, works in sending:  # ... then are waited for
+            try:
+                for work in works:
+                    work.wait()
+                m.publish_s += time.perf_counter() - start
+            except Exception as exc:  # noqa: BLE001
+                self._failed(m, f"the weight broadcast failed: {exc}")
+        self.publish_s = time.perf_counter() - start
 
-    def _send(self, m: _Member) -> None:
-        start = time.perf_counter()
+    def _send(self, m: _Member) -> list:
+        """Start sending the newest publication to `m`; returns the pending works (wait on them)."""
         device = self.acc.current_device() if self.backend != "gloo" else torch.device("cpu")
         m.sent += 1  # the replica counts them: one missed is caught
         head = torch.tensor([self.version, m.sent], dtype=torch.int64, device=device)
-        total = self.header[1]
-        m.group.broadcast(head, 0).wait()
-        m.group.broadcast(torch.tensor([total], dtype=torch.float64, device=device), 0).wait()
-        for buf in self.packer.buffers.values():
-            m.group.broadcast(buf.to(device), 0).wait()
-        m.publish_s += time.perf_counter() - start
-        self.publish_s += time.perf_counter() - start
+        total = torch.tensor([self.header[1]], dtype=torch.float64, device=device)
+        m.keep = [head, total] + [buf.to(device) for buf in self.packer.buffers.values()]  # alive until sent
+        return [m.group.broadcast(t, 0) for t in m.keep]
 
     # ---------------------------------------------------------------------------- dealing
     def _draw(self, b: _Open) -> None:
