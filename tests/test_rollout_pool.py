@@ -150,3 +150,4 @@ def test_a_pool_on_another_node_survives_sigkills_and_trains_every_prompt_once(t
     sampler = PromptSampler(len(tr.run.examples), cfg.data.shuffle, cfg.data.seed)
     expected = [[tr.run.examples[i].prompt_ids for i in sampler.next_indices(cfg.train.gen_batch_size)] for _ in range(4)]
     assert trained == expected
+    assert tr.sampler.state_dict() == sampler.state_dict()  # the data position of an uninterrupted run (resume)
