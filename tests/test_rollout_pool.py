@@ -25,6 +25,8 @@ def test_placement_derives_from_mode_and_sets_it():
     assert pool.mode == "async" and pool.pool.replicas == 2
     with pytest.raises(Exception, match="placement is colocated"):
         rollout(placement="colocated", mode="async")
+    with pytest.raises(Exception, match="placement is pool .* but rollout.mode is sync"):
+        rollout(placement="pool", mode="sync")
 
 
 def _pair(cfg, model):

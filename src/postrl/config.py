@@ -267,6 +267,11 @@ class RolloutConfig(Section):
                 "rollout.placement is colocated (the trainer's own engine, in lock-step) but rollout.mode is async. "
                 "Fix: set rollout.placement: worker or pool for asynchronous rollout, or rollout.mode: sync."
             )
+        elif self.placement != "colocated" and self.mode == "sync" and "mode" in self.model_fields_set:
+            raise ValueError(
+                f"rollout.placement is {self.placement} (rollout apart from the trainer, asynchronous) but rollout.mode "
+                "is sync. Fix: drop rollout.mode (the placement sets it), or use rollout.placement: colocated."
+            )
         else:
             self.mode = "sync" if self.placement == "colocated" else "async"
         if self.mode == "sync" and self.max_staleness != 0:
