@@ -97,7 +97,8 @@ def test_a_pool_on_another_node_survives_sigkills_and_trains_every_prompt_once(t
     """Trainer on the head node, two replicas pinned to the rollout node (asserted). Replica 0 is SIGKILLed
     before versions 1 and 3 reach it: the first time it is restarted, the second time dropped (one restart
     allowed) and replica 1 goes on. The 4 steps finish, every batch is within max_staleness=1, the kills are
-    reported, and the prompts trained are exactly the sync loop's, in order: none lost, none twice. ~60-100 s:
+    reported, and the prompts trained are exactly the sync loop's, in order: none lost, none twice (partial
+    rollout on: a replica's generation runs in 4-token chunks, loading weights between them). ~30-100 s:
     Ray and two replica processes start on a loaded 2-core machine."""
     import os
     import signal
@@ -110,7 +111,8 @@ def test_a_pool_on_another_node_survives_sigkills_and_trains_every_prompt_once(t
     from postrl.trainer import Trainer
 
     cfg = load_config(None, tiny_overrides(tmp_path, "rollout.placement=pool", "rollout.pool.replicas=2", "rollout.max_staleness=1",
-                                           "rollout.max_worker_restarts=1", "train.total_steps=4"))  # fmt: skip
+                                           "rollout.max_worker_restarts=1", "train.total_steps=4",
+                                           "rollout.partial_rollout=true", "rollout.partial_rollout_chunk=4"))  # fmt: skip
     cfg.rollout.pool.resources = {"rollout_node": 1}
     logged: list[str] = []
     tr = Trainer(cfg)
