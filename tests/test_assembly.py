@@ -54,6 +54,8 @@ def test_the_ppo_run_holds_a_critic_and_the_reference_that_kl_in_the_reward_load
     assert lora.reference and not lora.separate_reference  # the base, adapters off
     off = build_config({**m, "rollout": {"mode": "async", "max_staleness": 1}})
     assert held_models(off).worker_copy and processes_per_rank(off) == 2
+    pool = build_config({**m, "rollout": {"placement": "pool", "max_staleness": 1}})
+    assert not held_models(pool).worker_copy and processes_per_rank(pool) == 2  # the replicas hold their copies
 
 
 def test_the_trainer_never_branches_on_where_rollout_runs():

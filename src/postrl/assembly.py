@@ -46,7 +46,8 @@ class Held:
     reference: bool  # a frozen KL reference: algorithm.kl.coef > 0 or algorithm.use_kl_in_reward
     separate_reference: bool  # ... with weights of its own (LoRA's reference is the base, adapters off)
     critic: bool  # PPO's value model (algorithm.adv_estimator: gae), the policy's size
-    worker_copy: bool  # rollout.mode async: a second copy of the policy in the worker process
+    worker_copy: bool  # rollout.placement worker: a second copy of the policy in the worker process (a pool's
+    # replicas hold theirs on their own devices / cores)
     reward_model: bool  # reward.reward_model
     judge: bool  # reward.judge
 
@@ -58,15 +59,16 @@ def held_models(cfg) -> Held:
         reference=ref,
         separate_reference=ref and (not cfg.model.lora_rank or bool(cfg.checkpoint.ref_model_path)),
         critic=needs_critic(a.adv_estimator),
-        worker_copy=cfg.rollout.mode == "async",
+        worker_copy=cfg.rollout.placement == "worker",
         reward_model=rw.reward_model is not None,
         judge=rw.judge is not None,
     )
 
 
 def processes_per_rank(cfg) -> int:
-    """Processes sharing a rank's CPU cores: the trainer, and the async rollout worker beside it."""
-    return 2 if held_models(cfg).worker_copy else 1
+    """Processes sharing a rank's CPU cores: the trainer, and the async rollout worker beside it (or, on one
+    machine, the pool's replicas: the trainer keeps half the cores as beside a worker)."""
+    return 2 if cfg.rollout.placement in ("worker", "pool") else 1
 
 
 @dataclass

@@ -3,9 +3,9 @@
     trainer loop --> BatchSource:  next_batch(step, timer) -> (Batch, stats)
                                    publish(model, version) -> stats      validation_engine(model)     close()
                          |                                  |
-                     Colocated (rollout.mode: sync)     Worker (rollout.mode: async)
-                     this rank's engine, Experience     a worker process (async_rollout.py) makes
-                     .collect between updates           batches ahead, weights by transport.py
+                     Colocated (placement colocated)    Worker (placement worker)              Pool (placement pool)
+                     this rank's engine, Experience     a worker process (async_rollout.py)    Ray replicas dealt prompt
+                     .collect between updates           makes batches ahead, transport.py      chunks (rollout_pool.py)
 
 The loop reads the same whatever the source: it asks for step s's batch, trains on it, publishes the
 weights after s + 1 updates. A new placement (a pool of rollout replicas, an OpenAI-compatible endpoint)
@@ -88,15 +88,21 @@ class Worker:
         if not rt.is_main:
             self.publish(model, step)  # rank 0's worker takes the first weights (a gather under FSDP2)
             return
-        from postrl.async_rollout import AsyncRollout
-
         lend = (rt.world_size == 1 and not isinstance(cfg.train.num_threads, int)
                 and threads_for(model, cfg.train.num_threads, per_rank=2)[0] is not None)  # fmt: skip
-        self.rollout = AsyncRollout(cfg, model, run.examples, run.sampler.state_dict(), step, torch.get_num_threads(), log, lend=lend)
+        self.rollout = self.opens()(cfg, model, run.examples, run.sampler.state_dict(), step, torch.get_num_threads(), log, lend=lend)
         self.rollout.borrow_in(model, *([run.ref_model] if run.ref_model not in (None, model) else []))
+        if isinstance(self, Pool):
+            return
         log(f"rollout: async, a worker process at most {cfg.rollout.max_staleness} update(s) behind"
             + (", partial rollout" if cfg.rollout.partial_rollout else "")
             + (f", its batches broadcast to {rt.world_size} ranks" if rt.world_size > 1 else ""))  # fmt: skip
+
+    @staticmethod
+    def opens() -> type:
+        from postrl.async_rollout import AsyncRollout
+
+        return AsyncRollout
 
     def next_batch(self, step: int, timer: Timer) -> tuple[Batch, dict[str, float]]:
         """Rank 0 takes the worker's batch, then broadcasts it; a data error the worker raised stops every rank."""
@@ -153,10 +159,22 @@ class Worker:
             self.rollout.close()
 
 
-SOURCES = {"sync": Colocated, "async": Worker}  # rollout.mode -> where batches come from
+class Pool(Worker):
+    """pool: rollout replicas as Ray actors on their own cores / devices (rollout_pool.RolloutPool), dealt
+    prompt chunks as they free up, weights by broadcast; the rest is the worker's (rank 0 takes the batches
+    and broadcasts them, a pool whose every replica failed is restarted like a worker)."""
+
+    @staticmethod
+    def opens() -> type:
+        from postrl.rollout_pool import RolloutPool
+
+        return RolloutPool
+
+
+SOURCES = {"colocated": Colocated, "worker": Worker, "pool": Pool}  # rollout.placement -> where batches come from
 
 
 def open_source(cfg: Any, run: Any, guard: guards.Guards, step: int, log: Callable[[str], None]) -> BatchSource:
-    """The batch source `rollout.mode` names, for the trainer's `run` (assembly.py) from `step` on (a resumed
+    """The batch source `rollout.placement` names (derived from rollout.mode when unset), for the trainer's `run` (assembly.py) from `step` on (a resumed
     run's); `guard` checks that the engine holds the published weights."""
-    return SOURCES[cfg.rollout.mode](cfg, run, guard, step, log)
+    return SOURCES[cfg.rollout.placement](cfg, run, guard, step, log)

@@ -216,6 +216,21 @@ class MultiTurnConfig(Section):
     )
 
 
+class PoolConfig(Section):
+    replicas: int = Field(2, ge=1, description="Rollout replicas (Ray actors), each holding one engine.")
+    devices_per_replica: int = Field(
+        0, ge=0, description="Accelerators each replica holds (Ray's GPU / NPU resource); 0 on CPU."
+    )
+    cpus_per_replica: int = Field(1, ge=1, description="CPU cores each replica holds (its torch threads on CPU).")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources each replica's bundle asks for (to pin replicas to nodes)."
+    )
+    max_restarts: int | None = Field(
+        None, ge=0, description="Restarts per replica before it is dropped (the run goes on with the rest); default "
+        "rollout.max_worker_restarts.",
+    )
+
+
 class RolloutConfig(Section):
     engine: Literal["auto", "hf", "vllm"] = Field(
         "auto", description="Rollout engine: vllm when it imports and supports the model (auto), else hf."
@@ -276,8 +291,30 @@ class RolloutConfig(Section):
         "before the run stops with a checkpoint.",
     )
 
+    placement: Literal["colocated", "worker", "pool"] | None = Field(
+        None, description="Where rollout runs (docs/async.md): colocated (the trainer's own engine, in lock-step: "
+        "rollout.mode sync), worker (one worker process beside rank 0: rollout.mode async) or pool (rollout.pool's "
+        "replicas, Ray actors on their own cores / devices on any node, weights by broadcast). Unset: derived from "
+        "rollout.mode; worker and pool imply rollout.mode async.",
+    )
+    pool: PoolConfig = Field(default_factory=lambda: PoolConfig(), description="rollout.placement pool: the replicas.")
+
     @model_validator(mode="after")
     def _async_keys(self) -> "RolloutConfig":
+        if self.placement is None:
+            self.placement = "colocated" if self.mode == "sync" else "worker"
+        elif self.placement == "colocated" and self.mode == "async":
+            raise ValueError(
+                "rollout.placement is colocated (the trainer's own engine, in lock-step) but rollout.mode is async. "
+                "Fix: set rollout.placement: worker or pool for asynchronous rollout, or rollout.mode: sync."
+            )
+        elif self.placement != "colocated" and self.mode == "sync" and "mode" in self.model_fields_set:
+            raise ValueError(
+                f"rollout.placement is {self.placement} (rollout apart from the trainer, asynchronous) but rollout.mode "
+                "is sync. Fix: drop rollout.mode (the placement sets it), or use rollout.placement: colocated."
+            )
+        else:
+            self.mode = "sync" if self.placement == "colocated" else "async"
         if self.mode == "sync" and self.max_staleness != 0:
             raise ValueError(
                 f"rollout.max_staleness is {self.max_staleness}, but synchronous rollout always trains on the current "

@@ -1,0 +1,170 @@
+"""The replica's side of rollout_pool.py (`rollout.placement: pool`): the weights it receives from the
+trainer's group, checked by publication number and checksum, and the Ray actor's body that generates the
+prompt chunks it is dealt with the assembly's rollout-worker role (engine, agents, rewards)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+import time
+from typing import Any
+
+import torch
+
+from postrl.transport import checksum
+
+_TIMEOUT = datetime.timedelta(seconds=120)  # a collective that waits longer than this fails (its peer is gone)
+
+
+def make_group(backend: str, store: Any, rank: int) -> Any:
+    """A two-member process group {trainer: 0, replica: 1} on `store`, outside the default group."""
+    import torch.distributed as dist
+
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, 2, _TIMEOUT)
+    if backend == "nccl":
+        return dist.ProcessGroupNCCL(store, rank, 2)
+    if backend == "hccl":
+        import torch_npu  # noqa: F401 - registers ProcessGroupHCCL
+
+        return torch.distributed.ProcessGroupHCCL(store, rank, 2)  # type: ignore[attr-defined]
+    raise ValueError(f"no process group for backend {backend!r}")
+
+
+class ReceivedWeights:
+    """The replica's side of the broadcast, with SharedWeights' reading interface (VersionedEngine reads it):
+    a thread receives each publication into a staging buffer and hands it over whole."""
+
+    def __init__(self, slots: list, device: torch.device):
+        self.slots, self.device = slots, device
+        sizes: dict[torch.dtype, int] = {}
+        for s in slots:
+            sizes[s.dtype] = max(sizes.get(s.dtype, 0), s.offset + s.numel)
+        self.sizes = sizes
+        self.ready: dict[torch.dtype, torch.Tensor] | None = None
+        self.header = (-1, 0, 0.0)  # version, publication number, checksum of the ready buffers
+        self.cond = threading.Condition()
+        self.error: BaseException | None = None
+        self.load_seconds = 0.0
+
+    def receive_forever(self, group: Any) -> None:
+        try:
+            while True:
+                head = torch.zeros(2, dtype=torch.int64, device=self.device)
+                group.broadcast(head, 0).wait()
+                total = torch.zeros(1, dtype=torch.float64, device=self.device)
+                group.broadcast(total, 0).wait()
+                bufs = {}
+                for dtype, n in self.sizes.items():
+                    bufs[dtype] = torch.empty(n, dtype=dtype, device=self.device)
+                    group.broadcast(bufs[dtype], 0).wait()
+                version, number = (int(x) for x in head.tolist())
+                with self.cond:
+                    if number != self.header[1] + 1:  # a publication missed: never sample with older weights
+                        raise RuntimeError(f"publication {number} arrived after {self.header[1]}: one was missed")
+                    self.ready, self.header = bufs, (version, number, float(total.item()))
+                    self.cond.notify_all()
+        except BaseException as exc:  # noqa: BLE001 - the trainer went away, or a check failed: the sampler sees it
+            with self.cond:
+                self.error = exc
+                self.cond.notify_all()
+
+    def _check(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"the weight receiver stopped: {self.error}")
+
+    def latest(self) -> int:
+        self._check()
+        return self.header[0]
+
+    def publications(self) -> int:
+        return self.header[1]
+
+    def wait_newer(self, than: int, timeout: float) -> bool:
+        with self.cond:
+            self.cond.wait_for(lambda: self.header[0] > than or self.error is not None, timeout)
+        self._check()
+        return self.header[0] > than
+
+    @torch.no_grad()
+    def load(self, model: torch.nn.Module) -> tuple[int, float]:
+        """The newest publication into `model`; its checksum must equal the trainer's (else it was torn)."""
+        start = time.perf_counter()
+        with self.cond:
+            self._check()
+            bufs, (version, _, expected) = self.ready, self.header
+        named = dict(model.named_parameters())
+        params = [named[s.name] for s in self.slots]
+        for s, p in zip(self.slots, params):
+            p.copy_(bufs[s.dtype][s.offset : s.offset + s.numel].view(s.shape))
+        got = checksum(params)
+        if got != expected:
+            raise RuntimeError(f"weights of version {version} loaded with checksum {got!r}, published as {expected!r}")
+        self.load_seconds += time.perf_counter() - start
+        return version, got
+
+
+class _Never:
+    def is_set(self) -> bool:
+        return False
+
+
+class Replica:
+    """One rollout replica (the body of a Ray actor): the assembly's rollout-worker role, its weights from the
+    trainer's group, generating the chunks it is dealt."""
+
+    def __init__(self, cfg: Any, examples: list, slots: list, threads: int):
+        from postrl.async_rollout import VersionedEngine
+        from postrl.assembly import build_run
+        from postrl.guards import Guards
+
+        torch.set_num_threads(threads)
+        self.cfg, self.examples = cfg, examples
+        guards = Guards(cfg, log=lambda msg: None)
+        probe = examples[0].prompt_ids if not examples[0].multi_modal else None
+        self.weights: ReceivedWeights | None = None
+        self.slots = slots
+
+        def versioned(engine, run):
+            autocast = run.runtime.autocast
+            self.weights = ReceivedWeights(slots, torch.device("cpu") if run.runtime.device.type == "cpu" else run.runtime.device)
+
+            def check(engine, model):  # the sync guard, on every version loaded
+                return guards.check_sync(engine, model, probe, autocast()) if probe is not None else {}
+
+            return VersionedEngine(engine, run.policy.model, self.weights, cfg.rollout, autocast(), _Never(), os.getppid(),
+                                   on_load=check, logprobs=cfg.algorithm.rollout_correction.enable)  # fmt: skip
+
+        self.run = build_run(cfg, "rollout-worker", examples=examples, prepare=lambda model: None, wrap=versioned)
+
+    def where(self) -> dict:
+        import ray
+
+        return {"node": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+
+    def connect(self, host: str, port: int, prefix: str, backend: str) -> None:
+        """Join the trainer's group (in a thread: the trainer sends to it from now on)."""
+        import torch.distributed as dist
+
+        def serve():
+            store = dist.PrefixStore(prefix, dist.TCPStore(host, port, None, False, timeout=_TIMEOUT))
+            self.weights.receive_forever(make_group(backend, store, 1))
+
+        threading.Thread(target=serve, daemon=True, name="postrl-weights").start()
+
+    def generate(self, index: int, gen: int, lo: int, rows: list[int], min_version: int) -> dict:
+        """Generate and score prompts `rows` (chunk `lo` of generation batch `gen` of batch `index`) with
+        weights of `min_version` or newer."""
+        from postrl.metrics import Timer
+        from postrl.partition import shard_seed
+
+        exp = self.run.experience
+        idle = exp.engine.wait_for(max(min_version, 0))  # and some weights at all
+        start = time.perf_counter()
+        timer = Timer()
+        failures = {"reward/calls": 0, "reward/timeouts": 0, "reward/errors": 0, "reward/invalid": 0}
+        batch = exp.generate_and_score([self.examples[i] for i in rows], shard_seed(exp._seed(index, gen), lo), timer, failures)
+        load, self.weights.load_seconds = self.weights.load_seconds, 0.0
+        return {"batch": batch, "failures": failures, "seconds": dict(timer.seconds), "busy": time.perf_counter() - start,
+                "idle": idle, "load_s": load, "checksums": dict(exp.engine.checksums), "tokens": sum(batch.model_tokens)}  # fmt: skip
