@@ -6,6 +6,7 @@ the notes on keys without effect, and the checks of this machine (paths, models,
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import logging
 import typing
 from pathlib import Path
@@ -256,7 +257,20 @@ def agent_problems(cfg: Config) -> list[str]:
 def environment_problems(cfg: Config) -> list[str]:
     """What this machine lacks for the run: missing input paths and models, uninstalled sink packages, tools and
     environments that do not import, isolation for builtin:python."""
-    return path_problems(cfg) + cfg.logging.missing_packages() + agent_problems(cfg) + sandbox_problems(cfg)
+    return path_problems(cfg) + missing_packages(cfg.logging) + agent_problems(cfg) + sandbox_problems(cfg)
+
+
+def missing_packages(logging_cfg: Any) -> list[str]:
+    """One problem per logging sink whose optional package is not installed on this machine."""
+    # find_spec, not import: wandb / swanlab take seconds to import and start threads.
+    # Each optional sink's package and the pip extra that installs it carry the sink's name.
+    return [
+        f"logging.sinks: the '{sink}' sink needs the {sink} package, which is not installed here; the run "
+        f"would stop with ModuleNotFoundError after loading the model. Fix: pip install 'postrl[{sink}]', "
+        f"or remove {sink} from logging.sinks."
+        for sink in dict.fromkeys(logging_cfg.sinks)
+        if sink in ("tensorboard", "wandb", "swanlab") and importlib.util.find_spec(sink) is None
+    ]
 
 
 def sandbox_problems(cfg: Config) -> list[str]:

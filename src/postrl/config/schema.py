@@ -11,7 +11,6 @@ knobs are knobs.py's.
 from __future__ import annotations
 
 import difflib
-import importlib.util
 import re
 from typing import Annotated, Any, Literal
 
@@ -884,18 +883,6 @@ class LoggingConfig(Section):
         "dapo/lr, timing/non_overlap_*) or verl (timing_s/*, critic/score/*, perf/*). Every name and its formula: "
         "docs/metrics.md. The console line keeps postrl's names.",
     )
-
-    def missing_packages(self) -> list[str]:
-        """One problem per sink whose optional package is not installed on this machine."""
-        # find_spec, not import: wandb / swanlab take seconds to import and start threads.
-        # Each optional sink's package and the pip extra that installs it carry the sink's name.
-        return [
-            f"logging.sinks: the '{sink}' sink needs the {sink} package, which is not installed here; the run "
-            f"would stop with ModuleNotFoundError after loading the model. Fix: pip install 'postrl[{sink}]', "
-            f"or remove {sink} from logging.sinks."
-            for sink in dict.fromkeys(self.sinks)
-            if sink in ("tensorboard", "wandb", "swanlab") and importlib.util.find_spec(sink) is None
-        ]
 
 
 class ClusterConfig(Section):
