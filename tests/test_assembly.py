@@ -9,19 +9,20 @@ import pytest
 from conftest import tiny_overrides
 
 import postrl.assembly
+import postrl.rollout.build
 
 
 @pytest.fixture
 def made(monkeypatch):
-    """The keyword arguments of every make_engine call the assembly makes."""
+    """The keyword arguments of every make_engine call build_engine makes (postrl.rollout.build, the assembly's)."""
     calls = []
-    real = postrl.assembly.make_engine
+    real = postrl.rollout.build.make_engine
 
     def spy(rollout, model, tokenizer, **kw):
         calls.append({"engine": rollout.engine, **kw})
         return real(rollout, model, tokenizer, **kw)
 
-    monkeypatch.setattr(postrl.assembly, "make_engine", spy)
+    monkeypatch.setattr(postrl.rollout.build, "make_engine", spy)
     return calls
 
 

@@ -251,3 +251,28 @@ def test_check_config_of_ppo_with_kl_in_the_reward_counts_the_critic_and_the_ref
     grpo = _check_config(capsys, "qwen25_7b_grpo.yaml", "algorithm.kl.coef=0", "cluster.devices_per_node=8")
     assert _row(grpo, "reference model") == 0 and "critic (PPO" not in grpo
     assert _row(out, "= update peak") == pytest.approx(_row(grpo, "= update peak") + 1.77 + 13.17, abs=0.02)
+
+
+def test_check_config_counts_the_reward_model_the_judge_and_the_async_worker_copy(capsys):
+    """The 7B recipe on one device, bf16, with what assembly.held_models lists besides: a Qwen2.5-1.5B reward
+    model in bf16 (a sequence classifier: P = 1,543,714,304 tied, + h = 1,536 for the score head, no bias),
+    2 x 1,543,715,840 = 3,087,431,680 B = 2.88 GiB; a Qwen2.5-0.5B judge in fp32, 4 x 494,032,768 =
+    1,976,131,072 B = 1.84 GiB; async's worker copy of the policy in fp32, 4 x 7,615,616,512 =
+    30,462,466,048 B = 28.37 GiB. All three are resident, so both peaks grow by their sum, 33.09 GiB."""
+    base = ("cluster.devices_per_node=1",)
+    held = ("reward.reward_model.path=Qwen/Qwen2.5-1.5B", "reward.reward_model.dtype=bfloat16",
+            "reward.judge.path=Qwen/Qwen2.5-0.5B", "rollout.mode=async")  # fmt: skip
+    alone = _check_config(capsys, "qwen25_7b_grpo.yaml", *base)
+    out = _check_config(capsys, "qwen25_7b_grpo.yaml", *base, *held)
+    assert _row(out, "reward model (bfloat16)") == round(3_087_431_680 / GiB, 2) == 2.88
+    assert _row(out, "judge (float32)") == round(1_976_131_072 / GiB, 2) == 1.84
+    assert _row(out, "async rollout worker's policy copy") == round(30_462_466_048 / GiB, 2) == 28.37
+    grown = (3_087_431_680 + 1_976_131_072 + 30_462_466_048) / GiB
+    for peak in ("= update peak", "rollout peak"):
+        assert _row(out, peak) == pytest.approx(_row(alone, peak) + grown, abs=0.02)
+    rows = alone[alone.index("memory per device"):]
+    assert "reward model (" not in rows and "judge (" not in rows and "worker" not in rows
+    # A reward model on a device of its own, or offloaded to host memory, adds nothing to this device.
+    elsewhere = _check_config(capsys, "qwen25_7b_grpo.yaml", *base, held[0], "reward.reward_model.device=cuda:1")
+    assert _row(elsewhere, "reward model (on cuda:1: not counted here)") == 0
+    assert _row(elsewhere, "= update peak") == _row(alone, "= update peak")

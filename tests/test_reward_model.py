@@ -176,6 +176,28 @@ def test_two_steps_with_an_rm_and_a_rule_then_resume(rm_path, tmp_path):
     assert steps[-1] == 3
 
 
+def test_the_judge_engine_is_built_like_every_engine(tmp_path, monkeypatch):
+    """The judge's engine comes from build_engine: the run's trust_remote_code and runtime, its own engine kind,
+    never the agent loop, a KV cache for prompt + response + template + judgement."""
+    import postrl.rollout.build as build
+
+    made = {}
+    monkeypatch.setattr(build, "make_engine", lambda rollout, model, tok, **kw: made.update(kw, rollout=rollout) or "engine")
+    cfg = load_config(None, tiny_overrides(
+        tmp_path, "reward.judge.path=builtin:tiny-qwen2", "reward.judge.max_tokens=5", "reward.judge.engine=auto",
+        "model.trust_remote_code=true", "data.max_prompt_length=100",
+    ), check_paths=False)  # fmt: skip
+    runtime = object()
+    judge = Judge(cfg.reward.judge, torch.device("cpu"), "prompt", cfg, runtime)
+    filled = cfg.reward.judge.prompt_template.format(prompt="", response="", ground_truth="")
+    around = len(judge.tokenizer.apply_chat_template([{"role": "user", "content": filled}], add_generation_prompt=True,
+                                                     tokenize=True, return_dict=False))  # fmt: skip
+    assert judge.engine == "engine" and around > 10
+    assert made["trust_remote_code"] is True and made["runtime"] is runtime and made["seed"] == cfg.train.seed
+    assert made["max_model_len"] == 100 + 12 + around + 5  # max_prompt_length + rollout.max_tokens + template + judgement
+    assert made["rollout"].engine == "auto" and made["rollout"].multi_turn.enable is False
+
+
 def test_two_steps_with_a_judge(tmp_path):
     from postrl.metrics import read_jsonl
     from postrl.trainer import Trainer

@@ -9,9 +9,10 @@
     rollout-worker   the async worker's policy copy, rewards, engine (wrapped by the caller), Experience
     eval / doctor    a policy in model.dtype for generation only, its engine and rule rewards
 
-`build_engine` is the one place a policy's rollout engine is made (HF or vLLM, wrapped in the agent loop
-when rollout.multi_turn is on): the trainer, the worker, eval, doctor and SFT's check all get it from
-here, with the same settings (trust_remote_code, max_model_len, seed, modality, runtime).
+`build_engine` (postrl.rollout.build, below this module and the rewards) is the one place a rollout engine
+is made (HF or vLLM, wrapped in the agent loop when rollout.multi_turn is on): the trainer, the worker, eval,
+doctor, SFT's check and the judge all get it there, with the same settings (trust_remote_code, max_model_len,
+seed, modality, runtime).
 
 `held_models(cfg)` says which models a run holds; the memory estimate (memory.py) reads the same
 description, so the two cannot drift. A new rollout placement (a pool of replicas, an endpoint) adds a
@@ -33,7 +34,8 @@ from postrl.evaluate import load_val_sets
 from postrl.experience import Experience
 from postrl.models import Policy, load_policy
 from postrl.rewards import RewardFunction
-from postrl.rollout import RolloutEngine, make_engine
+from postrl.rollout import RolloutEngine
+from postrl.rollout.build import build_engine
 from postrl.runtime import Runtime, configure_threads, init_runtime, seed_everything
 
 ROLES = ("trainer", "rollout-worker", "eval", "doctor")
@@ -94,18 +96,6 @@ class Run:
         self.engine.close()
 
 
-def build_engine(cfg, policy: Policy, runtime: Runtime | None, log: Any = None, *, max_tokens: int | None = None,
-                 rollout: Any = None) -> RolloutEngine:  # fmt: skip
-    """The policy's rollout engine from `rollout` (default cfg.rollout): KV cache sized for
-    data.max_prompt_length + `max_tokens` (default rollout.max_tokens), seeded with train.seed."""
-    rollout = rollout if rollout is not None else cfg.rollout
-    return make_engine(
-        rollout, policy.model, policy.tokenizer, log=log,
-        max_model_len=cfg.data.max_prompt_length + (max_tokens or rollout.max_tokens), seed=cfg.train.seed,
-        modality=policy.modality, trust_remote_code=cfg.model.trust_remote_code, runtime=runtime,
-    )  # fmt: skip
-
-
 def build_run(cfg, role: str, log: Callable[[str], None] | None = None, *, runtime: Runtime | None = None,
               examples: list | None = None, sampler_state: dict | None = None,
               prepare: Callable[[torch.nn.Module], Any] | None = None,
@@ -144,7 +134,7 @@ def build_run(cfg, role: str, log: Callable[[str], None] | None = None, *, runti
         run.sampler = PromptSampler(len(run.examples), cfg.data.shuffle, cfg.data.seed)
         if sampler_state is not None:
             run.sampler.load_state_dict(sampler_state)
-        run.reward_fn = RewardFunction(cfg.reward, models=load_model_rewards(cfg, rt.device))  # reward model / judge
+        run.reward_fn = RewardFunction(cfg.reward, models=load_model_rewards(cfg, rt.device, rt))  # reward model / judge
     else:
         run.reward_fn = RewardFunction(cfg.reward)  # validation scores with the rule verifiers
     max_tokens = (cfg.eval.max_tokens or cfg.rollout.max_tokens) if role == "eval" else None

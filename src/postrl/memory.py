@@ -19,6 +19,12 @@ Resident state (runtime.py: fp32 master weights whatever model.dtype says):
   critic             PPO's value model (algorithm.adv_estimator: gae): the backbone and a one-label head,
                      P_c = P - V h (untied LM head dropped) + h + 1, trained in full: 4 P_c s weights,
                      4 P_c s gradients (freed before rollout), 8 P_c s AdamW
+  other models       the rest of what assembly.held_models lists, resident in both phases, unsharded (every
+                     rank loads its own): the reward model, a sequence classifier (P_r = P - V h (untied LM
+                     head dropped) + h, no bias) in reward_model.dtype (default model.dtype), when it is on the
+                     run's device (reward_model.device: auto, not offloaded); the judge, a causal LM in fp32
+                     (as it loads) on the run's device (a vLLM judge's own cache share is not counted); async's
+                     rollout worker, a copy of the policy beside the trainer on its device (4 P, LoRA b P + 4 A)
 Activations of one micro-batch of N tokens (the update pass; the log-prob passes keep none):
   per token and layer, what autograd saves for a Qwen2/Llama block with flash / SDPA attention (no
   [T x T] scores): normed inputs of attention and MLP (2h), q, k, v (h + 2k), q and k after RoPE
@@ -61,7 +67,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 GiB = 1 << 30
@@ -222,6 +228,11 @@ class Estimate:
     sequence_parallel: int = 1
     critic_state: float = 0.0  # PPO's value model: fp32 weights + AdamW moments (resident)
     critic_grads: float = 0.0  # ... and its gradients during the update
+    others: tuple[tuple[str, float], ...] = ()  # the other models held on this device: (label, bytes)
+
+    @property
+    def held(self) -> float:
+        return sum(b for _, b in self.others)
 
     @property
     def critic(self) -> float:
@@ -230,11 +241,11 @@ class Estimate:
     @property
     def update(self) -> float:
         return (self.params + self.grads + self.optimizer + self.compute_weights + self.reference + self.critic
-                + self.activations + self.logits)  # fmt: skip
+                + self.held + self.activations + self.logits)  # fmt: skip
 
     @property
     def rollout(self) -> float:
-        return self.params + self.optimizer + self.reference + self.critic_state + self.rollout_extra
+        return self.params + self.optimizer + self.reference + self.critic_state + self.held + self.rollout_extra
 
     @property
     def peak(self) -> float:
@@ -324,6 +335,40 @@ def critic_params(shape: Shape) -> int:
     return shape.params() - (0 if shape.tied else shape.vocab * shape.hidden) + shape.hidden + 1
 
 
+def reward_model_params(shape: Shape) -> int:
+    """A reward model, a sequence classifier: the backbone (no untied LM head) and a one-logit score head, no bias."""
+    return shape.params() - (0 if shape.tied else shape.vocab * shape.hidden) + shape.hidden
+
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def other_models(cfg, held, policy_bytes: float) -> tuple[tuple[str, float], ...]:
+    """(label, bytes on this device) of the models `held` (assembly.held_models) lists beside the policy, its
+    reference and critic: the reward model, the judge, async's worker copy (`policy_bytes`: its weights)."""
+    rows = []
+    rm, judge = cfg.reward.reward_model, cfg.reward.judge
+    if held.reward_model:
+        dtype = rm.dtype or cfg.model.dtype
+        shape, _ = find_shape(rm.path)
+        if rm.device != "auto" or rm.offload:
+            where = "host memory between calls" if rm.device == "auto" else rm.device
+            rows.append((f"reward model (on {where}: not counted here)", 0.0))
+        elif shape is None:
+            rows.append((f"reward model ({rm.path}: shape unknown, not counted)", 0.0))
+        else:
+            rows.append((f"reward model ({dtype})", float(DTYPE_BYTES[dtype] * reward_model_params(shape))))
+    if held.judge:
+        shape, _ = find_shape(judge.path)
+        if shape is None:
+            rows.append((f"judge ({judge.path}: shape unknown, not counted)", 0.0))
+        else:
+            rows.append(("judge (float32)", float(4 * shape.params())))
+    if held.worker_copy:
+        rows.append(("async rollout worker's policy copy", float(policy_bytes)))
+    return tuple(rows)
+
+
 def estimate_for_config(cfg, device_gib: float) -> tuple[Estimate | None, str]:
     """The estimate of a postrl Config on devices of `device_gib` GiB, and a line saying what it is of."""
     if cfg.model.path.startswith("builtin:"):
@@ -360,6 +405,8 @@ def estimate_for_config(cfg, device_gib: float) -> tuple[Estimate | None, str]:
         sequence_len=seq, logprob_chunk_tokens=t.logprob_chunk_tokens, adapter_params=adapters,
         sequence_parallel=t.sequence_parallel_size, critic=held.critic,
     )  # fmt: skip
+    b = 2 if cfg.model.dtype != "float32" else 4
+    est = replace(est, others=other_models(cfg, held, b * shape.params() + 4 * adapters if adapters else 4 * shape.params()))
     layout = f"{t.strategy} over {world} device(s)" if world > 1 else "one device"
     if t.sequence_parallel_size > 1:
         layout += f", Ulysses sequence parallel {t.sequence_parallel_size}"
@@ -391,6 +438,7 @@ def report(
         ("compute weights (half-precision copies)", est.compute_weights),
         ("reference model", est.reference),
         *([("critic (PPO value model: fp32 weights, gradients, AdamW)", est.critic)] if est.critic else []),
+        *est.others,
         (f"activations ({est.micro_tokens:,} tokens / micro-batch{' / rank' if est.sequence_parallel > 1 else ''})", est.activations),
         (f"log-prob logits ({est.response_tokens:,} response tokens)", est.logits),
         ("= update peak", est.update),

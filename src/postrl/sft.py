@@ -170,9 +170,9 @@ def save_model(policy: Policy, out: Path) -> Path:
 
 def eval_greedy(policy: Policy, cfg: Config, max_prompts: int, rt: Runtime) -> dict[str, float]:
     from postrl.agents.loop import tool_schemas
-    from postrl.assembly import build_engine
     from postrl.evaluate import evaluate, load_val_sets
     from postrl.rewards import RewardFunction
+    from postrl.rollout.build import build_engine
 
     tokenizer, tools = policy.tokenizer, tool_schemas(cfg.rollout.multi_turn)
     # the HF engine on the policy just trained (the agent loop around it, as validation in RL runs it)

@@ -4,6 +4,6 @@
   tokenizer trained on the tasks below, built locally from a seed and cached (`model.path`).
 - `arithmetic`: `builtin:arithmetic:<split>`, synthetic word problems (text).
 - `shapes`: `builtin:shapes:<split>`, count the shapes in a picture, then add / take away (images).
-- `knobs`: their settings, the `data.builtin.*` / `data.shapes.*` config sections.
+- their settings, the `data.builtin.*` / `data.shapes.*` config sections, are postrl.config.knobs.
 - `tasks`: `builtin:<task>:<split>` to a cached parquet file that the trainer reads like user data.
 """

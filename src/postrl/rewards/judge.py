@@ -2,8 +2,8 @@
 
 `reward.judge` names the model, a prompt template ({prompt}, {response}, {ground_truth}) sent as a user
 message through the judge's chat template, and `score_pattern`, a regex whose one group is the score.
-The judge decodes greedily through a rollout engine (`postrl.rollout.make_engine`: HF, or vLLM) and is
-frozen. A judgement the pattern does not match, or whose group is not a finite number, scores
+The judge decodes greedily through a rollout engine built like the policy's (`postrl.rollout.build.build_engine`:
+HF, or vLLM; the run's trust_remote_code, runtime and seed; never the agent loop) and is frozen. A judgement the pattern does not match, or whose group is not a finite number, scores
 `fail_score` and is counted (reward/judge_unparsed): a judge that never answers in the expected form
 would otherwise hand the policy a constant reward without anyone noticing; when (nearly) every judgement
 of a batch is unparsed, the run stops, by the verifiers' rule (RewardFunction).
@@ -48,10 +48,13 @@ class Judge:
     name = "judge_score"
     normalize = False
 
-    def __init__(self, cfg: Any, device: torch.device, prompt_key: str = "prompt", rollout_cfg: Any = None):
-        """`rollout_cfg`: the engine's settings (postrl.config.RolloutConfig); None: the HF engine."""
-        from postrl.models import load_model, load_tokenizer, resolve_model_path
-        from postrl.rollout import make_engine
+    def __init__(self, cfg: Any, device: torch.device, prompt_key: str = "prompt", run_cfg: Any = None,
+                 runtime: Any = None):  # fmt: skip
+        """`run_cfg`: the run's config (postrl.config.Config), whose rollout settings with `reward.judge.engine`
+        build the judge's engine (`build_engine`), on `runtime`; None: the HF engine, no autocast."""
+        from postrl.models import Policy, load_model, load_tokenizer, resolve_model_path
+        from postrl.modality import TEXT
+        from postrl.rollout.build import build_engine
 
         self.cfg, self.weight, self.prompt_key = cfg, float(cfg.weight), prompt_key
         self.fail_score = float(cfg.fail_score)
@@ -63,14 +66,25 @@ class Judge:
         path = resolve_model_path(cfg.path)
         self.tokenizer = load_tokenizer(path, key="reward.judge.path")
         model = load_model(path, key="reward.judge.path").to(device).eval().requires_grad_(False)
-        if rollout_cfg is None:
+        if run_cfg is None:
             from postrl.rollout.hf import HFEngine
 
             self.engine = HFEngine(model, self.tokenizer)
         else:
-            self.engine = make_engine(rollout_cfg, model, self.tokenizer, log=log.info)
+            ro = run_cfg.rollout
+            rollout = ro.model_copy(update={"engine": cfg.engine, "multi_turn": ro.multi_turn.model_copy(update={"enable": False})})
+            self.engine = build_engine(
+                run_cfg, Policy(model, self.tokenizer, path, TEXT), runtime, log.info, rollout=rollout,
+                max_tokens=self.max_tokens(ro.max_tokens),
+            )  # fmt: skip
         self.unparsed_total = 0
         self._warned = False
+
+    def max_tokens(self, response_tokens: int) -> int:
+        """What the judge's engine holds beyond data.max_prompt_length: the policy's response, the template and
+        chat-template tokens around them, and the judgement."""
+        around = len(self.prompt_ids("", "", {}))
+        return response_tokens + around + self.cfg.max_tokens
 
     def prompt_ids(self, response: str, ground_truth: str, row: dict) -> list[int]:
         text = fill_template(self.cfg.prompt_template, prompt_messages(row, self.prompt_key), response, ground_truth)

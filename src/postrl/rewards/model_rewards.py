@@ -13,10 +13,11 @@ from postrl.rewards.judge import Judge
 from postrl.rewards.reward_model import RewardModel
 
 
-def load_model_rewards(cfg: Any, device: torch.device) -> list:
+def load_model_rewards(cfg: Any, device: torch.device, runtime: Any = None) -> list:
     """The scorers the run config's `reward.reward_model` and `reward.judge` ask for (none: rule-only).
 
-    The judge runs through a rollout engine built like the policy's (`rollout`), with its own `engine`.
+    The judge runs through a rollout engine built like the policy's (`rollout`, on `runtime`), with its own
+    `engine`.
     """
     from postrl.runtime import DTYPES
 
@@ -25,5 +26,5 @@ def load_model_rewards(cfg: Any, device: torch.device) -> list:
     if rm is not None:
         scorers.append(RewardModel(rm, device, cfg.data.prompt_key, DTYPES[rm.dtype or cfg.model.dtype]))
     if judge is not None:
-        scorers.append(Judge(judge, device, cfg.data.prompt_key, cfg.rollout.model_copy(update={"engine": judge.engine})))
+        scorers.append(Judge(judge, device, cfg.data.prompt_key, cfg, runtime))
     return scorers

@@ -94,7 +94,7 @@ def engine_kwargs(
         # tensors), and so does the compiled CPU model (tests/test_vllm_engine.py syncs an updated model into it).
         enforce_eager=cfg.enforce_eager,
     )
-    if cfg.expert_parallel_size > 1:  # config.py checked it equals tensor_parallel_size
+    if cfg.expert_parallel_size > 1:  # config/rules.py checked it equals tensor_parallel_size
         kwargs["enable_expert_parallel"] = True
     if acc.is_device:
         kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization, enable_sleep_mode=cfg.enable_sleep_mode)

@@ -1,28 +1,23 @@
-"""Run configuration: pydantic models of every section, YAML loading and dotted CLI overrides.
+"""Run configuration, the schema: pydantic models of every section, each field documented, each checked alone.
 
 Names follow the MindSpeed-RL / verl guides so users can carry their settings over. Every field has
-a docstring-like `description`. Values left as None are derived in one place, right after parsing
-(`Config._derive`): `algorithm.name: dapo` switches on DAPO's defaults (clip-higher 0.28,
-token-mean, overlong buffer, filter_groups, no KL), and every DAPO piece also works alone under GRPO.
-
-`load_config` reports every problem at once (what, why, how to fix) as a `UserError`.
+a docstring-like `description`. Values left as None are derived in one place, right after parsing, by the
+cross-section rules (rules.py, called from `Config._derive`): `algorithm.name: dapo` switches on DAPO's
+defaults (clip-higher 0.28, token-mean, overlong buffer, filter_groups, no KL), and every DAPO piece also
+works alone under GRPO. YAML loading, overrides and error reports are loading.py's; the built-in tasks'
+knobs are knobs.py's.
 """
 
 from __future__ import annotations
 
 import difflib
-import importlib.util
-import logging
 import re
-import typing
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from postrl.builtin.knobs import BuiltinTaskConfig, ShapesTaskConfig, ToolArithmeticConfig
-from postrl.errors import UserError
+from postrl.config.knobs import BuiltinTaskConfig, ShapesTaskConfig, ToolArithmeticConfig
+from postrl.config.rules import derive
 
 
 class Section(BaseModel):
@@ -427,12 +422,6 @@ class FilterGroupsConfig(Section):
         return m["verifier"] if m else {"seq_final_reward": "seq_reward"}.get(v, v)
 
 
-# What `algorithm.name` sets when a key is left unset. A policy loss's own preferences (declared with its
-# registration in algorithms/) win over these, and an explicit setting over both.
-ALGORITHM_NAME_DEFAULTS: dict[str, dict[str, Any]] = {
-    "grpo": {"clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "loss_agg_mode": "seq-mean-token-mean"},
-    "dapo": {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "loss_agg_mode": "token-mean"},  # clip-higher, token-level loss
-}
 
 
 def _policy_loss_args(name: str, args: dict[str, Any]) -> dict[str, Any]:
@@ -565,24 +554,6 @@ class AlgorithmConfig(Section):
     @classmethod
     def _known_agg_mode(cls, v: str | None) -> str | None:
         return v if v is None else _registered_name("loss_agg_mode", v, "LOSS_AGGREGATIONS")
-
-    def _derive(self) -> None:
-        from postrl import algorithms
-
-        if self.policy_loss is None:
-            self.policy_loss = algorithms.DEFAULT_POLICY_LOSS
-        # The policy loss's paper settings win over the algorithm name's, explicit values over both.
-        loss_prefers = algorithms.policy_loss_spec(algorithms.get_policy_loss_fn(self.policy_loss)).defaults
-        for key, value in {**ALGORITHM_NAME_DEFAULTS[self.name], **loss_prefers}.items():
-            if getattr(self, key) is None:
-                setattr(self, key, value)
-        dapo = self.name == "dapo"
-        if self.overlong_buffer.enable is None:
-            self.overlong_buffer.enable = dapo
-        if self.filter_groups.enable is None:
-            self.filter_groups.enable = dapo
-        if self.kl.estimator == "low_var_kl":
-            self.kl.estimator = "k3"
 
 
 # ------------------------------------------------------------------------------------------- reward
@@ -979,18 +950,6 @@ class LoggingConfig(Section):
         "docs/metrics.md. The console line keeps postrl's names.",
     )
 
-    def missing_packages(self) -> list[str]:
-        """One problem per sink whose optional package is not installed on this machine."""
-        # find_spec, not import: wandb / swanlab take seconds to import and start threads.
-        # Each optional sink's package and the pip extra that installs it carry the sink's name.
-        return [
-            f"logging.sinks: the '{sink}' sink needs the {sink} package, which is not installed here; the run "
-            f"would stop with ModuleNotFoundError after loading the model. Fix: pip install 'postrl[{sink}]', "
-            f"or remove {sink} from logging.sinks."
-            for sink in dict.fromkeys(self.sinks)
-            if sink in ("tensorboard", "wandb", "swanlab") and importlib.util.find_spec(sink) is None
-        ]
-
 
 class ClusterConfig(Section):
     launcher: Literal["local", "torchrun", "ray"] = Field("local", description="How processes are started.")
@@ -1036,328 +995,8 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _derive(self) -> "Config":
-        self.algorithm._derive()
-        if self.checkpoint.save_freq < 0:  # never: no periodic and no final checkpoint
-            self.checkpoint.save_freq, self.checkpoint.save_final = 0, False
-        if self.checkpoint.dir is None:
-            self.checkpoint.dir = str(Path(self.logging.dir) / "checkpoints")
-        if self.eval.files is None:
-            self.eval.files = list(self.data.val_files)
-        if self.eval.max_tokens is None:
-            self.eval.max_tokens = self.rollout.max_tokens
-        problems = []
-        ob = self.algorithm.overlong_buffer
-        if ob.enable and ob.len >= self.rollout.max_tokens:
-            problems.append(
-                f"algorithm.overlong_buffer.len ({ob.len}) must be smaller than rollout.max_tokens "
-                f"({self.rollout.max_tokens}): the penalty starts at max_tokens - len. "
-                "Fix: shorten the buffer or raise rollout.max_tokens."
-            )
-        ep, tp = self.rollout.expert_parallel_size, self.rollout.tensor_parallel_size
-        if ep > 1 and ep != tp:
-            problems.append(
-                f"rollout.expert_parallel_size ({ep}) must equal rollout.tensor_parallel_size ({tp}): vLLM's expert-parallel "
-                "group is the engine's tensor-parallel ranks (tensor x data parallel within one engine; postrl's colocated "
-                f"engines are one tensor-parallel group each). Fix: set rollout.expert_parallel_size: {tp}, or 1."
-            )
-        sp = self.train.sequence_parallel_size
-        if sp > 1 and self.world_size > 1 and self.world_size % sp:  # else the launch decides the world (--nproc)
-            problems.append(
-                f"train.sequence_parallel_size ({sp}) must divide the world size ({self.world_size} devices): each "
-                "sequence-parallel group is that many ranks. Fix: choose a divisor, or change cluster.devices_per_node / nnodes."
-            )
-        rc = self.algorithm.rollout_correction
-        if self.rollout.mode == "async" and self.rollout.max_staleness > 0 and "enable" not in rc.model_fields_set:
-            rc.enable = True  # the decoupled objective (AReaL): stale samples weighted by trainer / engine, truncated
-        if sp > 1 and _needs_critic(self.algorithm.adv_estimator):
-            problems.append(
-                f"train.sequence_parallel_size ({sp}) with adv_estimator '{self.algorithm.adv_estimator}': the critic's "
-                "value passes and update do not split sequences yet (only the actor's do). Fix: set "
-                "train.sequence_parallel_size: 1 for PPO, or use a critic-free estimator (grpo, rloo, ...)."
-            )
-        a = self.algorithm
-        if a.use_kl_in_reward and not _needs_critic(a.adv_estimator):
-            problems.append(
-                f"algorithm.use_kl_in_reward puts a KL penalty on every token's reward, which only a per-token estimator "
-                f"with a critic uses; adv_estimator '{a.adv_estimator}' reads one reward per sequence. Fix: set "
-                "algorithm.adv_estimator: gae, or use the KL loss (algorithm.kl.coef) instead."
-            )
-        if problems:
-            raise ValueError("\n".join(problems))
-        return self
+        return derive(self)  # the cross-section rules and derived values (rules.py)
 
     @property
     def world_size(self) -> int:
         return self.cluster.nnodes * self.cluster.devices_per_node
-
-
-def _needs_critic(adv_estimator: str) -> bool:
-    from postrl import algorithms
-
-    return algorithms.needs_critic(adv_estimator)
-
-
-# ------------------------------------------------------------------------------------------ loading
-def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
-    keys = dotted.split(".")
-    node = tree
-    for k in keys[:-1]:
-        if not isinstance(node.get(k), dict):
-            node[k] = {}
-        node = node[k]
-    node[keys[-1]] = value
-
-
-def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
-    """`a.b=1` pairs; values are parsed as YAML (so 0.3 is a float, [a,b] a list, null None)."""
-    out, bad = [], []
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key or any(not part for part in key.split(".")):
-            bad.append(
-                f"override '{item}' is not of the form section.key=value. "
-                "Fix: write it like algorithm.clip_ratio_high=0.3."
-            )
-            continue
-        try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError:
-            value = raw
-        out.append((key, value))
-    if bad:
-        raise UserError(*bad, title="bad command-line overrides")
-    return out
-
-
-def _describe_error(err: dict, cfg_cls: type[BaseModel]) -> list[str]:
-    loc = ".".join(str(p) for p in err["loc"])
-    kind = err["type"]
-    if kind == "extra_forbidden":
-        section_cls = _section_at(cfg_cls, err["loc"][:-1])
-        valid = sorted(section_cls.model_fields) if section_cls else []
-        key = str(err["loc"][-1])
-        guess = difflib.get_close_matches(key, valid, n=1)
-        hint = f" Did you mean '{guess[0]}'?" if guess else ""
-        where = ".".join(str(p) for p in err["loc"][:-1]) or "the top level"
-        return [
-            f"{loc}: unknown key '{key}' in {where}; a misspelt key would be silently ignored, so it is refused."
-            f"{hint} Valid keys: {', '.join(valid)}."
-        ]
-    if kind == "missing":
-        return [f"{loc}: required but missing. Fix: set {loc} in the YAML or as {loc}=... on the command line."]
-    if kind in ("value_error", "assertion_error"):
-        msg = str(err.get("ctx", {}).get("error", err["msg"]))
-        prefix = f"{loc}: " if loc else ""
-        return [prefix + line for line in msg.split("\n") if line]
-    got = err.get("input")
-    got_s = repr(got) if not isinstance(got, dict) else "a mapping"
-    field = _field_at(cfg_cls, err["loc"])
-    why = f" {field.description.rstrip('.')}." if field is not None and field.description else ""
-    return [f"{loc}: {err['msg'].rstrip('.')} (got {got_s}).{why} Fix: set {loc} to a valid value."]
-
-
-def _field_at(cls: type[BaseModel], loc: tuple):
-    section = _section_at(cls, loc[:-1])
-    return section.model_fields.get(str(loc[-1])) if section is not None and loc else None
-
-
-def _section_at(cls: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
-    for part in loc:
-        field = cls.model_fields.get(str(part))
-        if field is None:
-            return None
-        ann = field.annotation
-        ann = next((a for a in typing.get_args(ann) if isinstance(a, type) and issubclass(a, BaseModel)), ann)  # X | None
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            cls = ann
-        else:
-            return None
-    return cls
-
-
-def build_config(tree: dict, source: str = "config") -> Config:
-    """Validate a config tree; raise a UserError that lists every problem."""
-    try:
-        return Config.model_validate(tree)
-    except ValidationError as exc:
-        problems = []
-        for err in exc.errors():
-            problems.extend(_describe_error(err, Config))
-        problems += [p for p in _cross_section_problems(tree, exc) if p not in problems]
-        raise UserError(*problems, title=f"{source}: {len(problems)} problem(s) in the configuration") from None
-
-
-def _cross_section_problems(tree: dict, exc: ValidationError) -> list[str]:
-    """The checks of a section or across sections (model validators such as Config._derive), which pydantic
-    skips while a field below them is bad: run again on the tree with the bad keys at their defaults, keeping
-    the problems that do not mention a key that was reset."""
-    import copy
-
-    trial, reset, found = copy.deepcopy(tree), [], []
-    for _ in range(3):
-        for err in exc.errors():
-            node, loc = trial, [str(p) for p in err["loc"]]
-            for depth, part in enumerate(loc):  # drop the deepest key of the error's path that the tree has
-                if not isinstance(node, dict) or part not in node:
-                    break
-                if depth == len(loc) - 1 or not isinstance(node[part], dict) or loc[depth + 1] not in node[part]:
-                    del node[part]
-                    reset.append(".".join(loc[: depth + 1]))
-                    break
-                node = node[part]
-        trial.setdefault("model", {}).setdefault("path", "builtin:tiny-qwen2")
-        try:
-            Config.model_validate(trial)
-            break
-        except ValidationError as again:
-            exc = again
-            found += [p for err in exc.errors() for p in _describe_error(err, Config) if not any(k in p for k in reset)]
-    return list(dict.fromkeys(found))
-
-
-def read_yaml_mapping(path: str | Path, example: str, keys: str) -> dict:
-    """The mapping at the top of a YAML file; a missing file, bad YAML or a non-mapping is a UserError."""
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"config file '{path}' does not exist. Fix: pass the path of a YAML file, e.g. {example}.")
-    try:
-        tree = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise UserError(f"{path} is not valid YAML: {exc}. Fix the syntax at the line shown.") from None
-    if not isinstance(tree, dict):
-        raise UserError(f"{path} must hold a mapping of {keys}, not {type(tree).__name__}.")
-    return tree
-
-
-def _is_config_key(dotted: str) -> bool:
-    loc = tuple(dotted.split("."))
-    return _section_at(Config, loc[:-1]) is not None and loc[-1] in _section_at(Config, loc[:-1]).model_fields
-
-
-def _split_guides_overrides(overrides: list[str]) -> tuple[list[tuple[str, Any]], list[str]]:
-    """verl-style overrides (`actor_rollout_ref.rollout.n=8`, `data.train_batch_size=4`) translated through
-    postrl.guides' table, and the postrl overrides left as they are. A verl key with no postrl counterpart
-    is reported as a warning with what postrl offers instead, so a guide's command line still runs."""
-    from postrl.guides import convert_verl, split_overrides
-
-    verl, native = split_overrides(overrides, _is_config_key)
-    if not verl:
-        return [], native
-    conv = convert_verl(verl)
-    for u in conv.unmapped:
-        logging.getLogger("postrl.config").warning("override %s=%r not applied: %s", u.source, u.value, u.instead)
-    return list(conv.flat().items()), native
-
-
-def load_config(path: str | Path | None, overrides: list[str] | None = None, check_paths: bool = True) -> Config:
-    """Load a YAML file, apply dotted overrides, validate; optionally check this machine
-    (`environment_problems`: input paths exist, the logging sinks' packages are installed)."""
-    tree: dict = {}
-    source = str(path) if path else "command line"
-    if path is not None:
-        tree = read_yaml_mapping(path, example="configs/tiny_dapo.yaml", keys="sections (model:, data:, ...)")
-    verl, native = _split_guides_overrides(overrides or [])
-    for key, value in verl:
-        _set_dotted(tree, key, value)
-    for key, value in parse_overrides(native):
-        _set_dotted(tree, key, value)
-    cfg = build_config(tree, source)
-    for note in config_notes(cfg):
-        logging.getLogger("postrl.config").warning("note: %s", note)
-    if check_paths:
-        problems = environment_problems(cfg)
-        if problems:
-            raise UserError(*problems, title=f"{source}: {len(problems)} problem(s) in the configuration")
-    return cfg
-
-
-def config_notes(cfg: Config) -> list[str]:
-    """Keys that are set but have no effect on this run (said once, not refused: an override may switch a part off)."""
-    notes, mt = [], cfg.rollout.multi_turn
-    if not mt.enable and (mt.tools or mt.interaction):
-        what = " and ".join(k for k, v in (("tools", mt.tools), ("interaction", mt.interaction)) if v)
-        notes.append(
-            f"rollout.multi_turn.{what} is set but rollout.multi_turn.enable is false, so the run is single-turn and "
-            "never offers them; set rollout.multi_turn.enable: true to use them."
-        )
-    if cfg.critic.model_fields_set and not _needs_critic(cfg.algorithm.adv_estimator):
-        keys = ", ".join(f"critic.{k}" for k in sorted(cfg.critic.model_fields_set))
-        notes.append(
-            f"{keys} is set but adv_estimator '{cfg.algorithm.adv_estimator}' uses no critic, so it has no effect; "
-            "set algorithm.adv_estimator: gae for PPO with a critic."
-        )
-    return notes
-
-
-def _looks_like_hub_id(path: str) -> bool:
-    parts = path.split("/")
-    return len(parts) == 2 and all(parts) and not path.startswith((".", "/", "~"))
-
-
-def path_problems(cfg: Config) -> list[str]:
-    """Input files and model paths that do not exist (checked before anything starts)."""
-    problems = []
-    mp = cfg.model.path
-    if not mp.startswith("builtin:") and not Path(mp).expanduser().exists() and not _looks_like_hub_id(mp):
-        problems.append(
-            f"model.path: '{mp}' does not exist. The policy is loaded from a Hugging Face model directory. "
-            "Fix: point model.path at a directory with config.json (for the tiny default, run "
-            "`postrl sft configs/tiny_sft.yaml` first, as `make run` does), or use 'builtin:tiny-qwen2'."
-        )
-    for key, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
-        for f in files:
-            if not f.startswith("builtin:") and not Path(f).expanduser().exists():
-                problems.append(f"{key}: file '{f}' does not exist. Fix: run `postrl preprocess` or correct the path.")
-    from postrl.preflight import run_model_problems  # every model the run loads: kind, tokenizer, vocab fit
-
-    return problems + [p for p in run_model_problems(cfg) if not (problems and p.startswith(f"model.path: '{mp}' does not"))]
-
-
-def agent_problems(cfg: Config) -> list[str]:
-    """The agent loop's tools and environment imported and shape-checked (a tool's schema from its hints and
-    docstring; an environment's reset and step), as the verifiers are at validation."""
-    mt = cfg.rollout.multi_turn
-    if not mt.enable:
-        return []
-    from postrl.agents.env import load_environment
-    from postrl.agents.tools import load_tools
-
-    problems = []
-    for check, arg in ((load_tools, list(mt.tools)), (load_environment, mt.interaction)):
-        try:
-            if arg:
-                check(arg)
-        except UserError as exc:
-            problems += [p if p.startswith("rollout.") else f"rollout.multi_turn: {p}" for p in exc.problems]
-    return problems
-
-
-def environment_problems(cfg: Config) -> list[str]:
-    """What this machine lacks for the run: missing input paths and models, uninstalled sink packages, tools and
-    environments that do not import, isolation for builtin:python."""
-    return path_problems(cfg) + cfg.logging.missing_packages() + agent_problems(cfg) + sandbox_problems(cfg)
-
-
-def sandbox_problems(cfg: Config) -> list[str]:
-    """builtin:python on the local backend where this machine cannot isolate it (postrl.agents.sandbox.refusal)."""
-    mt = cfg.rollout.multi_turn
-    if not mt.enable or "builtin:python" not in mt.tools or mt.sandbox.backend != "local":
-        return []
-    from postrl.agents.sandbox import refusal
-
-    why = refusal(mt.sandbox.require_isolation)
-    return [f"rollout.multi_turn.tools: {why}"] if why else []
-
-
-def dump_config(cfg: Config) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
-
-
-def derive_total_steps(cfg: Config, train_prompts: int) -> str | None:
-    """train.total_epochs -> train.total_steps once the kept prompts are counted (the assembly calls it right
-    after loading them, before the LR schedule is built); returns the line that says so, None without epochs."""
-    t = cfg.train
-    if not t.total_epochs:
-        return None
-    t.total_steps = max(1, t.total_epochs * (train_prompts // t.global_batch_size))
-    return f"train.total_epochs {t.total_epochs}: {t.total_steps} steps"

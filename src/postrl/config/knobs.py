@@ -1,7 +1,8 @@
 """Knobs of the built-in tasks: the `data.builtin.*` (arithmetic) and `data.shapes.*` config sections.
 
-They live with the tasks, not in the core config; `postrl.config.DataConfig` holds one of each, so
-the YAML keys stay where users put them and validation still reports every problem at once.
+They are the demo tasks' settings, kept apart from the core sections (schema.py) in a module of their own;
+`postrl.config.DataConfig` holds one of each, so the YAML keys stay where users put them and validation
+still reports every problem at once. The config package does not import the tasks (postrl.builtin).
 """
 
 from __future__ import annotations

@@ -1,0 +1,288 @@
+"""Loading the run configuration: a YAML file, dotted overrides (and the guides' verl-style ones, translated
+by postrl.guides), validation with every problem reported at once as a UserError (what, why, how to fix),
+the notes on keys without effect, and the checks of this machine (paths, models, sink packages, tools, sandbox).
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import logging
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from postrl.config.rules import _needs_critic
+from postrl.config.schema import Config
+from postrl.errors import UserError
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for k in keys[:-1]:
+        if not isinstance(node.get(k), dict):
+            node[k] = {}
+        node = node[k]
+    node[keys[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
+    """`a.b=1` pairs; values are parsed as YAML (so 0.3 is a float, [a,b] a list, null None)."""
+    out, bad = [], []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            bad.append(
+                f"override '{item}' is not of the form section.key=value. "
+                "Fix: write it like algorithm.clip_ratio_high=0.3."
+            )
+            continue
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        out.append((key, value))
+    if bad:
+        raise UserError(*bad, title="bad command-line overrides")
+    return out
+
+
+def _describe_error(err: dict, cfg_cls: type[BaseModel]) -> list[str]:
+    loc = ".".join(str(p) for p in err["loc"])
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        section_cls = _section_at(cfg_cls, err["loc"][:-1])
+        valid = sorted(section_cls.model_fields) if section_cls else []
+        key = str(err["loc"][-1])
+        guess = difflib.get_close_matches(key, valid, n=1)
+        hint = f" Did you mean '{guess[0]}'?" if guess else ""
+        where = ".".join(str(p) for p in err["loc"][:-1]) or "the top level"
+        return [
+            f"{loc}: unknown key '{key}' in {where}; a misspelt key would be silently ignored, so it is refused."
+            f"{hint} Valid keys: {', '.join(valid)}."
+        ]
+    if kind == "missing":
+        return [f"{loc}: required but missing. Fix: set {loc} in the YAML or as {loc}=... on the command line."]
+    if kind in ("value_error", "assertion_error"):
+        msg = str(err.get("ctx", {}).get("error", err["msg"]))
+        prefix = f"{loc}: " if loc else ""
+        return [prefix + line for line in msg.split("\n") if line]
+    got = err.get("input")
+    got_s = repr(got) if not isinstance(got, dict) else "a mapping"
+    field = _field_at(cfg_cls, err["loc"])
+    why = f" {field.description.rstrip('.')}." if field is not None and field.description else ""
+    return [f"{loc}: {err['msg'].rstrip('.')} (got {got_s}).{why} Fix: set {loc} to a valid value."]
+
+
+def _field_at(cls: type[BaseModel], loc: tuple):
+    section = _section_at(cls, loc[:-1])
+    return section.model_fields.get(str(loc[-1])) if section is not None and loc else None
+
+
+def _section_at(cls: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
+    for part in loc:
+        field = cls.model_fields.get(str(part))
+        if field is None:
+            return None
+        ann = field.annotation
+        ann = next((a for a in typing.get_args(ann) if isinstance(a, type) and issubclass(a, BaseModel)), ann)  # X | None
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            cls = ann
+        else:
+            return None
+    return cls
+
+
+def build_config(tree: dict, source: str = "config") -> Config:
+    """Validate a config tree; raise a UserError that lists every problem."""
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            problems.extend(_describe_error(err, Config))
+        problems += [p for p in _cross_section_problems(tree, exc) if p not in problems]
+        raise UserError(*problems, title=f"{source}: {len(problems)} problem(s) in the configuration") from None
+
+
+def _cross_section_problems(tree: dict, exc: ValidationError) -> list[str]:
+    """The checks of a section or across sections (model validators such as Config._derive), which pydantic
+    skips while a field below them is bad: run again on the tree with the bad keys at their defaults, keeping
+    the problems that do not mention a key that was reset."""
+    import copy
+
+    trial, reset, found = copy.deepcopy(tree), [], []
+    for _ in range(3):
+        for err in exc.errors():
+            node, loc = trial, [str(p) for p in err["loc"]]
+            for depth, part in enumerate(loc):  # drop the deepest key of the error's path that the tree has
+                if not isinstance(node, dict) or part not in node:
+                    break
+                if depth == len(loc) - 1 or not isinstance(node[part], dict) or loc[depth + 1] not in node[part]:
+                    del node[part]
+                    reset.append(".".join(loc[: depth + 1]))
+                    break
+                node = node[part]
+        trial.setdefault("model", {}).setdefault("path", "builtin:tiny-qwen2")
+        try:
+            Config.model_validate(trial)
+            break
+        except ValidationError as again:
+            exc = again
+            found += [p for err in exc.errors() for p in _describe_error(err, Config) if not any(k in p for k in reset)]
+    return list(dict.fromkeys(found))
+
+
+def read_yaml_mapping(path: str | Path, example: str, keys: str) -> dict:
+    """The mapping at the top of a YAML file; a missing file, bad YAML or a non-mapping is a UserError."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"config file '{path}' does not exist. Fix: pass the path of a YAML file, e.g. {example}.")
+    try:
+        tree = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise UserError(f"{path} is not valid YAML: {exc}. Fix the syntax at the line shown.") from None
+    if not isinstance(tree, dict):
+        raise UserError(f"{path} must hold a mapping of {keys}, not {type(tree).__name__}.")
+    return tree
+
+
+def _is_config_key(dotted: str) -> bool:
+    loc = tuple(dotted.split("."))
+    return _section_at(Config, loc[:-1]) is not None and loc[-1] in _section_at(Config, loc[:-1]).model_fields
+
+
+def _split_guides_overrides(overrides: list[str]) -> tuple[list[tuple[str, Any]], list[str]]:
+    """verl-style overrides (`actor_rollout_ref.rollout.n=8`, `data.train_batch_size=4`) translated through
+    postrl.guides' table, and the postrl overrides left as they are. A verl key with no postrl counterpart
+    is reported as a warning with what postrl offers instead, so a guide's command line still runs."""
+    from postrl.guides import convert_verl, split_overrides
+
+    verl, native = split_overrides(overrides, _is_config_key)
+    if not verl:
+        return [], native
+    conv = convert_verl(verl)
+    for u in conv.unmapped:
+        logging.getLogger("postrl.config").warning("override %s=%r not applied: %s", u.source, u.value, u.instead)
+    return list(conv.flat().items()), native
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None, check_paths: bool = True) -> Config:
+    """Load a YAML file, apply dotted overrides, validate; optionally check this machine
+    (`environment_problems`: input paths exist, the logging sinks' packages are installed)."""
+    tree: dict = {}
+    source = str(path) if path else "command line"
+    if path is not None:
+        tree = read_yaml_mapping(path, example="configs/tiny_dapo.yaml", keys="sections (model:, data:, ...)")
+    verl, native = _split_guides_overrides(overrides or [])
+    for key, value in verl:
+        _set_dotted(tree, key, value)
+    for key, value in parse_overrides(native):
+        _set_dotted(tree, key, value)
+    cfg = build_config(tree, source)
+    for note in config_notes(cfg):
+        logging.getLogger("postrl.config").warning("note: %s", note)
+    if check_paths:
+        problems = environment_problems(cfg)
+        if problems:
+            raise UserError(*problems, title=f"{source}: {len(problems)} problem(s) in the configuration")
+    return cfg
+
+
+def config_notes(cfg: Config) -> list[str]:
+    """Keys that are set but have no effect on this run (said once, not refused: an override may switch a part off)."""
+    notes, mt = [], cfg.rollout.multi_turn
+    if not mt.enable and (mt.tools or mt.interaction):
+        what = " and ".join(k for k, v in (("tools", mt.tools), ("interaction", mt.interaction)) if v)
+        notes.append(
+            f"rollout.multi_turn.{what} is set but rollout.multi_turn.enable is false, so the run is single-turn and "
+            "never offers them; set rollout.multi_turn.enable: true to use them."
+        )
+    if cfg.critic.model_fields_set and not _needs_critic(cfg.algorithm.adv_estimator):
+        keys = ", ".join(f"critic.{k}" for k in sorted(cfg.critic.model_fields_set))
+        notes.append(
+            f"{keys} is set but adv_estimator '{cfg.algorithm.adv_estimator}' uses no critic, so it has no effect; "
+            "set algorithm.adv_estimator: gae for PPO with a critic."
+        )
+    return notes
+
+
+def _looks_like_hub_id(path: str) -> bool:
+    parts = path.split("/")
+    return len(parts) == 2 and all(parts) and not path.startswith((".", "/", "~"))
+
+
+def path_problems(cfg: Config) -> list[str]:
+    """Input files and model paths that do not exist (checked before anything starts)."""
+    problems = []
+    mp = cfg.model.path
+    if not mp.startswith("builtin:") and not Path(mp).expanduser().exists() and not _looks_like_hub_id(mp):
+        problems.append(
+            f"model.path: '{mp}' does not exist. The policy is loaded from a Hugging Face model directory. "
+            "Fix: point model.path at a directory with config.json (for the tiny default, run "
+            "`postrl sft configs/tiny_sft.yaml` first, as `make run` does), or use 'builtin:tiny-qwen2'."
+        )
+    for key, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
+        for f in files:
+            if not f.startswith("builtin:") and not Path(f).expanduser().exists():
+                problems.append(f"{key}: file '{f}' does not exist. Fix: run `postrl preprocess` or correct the path.")
+    from postrl.preflight import run_model_problems  # every model the run loads: kind, tokenizer, vocab fit
+
+    return problems + [p for p in run_model_problems(cfg) if not (problems and p.startswith(f"model.path: '{mp}' does not"))]
+
+
+def agent_problems(cfg: Config) -> list[str]:
+    """The agent loop's tools and environment imported and shape-checked (a tool's schema from its hints and
+    docstring; an environment's reset and step), as the verifiers are at validation."""
+    mt = cfg.rollout.multi_turn
+    if not mt.enable:
+        return []
+    from postrl.agents.env import load_environment
+    from postrl.agents.tools import load_tools
+
+    problems = []
+    for check, arg in ((load_tools, list(mt.tools)), (load_environment, mt.interaction)):
+        try:
+            if arg:
+                check(arg)
+        except UserError as exc:
+            problems += [p if p.startswith("rollout.") else f"rollout.multi_turn: {p}" for p in exc.problems]
+    return problems
+
+
+def environment_problems(cfg: Config) -> list[str]:
+    """What this machine lacks for the run: missing input paths and models, uninstalled sink packages, tools and
+    environments that do not import, isolation for builtin:python."""
+    return path_problems(cfg) + missing_packages(cfg.logging) + agent_problems(cfg) + sandbox_problems(cfg)
+
+
+def missing_packages(logging_cfg: Any) -> list[str]:
+    """One problem per logging sink whose optional package is not installed on this machine."""
+    # find_spec, not import: wandb / swanlab take seconds to import and start threads.
+    # Each optional sink's package and the pip extra that installs it carry the sink's name.
+    return [
+        f"logging.sinks: the '{sink}' sink needs the {sink} package, which is not installed here; the run "
+        f"would stop with ModuleNotFoundError after loading the model. Fix: pip install 'postrl[{sink}]', "
+        f"or remove {sink} from logging.sinks."
+        for sink in dict.fromkeys(logging_cfg.sinks)
+        if sink in ("tensorboard", "wandb", "swanlab") and importlib.util.find_spec(sink) is None
+    ]
+
+
+def sandbox_problems(cfg: Config) -> list[str]:
+    """builtin:python on the local backend where this machine cannot isolate it (postrl.agents.sandbox.refusal)."""
+    mt = cfg.rollout.multi_turn
+    if not mt.enable or "builtin:python" not in mt.tools or mt.sandbox.backend != "local":
+        return []
+    from postrl.agents.sandbox import refusal
+
+    why = refusal(mt.sandbox.require_isolation)
+    return [f"rollout.multi_turn.tools: {why}"] if why else []
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
