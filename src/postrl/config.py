@@ -890,6 +890,27 @@ class CriticConfig(Section):
     cliprange_value: float = Field(0.5, gt=0, description="Value clipping: V stays within V_old +- this in the loss.")
 
 
+class DistillConfig(Section):
+    """On-policy distillation (docs/algorithms.md#on-policy-distillation): off while teacher_path is unset."""
+
+    teacher_path: str | None = Field(
+        None,
+        description="The teacher: any Hugging Face causal LM or Qwen-VL directory (or hub id) with the student's "
+        "tokenizer; it scores the student's sampled tokens. Held where the KL reference is (train.ref_offload applies).",
+    )
+    reward_weight: float = Field(
+        0.0, ge=0, description="w in A_t + w x A_group: the task reward's share beside the teacher's signal (0: pure distillation)."
+    )
+    top_k: int = Field(
+        0, ge=0, description="0: the sampled-token reverse KL as a per-token advantage; k > 0: the exact reverse KL over the "
+        "teacher's top-k tokens at every position, both distributions renormalised over them, added as a loss.",
+    )
+
+    @property
+    def enable(self) -> bool:
+        return self.teacher_path is not None
+
+
 class Config(Section):
     model: ModelConfig
     data: DataConfig = Field(default_factory=DataConfig)
@@ -905,6 +926,7 @@ class Config(Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     guards: GuardsConfig = Field(default_factory=GuardsConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    distill: DistillConfig = Field(default_factory=DistillConfig)
 
     @model_validator(mode="after")
     def _derive(self) -> "Config":
@@ -954,6 +976,7 @@ class Config(Section):
                 f"with a critic uses; adv_estimator '{a.adv_estimator}' reads one reward per sequence. Fix: set "
                 "algorithm.adv_estimator: gae, or use the KL loss (algorithm.kl.coef) instead."
             )
+        problems += _distill_problems(self)
         if problems:
             raise ValueError("\n".join(problems))
         return self
@@ -961,6 +984,22 @@ class Config(Section):
     @property
     def world_size(self) -> int:
         return self.cluster.nnodes * self.cluster.devices_per_node
+
+
+def _distill_problems(cfg: Config) -> list[str]:
+    d, problems = cfg.distill, []
+    if d.enable and _needs_critic(cfg.algorithm.adv_estimator):
+        problems.append(
+            "distill.teacher_path with adv_estimator 'gae': the critic's per-token advantages and the teacher's would both "
+            "claim the advantage slot. Fix: use a critic-free estimator (grpo, rloo, ...) for the group term."
+        )
+    if d.enable and d.top_k and cfg.train.sequence_parallel_size > 1:
+        problems.append(
+            f"distill.top_k ({d.top_k}) with train.sequence_parallel_size {cfg.train.sequence_parallel_size}: the top-k "
+            "logits are not gathered across a sequence-parallel group yet. Fix: distill.top_k: 0 (the sampled-token "
+            "variant), or train.sequence_parallel_size: 1."
+        )
+    return problems
 
 
 def _needs_critic(adv_estimator: str) -> bool:
@@ -1126,6 +1165,9 @@ def path_problems(cfg: Config) -> list[str]:
             "Fix: point model.path at a directory with config.json (for the tiny default, run "
             "`postrl sft configs/tiny_sft.yaml` first, as `make run` does), or use 'builtin:tiny-qwen2'."
         )
+    tp = cfg.distill.teacher_path
+    if tp and not tp.startswith("builtin:") and not Path(tp).expanduser().exists() and not _looks_like_hub_id(tp):
+        problems.append(f"distill.teacher_path: '{tp}' does not exist. Fix: point it at the teacher's model directory.")
     for key, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
         for f in files:
             if not f.startswith("builtin:") and not Path(f).expanduser().exists():

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from postrl import checkpoint, distributed, guards, lora, reference
+from postrl import checkpoint, distill, distributed, guards, lora, reference
 from postrl.actor import Actor
 from postrl.agents.loop import tool_schemas
 from postrl.algorithms import needs_critic
@@ -56,6 +56,7 @@ class Trainer:
         if cfg.train.deterministic:
             torch.use_deterministic_algorithms(True)
 
+        distill.check_tokenizer(cfg)  # a teacher with another tokenizer is refused before any model loads
         # fp32 master weights whatever model.dtype says; forwards compute in model.dtype (runtime.py).
         self.policy = load_policy(cfg.model, dtype="float32", device=rt.device)
         self.model, self.tokenizer, self.model_path = self.policy.model, self.policy.tokenizer, self.policy.path
@@ -72,6 +73,7 @@ class Trainer:
         tools = tool_schemas(cfg.rollout.multi_turn)  # the agent loop's tools, rendered into the prompts
         self.train_examples = load_train_prompts(cfg, self.tokenizer, self.policy.modality, tools, self.log)
         self.ref_model = reference.build(cfg, self.policy, rt) if cfg.algorithm.kl.coef > 0 or cfg.algorithm.use_kl_in_reward else None
+        self.teacher = distill.build_teacher(cfg, self.policy, rt)  # on-policy distillation, held as the reference
         # FSDP2 shards self.model in place (before the optimizer sees its parameters); DDP wraps it.
         train_model = distributed.wrap_model(
             self.model, cfg.train.strategy, compute_dtype=rt.dtype, reshard_after_forward=cfg.train.reshard_after_forward
@@ -191,6 +193,7 @@ class Trainer:
             if self.ref_model is not None:
                 with self.timer("reference_model"), reference.ready(self.ref_model, self.model, self.runtime, self.timer) as ref:
                     local.tensors["ref_logp"] = self.actor.compute_logprobs(ref, local)
+            distill.score(self.teacher, self.actor, self.model, local, self.runtime, self.timer)  # timing/teacher
             update_stats = {}
             if self.critic is not None:  # values, GAE advantages and returns, then the critic's update (verl's order)
                 with self.timer("values"):
