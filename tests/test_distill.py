@@ -204,3 +204,17 @@ def test_topk_kl_equals_the_categorical_kl():
     mine = topk_reverse_kl(s, torch.log_softmax(t, -1))
     ref = torch.distributions.kl_divergence(torch.distributions.Categorical(logits=s), torch.distributions.Categorical(logits=t))
     assert torch.allclose(mine, ref, atol=1e-6)
+
+
+def test_config_refuses_what_distillation_does_not_support():
+    from postrl.config import build_config
+
+    with pytest.raises(UserError) as err:
+        build_config({
+            "model": {"path": "m"}, "distill": {"teacher_path": "t", "top_k": 4},
+            "algorithm": {"adv_estimator": "gae"}, "train": {"sequence_parallel_size": 2},
+        })  # fmt: skip
+    text = "\n".join(err.value.problems)
+    assert "distill.teacher_path with adv_estimator 'gae'" in text and "distill.top_k (4)" in text
+    cfg = build_config({"model": {"path": "m"}})
+    assert not cfg.distill.enable and cfg.distill.reward_weight == 0.0 and cfg.distill.top_k == 0
