@@ -147,9 +147,10 @@ def test_a_teacher_with_another_tokenizer_is_refused_before_any_model_loads(tmp_
     check_tokenizer(load_config(None, tiny_overrides(tmp_path, f"distill.teacher_path={tiny_model_path}")))  # same: passes
 
 
-def _run(tmp_path, teacher, top_k, steps=1):
+def _run(tmp_path, teacher, top_k, steps=1, *extra):
     cfg = load_config(None, tiny_overrides(
         tmp_path, f"distill.teacher_path={teacher}", f"distill.top_k={top_k}", "reward.verifiers=[verifiers_for_tests:length_parity]",
+        *extra,
     ))  # fmt: skip
     tr = Trainer(cfg)
     try:
@@ -158,11 +159,12 @@ def _run(tmp_path, teacher, top_k, steps=1):
         tr.close()
 
 
-@pytest.mark.parametrize("top_k", [0, 3])
-def test_the_student_as_its_own_teacher_gets_no_gradient(tmp_path, tiny_model_path, top_k):
+@pytest.mark.parametrize("top_k, remove_padding", [(0, True), (3, True), (3, False)])
+def test_the_student_as_its_own_teacher_gets_no_gradient(tmp_path, tiny_model_path, top_k, remove_padding):
     """S = T: the reverse KL (sampled-token estimate and top-k) is 0, every advantage 0 (reward_weight 0), so the
-    gradient is exactly 0; the teacher's top-1 is the sampled token only where sampling picked it."""
-    (m,) = _run(tmp_path, tiny_model_path, top_k)
+    gradient is exactly 0; the teacher's top-1 is the sampled token only where sampling picked it. The top-k KL is 0
+    only if the student's logits are gathered at the very positions the teacher ranked (packed and padded forwards)."""
+    (m,) = _run(tmp_path, tiny_model_path, top_k, 1, f"train.use_remove_padding={str(remove_padding).lower()}")
     assert abs(m["distill/reverse_kl"]) < 1e-5
     assert m["actor/grad_norm"] < 1e-6
     assert 0.0 < m["distill/top1_agreement"] < 1.0
@@ -188,10 +190,11 @@ def other_teacher(tmp_path_factory, tiny_model_path):
     return out
 
 
-@pytest.mark.parametrize("top_k", [0, 3])
-def test_two_steps_with_another_teacher(tmp_path, other_teacher, top_k):
-    """A different teacher: a positive reverse KL, a gradient, and two steps run."""
-    first, second = _run(tmp_path, other_teacher, top_k, steps=2)
+@pytest.mark.parametrize("top_k, extra", [(0, []), (3, []), (0, ["model.lora_rank=4"])], ids=["sampled", "topk", "lora"])
+def test_two_steps_with_another_teacher(tmp_path, other_teacher, top_k, extra):
+    """A different teacher: a positive reverse KL, a gradient, and two steps run (a LoRA student too: its teacher
+    is its own model, not the student's base)."""
+    first, second = _run(tmp_path, other_teacher, top_k, 2, *extra)
     assert first["distill/reverse_kl"] > 0.05
     assert first["actor/grad_norm"] > 0 and second["actor/grad_norm"] > 0
     if top_k:

@@ -19,8 +19,7 @@ from postrl.algorithms.distill import distill_advantages, distill_stats, topk_re
 from postrl.errors import UserError
 from postrl.models import response_logprobs, resolve_model_path
 
-if TYPE_CHECKING:
-    from postrl.actor import Actor, Packed
+if TYPE_CHECKING:  # not postrl.actor: it imports this module (actor / packed below are its Actor / Packed)
     from postrl.metrics import Timer
     from postrl.models import Policy
     from postrl.runtime import Runtime
@@ -96,7 +95,7 @@ def _logits_at(ids_BTK: torch.Tensor) -> Callable:
 
 
 @torch.no_grad()
-def score(teacher: torch.nn.Module | None, actor: "Actor", policy_model: torch.nn.Module, packed: "Packed", runtime: "Runtime", timer: "Timer") -> None:
+def score(teacher: torch.nn.Module | None, actor: Any, policy_model: torch.nn.Module, packed: Any, runtime: "Runtime", timer: "Timer") -> None:
     """The teacher's pass over this rank's rows, in the micro-batches of the reference's pass: log-probs of the
     sampled tokens, its top-1 id, and with distill.top_k its top-k log-probs and ids (TEACHER_KEYS)."""
     if teacher is None:
