@@ -6,7 +6,7 @@ both from the `make run` SFT model, with the same prompts and samples per step (
 target or after --max-steps. Prints steps-to-target, the accuracy reached and the wall time, side by side.
 
     python benchmarks/distill_vs_rl.py [--target 0.40] [--max-steps 20] [--sft runs/tiny_sft/model]
-        [--teacher runs/tiny_dapo/checkpoints/best/model] [--out runs/distill_vs_rl] [--only opd]
+        [--teacher runs/tiny_dapo/checkpoints/best/model] [--out runs/distill_vs_rl] [--only opd] [--run-all]
 
 Needs `make run`'s outputs (or other paths given). On a 2-core CPU a step takes ~10-30 s plus validation.
 """
@@ -28,7 +28,7 @@ from postrl.trainer import Trainer
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def steps_to(recipe: str, overrides: list[str], target: float, max_steps: int, log) -> dict:
+def steps_to(recipe: str, overrides: list[str], target: float, max_steps: int, log, run_all: bool = False) -> dict:
     """Train step by step, validating after each, until the held-out greedy accuracy reaches `target`."""
     cfg = load_config(ROOT / "configs" / recipe, [*overrides, "logging.progress=false", "checkpoint.resume=none",
                                                   "checkpoint.save_final=false", "eval.before_train=false"])  # fmt: skip
@@ -41,7 +41,7 @@ def steps_to(recipe: str, overrides: list[str], target: float, max_steps: int, l
             acc = next(v for k, v in val.items() if k.endswith("acc_mean@1"))
             curve.append(acc)
             log(f"{recipe} step {tr.step}: {acc:.1%}")
-            if acc >= target or tr.step >= max_steps:
+            if (acc >= target and not run_all) or tr.step >= max_steps:
                 break
             tr.train_step()
             tr.step += 1
@@ -59,7 +59,8 @@ def main() -> None:
     ap.add_argument("--sft", default="runs/tiny_sft/model")
     ap.add_argument("--teacher", default="runs/tiny_dapo/checkpoints/best/model")
     ap.add_argument("--out", default="runs/distill_vs_rl")
-    ap.add_argument("--only", choices=["opd", "dapo"], default=None)
+    ap.add_argument("--only", choices=["opd", "dapo"], default=None, help="one side (the table shows both once both ran)")
+    ap.add_argument("--run-all", action="store_true", help="train all --max-steps steps, past the target")
     args = ap.parse_args()
     out = Path(args.out)
     common = [f"model.path={args.sft}", f"eval.max_prompts={args.val_prompts}", f"train.total_steps={args.max_steps}"]
@@ -69,9 +70,11 @@ def main() -> None:
     }
     if args.only:
         runs = {k: v for k, v in runs.items() if v[0] == f"tiny_{args.only}.yaml"}
-    results = {name: steps_to(recipe, ov, args.target, args.max_steps, print) for name, (recipe, ov) in runs.items()}
     out.mkdir(parents=True, exist_ok=True)
-    (out / "result.json").write_text(json.dumps(results, indent=2))
+    for name, (recipe, ov) in runs.items():
+        result = steps_to(recipe, ov, args.target, args.max_steps, print, args.run_all)
+        (out / f"result_{Path(recipe).stem}.json").write_text(json.dumps({name: result}, indent=2))
+    results = {k: v for f in sorted(out.glob("result_*.json"), reverse=True) for k, v in json.loads(f.read_text()).items()}
     print(f"\nsteps to {args.target:.0%} held-out greedy accuracy ({args.val_prompts} prompts), from {args.sft}:")
     print(f"{'method':<26}{'steps':>7}{'start':>8}{'reached':>9}{'wall s':>8}")
     for name, r in results.items():

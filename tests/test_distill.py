@@ -221,3 +221,12 @@ def test_config_refuses_what_distillation_does_not_support():
     assert "distill.teacher_path with adv_estimator 'gae'" in text and "distill.top_k (4)" in text
     cfg = build_config({"model": {"path": "m"}})
     assert not cfg.distill.enable and cfg.distill.reward_weight == 0.0 and cfg.distill.top_k == 0
+
+
+def test_verl_names_of_the_distill_metrics():
+    from postrl.metrics import rename_metrics
+
+    m = {"distill/reverse_kl": 0.3, "distill/teacher_topk_mass": 0.9, "distill/top1_agreement": 0.5}
+    assert rename_metrics(m, "verl", "grpo") == {
+        "actor/distillation/loss": 0.3, "actor/distillation/teacher_mass": 0.9, "distill/top1_agreement": 0.5,
+    }  # fmt: skip
