@@ -38,13 +38,15 @@ def steps_to(recipe: str, overrides: list[str], target: float, max_steps: int, l
     try:
         while True:
             val = tr.validate()
+            tr.logger.log(tr.step, val)  # <logging.dir>/metrics.jsonl, with the step metrics below
             acc = next(v for k, v in val.items() if k.endswith("acc_mean@1"))
             curve.append(acc)
             log(f"{recipe} step {tr.step}: {acc:.1%}")
             if (acc >= target and not run_all) or tr.step >= max_steps:
                 break
-            tr.train_step()
+            metrics = tr.train_step()
             tr.step += 1
+            tr.logger.log(tr.step, metrics)
     finally:
         tr.close()
     reached = next((i for i, a in enumerate(curve) if a >= target), None)
