@@ -63,12 +63,13 @@ def main() -> None:
     ap.add_argument("--out", default="runs/distill_vs_rl")
     ap.add_argument("--only", choices=["opd", "dapo"], default=None, help="one side (the table shows both once both ran)")
     ap.add_argument("--run-all", action="store_true", help="train all --max-steps steps, past the target")
+    ap.add_argument("overrides", nargs="*", help="dotted config overrides for both runs, e.g. distill.top_k=8")
     args = ap.parse_args()
     out = Path(args.out)
-    common = [f"model.path={args.sft}", f"eval.max_prompts={args.val_prompts}", f"train.total_steps={args.max_steps}"]
+    common = [f"model.path={args.sft}", f"eval.max_prompts={args.val_prompts}", f"train.total_steps={args.max_steps}", *args.overrides]
     runs = {
         "distillation (tiny_opd)": ("tiny_opd.yaml", [*common, f"distill.teacher_path={args.teacher}", f"logging.dir={out / 'opd'}"]),
-        "DAPO (tiny_dapo)": ("tiny_dapo.yaml", [*common, f"logging.dir={out / 'dapo'}"]),
+        "DAPO (tiny_dapo)": ("tiny_dapo.yaml", [*(o for o in common if not o.startswith("distill.")), f"logging.dir={out / 'dapo'}"]),
     }
     if args.only:
         runs = {k: v for k, v in runs.items() if v[0] == f"tiny_{args.only}.yaml"}
