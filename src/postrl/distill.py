@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from postrl import reference
+from postrl.algorithms.common import masked_mean
 from postrl.algorithms.distill import distill_advantages, distill_stats, topk_reverse_kl
 from postrl.errors import UserError
 from postrl.models import response_logprobs, resolve_model_path
@@ -95,7 +96,9 @@ def _logits_at(ids_BTK: torch.Tensor) -> Callable:
 
 
 @torch.no_grad()
-def score(teacher: torch.nn.Module | None, actor: Any, policy_model: torch.nn.Module, packed: Any, runtime: "Runtime", timer: "Timer") -> None:
+def score(
+    teacher: torch.nn.Module | None, actor: Any, policy_model: torch.nn.Module, packed: Any, runtime: "Runtime", timer: "Timer"
+) -> None:
     """The teacher's pass over this rank's rows, in the micro-batches of the reference's pass: log-probs of the
     sampled tokens, its top-1 id, and with distill.top_k its top-k log-probs and ids (TEACHER_KEYS)."""
     if teacher is None:
@@ -149,6 +152,6 @@ class Distiller:
         if not self.top_k:
             return distill_advantages(old_logp_BT, teacher_logp, adv_BT, self.reward_weight), None, stats
         kl_BT = topk_reverse_kl(student_topk_BTK, mb["teacher_topk_logp"], self.temperature)
-        stats["distill/topk_kl"] = (kl_BT.detach() * mask_BT).sum() / mask_BT.sum().clamp(min=1)
-        stats["distill/teacher_topk_mass"] = (mb["teacher_topk_logp"].exp().sum(-1) * mask_BT).sum() / mask_BT.sum().clamp(min=1)
+        stats["distill/topk_kl"] = masked_mean(kl_BT.detach(), mask_BT)
+        stats["distill/teacher_topk_mass"] = masked_mean(mb["teacher_topk_logp"].exp().sum(-1), mask_BT)
         return self.reward_weight * adv_BT, kl_BT, stats

@@ -284,7 +284,8 @@ def response_logprobs(
     result = (logp_N.view(B, T), entropy_N.view(B, T) if with_entropy else None)
     if logits_fn is None:
         return result
-    b_N, k_N = (x.reshape(-1) for x in torch.meshgrid(torch.arange(B, device=logits_NV.device), torch.arange(T, device=logits_NV.device), indexing="ij"))
+    rows, cols = torch.arange(B, device=logits_NV.device), torch.arange(T, device=logits_NV.device)
+    b_N, k_N = (x.reshape(-1) for x in torch.meshgrid(rows, cols, indexing="ij"))  # row-major, as logits_NV
     return *result, logits_fn(logits_NV, b_N, k_N).view(B, T, -1)
 
 
