@@ -276,3 +276,17 @@ def test_check_config_counts_the_reward_model_the_judge_and_the_async_worker_cop
     elsewhere = _check_config(capsys, "qwen25_7b_grpo.yaml", *base, held[0], "reward.reward_model.device=cuda:1")
     assert _row(elsewhere, "reward model (on cuda:1: not counted here)") == 0
     assert _row(elsewhere, "= update peak") == _row(alone, "= update peak")
+
+
+def test_check_config_counts_the_distillation_teacher(capsys):
+    """A Qwen2.5-1.5B teacher (P = 1,543,714,304, tied embeddings) beside the 7B recipe on one device, held as
+    the KL reference is, in the compute dtype: 2 x 1,543,714,304 = 3,087,428,608 B = 2.88 GiB, resident in both
+    phases; with train.ref_offload it waits in host memory and adds nothing here."""
+    base = ("cluster.devices_per_node=1",)
+    alone = _check_config(capsys, "qwen25_7b_grpo.yaml", *base)
+    out = _check_config(capsys, "qwen25_7b_grpo.yaml", *base, "distill.teacher_path=Qwen/Qwen2.5-1.5B")
+    assert _row(out, "teacher (bfloat16, frozen)") == round(3_087_428_608 / GiB, 2) == 2.88
+    for peak in ("= update peak", "rollout peak"):
+        assert _row(out, peak) == pytest.approx(_row(alone, peak) + 3_087_428_608 / GiB, abs=0.02)
+    offloaded = _check_config(capsys, "qwen25_7b_grpo.yaml", *base, "distill.teacher_path=Qwen/Qwen2.5-1.5B", "train.ref_offload=true")
+    assert _row(offloaded, "teacher (in host memory between passes: not counted here)") == 0

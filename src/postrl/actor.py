@@ -31,6 +31,7 @@ import torch
 
 from postrl import algorithms as algo
 from postrl import distributed, moe
+from postrl.distill import TEACHER_KEYS, Distiller
 from postrl import sequence_parallel as sp
 from postrl.errors import UserError
 from postrl.experience import Batch
@@ -105,6 +106,7 @@ class Actor:
         # MoE: the routers' load-balancing loss and per-expert load of each update forward (postrl.moe)
         self.router = moe.RouterTrace(model) if moe.is_moe(model) else None
         self.router_aux_coef = moe.aux_loss_coef(cfg.model.router_aux_loss_coef, model)
+        self.distill = Distiller(cfg) if cfg.distill.enable else None  # on-policy distillation (distill.py)
 
     # --------------------------------------------------------------------------------- tensors
     def pack(self, batch: Batch, adv_B: torch.Tensor) -> Packed:
@@ -168,7 +170,7 @@ class Actor:
                 "response_mask": resp_mask[:, :T].float(),
                 "adv": x["adv"][ix] if x["adv"].dim() == 1 else x["adv"][ix, :T],
             }
-            for key in LOGPROB_KEYS + VALUE_KEYS:
+            for key in LOGPROB_KEYS + VALUE_KEYS + TEACHER_KEYS:  # teacher_topk_*: [B, T, K]
                 if key in x:
                     mb[key] = x[key][ix, :T]
             if packed.multi_modal is not None:
@@ -238,10 +240,15 @@ class Actor:
     def _micro_step(self, mb: dict, norms: dict, use_ref: bool, sums: "_WeightedSums", first: bool) -> tuple[float, float]:
         """Forward, loss and backward of one micro-batch; returns its (pg, kl) loss shares."""
         a, mask = self.cfg.algorithm, mb["response_mask"]
-        logp, entropy = self._forward(mb)
+        distill_fn = self.distill.logits_fn(mb) if self.distill is not None else None
+        logp, entropy, *topk = self._forward(mb, distill_fn)
         old_logp = logp.detach() if self.on_policy else mb["old_logp"]
         adv_BT = mb["adv"] if mb["adv"].dim() == 2 else mb["adv"].unsqueeze(1).expand_as(logp)  # per token, or per row
+        distill_BT, distill_stats = None, {}
+        if self.distill is not None:  # the teacher's per-token advantage, or its top-k KL as a loss
+            adv_BT, distill_BT, distill_stats = self.distill.terms(mb, old_logp, adv_BT, topk[0] if topk else None, mask)
         pg_BT, stats = self.policy_loss(logp, old_logp, adv_BT, mask)
+        stats = {**stats, **distill_stats}
         loss_mask = mask
         if self.rollout_correction is not None and "engine_logp" in mb:  # the trainer's policy over the engine's
             weight_BT, rc_stats = self.rollout_correction(old_logp, mb["engine_logp"], mask)
@@ -251,6 +258,8 @@ class Actor:
         loss = pg = agg(pg_BT)
         if a.entropy_coef:
             loss = loss - a.entropy_coef * agg(entropy)
+        if distill_BT is not None:
+            loss = loss + agg(distill_BT)
         if self.router is not None:  # MoE: Switch Transformer's load-balancing loss, per micro-batch
             aux, moe_stats = self.router.stats()  # under sequence parallelism: of this rank's slice, so averaged
             loss = loss + self.router_aux_coef * aux / self.sp_size
@@ -276,14 +285,15 @@ class Actor:
             mask = algo.rollout_loss_mask(weight_BT, mask)
         return mask
 
-    def _forward(self, mb: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs and entropy [B, T] of a micro-batch's responses, with gradients, under the trained model."""
+    def _forward(self, mb: dict, logits_fn=None) -> tuple[torch.Tensor, ...]:
+        """Log-probs and entropy [B, T] of a micro-batch's responses, with gradients, under the trained model
+        (and logits_fn's output [B, T, K], distillation's top-k)."""
         router = self.router or contextlib.nullcontext()  # MoE: records the routing for the aux loss and metrics
         with self.runtime.autocast(), router:  # the forward only: losses and backward run outside, in fp32
             return response_logprobs(
                 self.train_model, mb["input_ids"], mb["attention_mask"], mb["position_ids"], mb["response_mask"].shape[1],
                 self.cfg.rollout.temperature, with_entropy=True, multi_modal=mb.get("multi_modal"), modality=self.modality,
-                **self._logprob_options,
+                logits_fn=logits_fn, **self._logprob_options,
             )  # fmt: skip
 
     def scale_lr(self, factor: float) -> float:

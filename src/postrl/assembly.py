@@ -1,6 +1,6 @@
 """One assembly of a run (DESIGN.md section 12): what a role holds, built from the config in one order.
 
-    runtime -> policy -> prompts -> reference -> actor (+ critic) -> validation sets -> rewards
+    runtime -> policy -> prompts -> reference (+ teacher) -> actor (+ critic) -> validation sets -> rewards
             -> engine (+ agent loop) -> Experience
 
 `build_run(cfg, role)` builds it for a role:
@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-from postrl import distributed, reference
+from postrl import distill, distributed, reference
 from postrl.algorithms import needs_critic
 from postrl.config import derive_total_steps
 from postrl.data.dataset import PromptSampler, load_train_prompts
@@ -52,6 +52,7 @@ class Held:
     # replicas hold theirs on their own devices / cores)
     reward_model: bool  # reward.reward_model
     judge: bool  # reward.judge
+    teacher: bool  # distill.teacher_path: on-policy distillation's teacher, held where the reference is
 
 
 def held_models(cfg) -> Held:
@@ -64,6 +65,7 @@ def held_models(cfg) -> Held:
         worker_copy=cfg.rollout.placement == "worker",
         reward_model=rw.reward_model is not None,
         judge=rw.judge is not None,
+        teacher=cfg.distill.enable,
     )
 
 
@@ -86,6 +88,7 @@ class Run:
     examples: list | None = None  # the training prompts
     sampler: PromptSampler | None = None
     ref_model: torch.nn.Module | None = None
+    teacher: torch.nn.Module | None = None
     actor: Any = None
     critic: Any = None
     val_sets: dict = field(default_factory=dict)
@@ -113,6 +116,8 @@ def build_run(cfg, role: str, log: Callable[[str], None] | None = None, *, runti
         seed_everything(cfg.train.seed)
         if role == "trainer" and cfg.train.deterministic:
             torch.use_deterministic_algorithms(True)
+    if role == "trainer":
+        distill.check_tokenizer(cfg)  # a teacher with another tokenizer is refused before any model loads
     rt = runtime or init_runtime(cfg.train.device, cfg.model.dtype, *((cfg.train.strategy,) if trains else ()))
     # Training: fp32 masters whatever model.dtype says, forwards in model.dtype (runtime.py); generation only:
     # the weights in model.dtype.
@@ -159,6 +164,7 @@ def _build_training(run: Run, log: Callable[[str], None]) -> None:
     if (said := derive_total_steps(cfg, len(run.examples))) is not None:  # before the actor's LR schedule
         log(said)
     run.ref_model = reference.build(cfg, policy, rt) if held.reference else None
+    run.teacher = distill.build_teacher(cfg, policy, rt)  # on-policy distillation, held as the reference
     # FSDP2 shards the model in place (before the optimizer sees its parameters); DDP wraps it.
     train_model = distributed.wrap_model(
         policy.model, cfg.train.strategy, compute_dtype=rt.dtype, reshard_after_forward=cfg.train.reshard_after_forward

@@ -345,7 +345,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 def other_models(cfg, held, policy_bytes: float) -> tuple[tuple[str, float], ...]:
     """(label, bytes on this device) of the models `held` (assembly.held_models) lists beside the policy, its
-    reference and critic: the reward model, the judge, async's worker copy (`policy_bytes`: its weights)."""
+    reference and critic: the reward model, the judge, the distillation teacher, async's worker copy (`policy_bytes`: its weights)."""
     rows = []
     rm, judge = cfg.reward.reward_model, cfg.reward.judge
     if held.reward_model:
@@ -364,6 +364,15 @@ def other_models(cfg, held, policy_bytes: float) -> tuple[tuple[str, float], ...
             rows.append((f"judge ({judge.path}: shape unknown, not counted)", 0.0))
         else:
             rows.append(("judge (float32)", float(4 * shape.params())))
+    if held.teacher:  # held as the KL reference is: compute dtype, sharded like it, off the device with ref_offload
+        shape, _ = find_shape(cfg.distill.teacher_path)
+        if cfg.train.ref_offload:
+            rows.append(("teacher (in host memory between passes: not counted here)", 0.0))
+        elif shape is None:
+            rows.append((f"teacher ({cfg.distill.teacher_path}: shape unknown, not counted)", 0.0))
+        else:
+            shards = cfg.world_size if cfg.train.strategy == "fsdp2" else 1
+            rows.append((f"teacher ({cfg.model.dtype}, frozen)", DTYPE_BYTES[cfg.model.dtype] * shape.params() / shards))
     if held.worker_copy:
         rows.append(("async rollout worker's policy copy", float(policy_bytes)))
     return tuple(rows)

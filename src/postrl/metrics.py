@@ -19,7 +19,7 @@ log = logging.getLogger("postrl.metrics")
 
 TIMING_KEYS = (
     "all", "rollout", "reward", "old_log_p", "reference_model", "ref_onload", "ref_offload", "adv", "update",
-    "resharding_to_infer", "resharding_to_train", "save", "eval", "wait_rollout",
+    "resharding_to_infer", "resharding_to_train", "save", "eval", "wait_rollout", "teacher",
 )  # fmt: skip
 
 # ------------------------------------------------------------------------------ the guides' names
@@ -57,6 +57,9 @@ GUIDE_NAMES: dict[str, dict[str, tuple[str, ...]]] = {
         "{algo}/rewards/min": ("critic/rewards/min",),
         "total_tokens": ("perf/total_num_tokens",),
         "e2e_tps": ("perf/throughput", "e2e_tps"),
+        # on-policy distillation (verl's distillation losses log under actor/distillation/*)
+        "distill/reverse_kl": ("actor/distillation/loss",),
+        "distill/teacher_topk_mass": ("actor/distillation/teacher_mass",),
     },
 }
 

@@ -11,7 +11,7 @@ import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -236,7 +236,8 @@ def response_logprobs(
     remove_padding: bool = False,
     chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
     sp_group: Any = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    logits_fn: Callable | None = None,
+) -> tuple[torch.Tensor, ...]:
     """Log-probs [B, T] of the last `response_len` tokens under softmax(logits / temperature), and entropy.
 
     Inputs are padded rows (prompts left-padded, responses right-padded; `build_sequences`). One
@@ -252,19 +253,24 @@ def response_logprobs(
 
     `sp_group` (train.sequence_parallel_size > 1): the rows' columns are split over that group's ranks
     (Ulysses, `_sequence_parallel_forward`); every rank of the group gets the whole [B, T] result.
+
+    `logits_fn(logits_MV, b_M, k_M) -> [M, K]` (on-policy distillation's top-k, `postrl.distill`): applied to the
+    logits of the positions predicting response token k_M of row b_M; its result comes back as a third
+    output [B, T, K] (not with sequence parallelism).
     """
     from postrl.algorithms import token_logprobs
 
     T = response_len
     B, L = input_ids.shape
     if sp_group is not None:
+        assert logits_fn is None, "logits_fn does not run under sequence parallelism (the config refuses it)"
         images = multi_modal is not None and any(multi_modal)
         return _sequence_parallel_forward(
             model, input_ids, attention_mask, position_ids, T, temperature, with_entropy, remove_padding and not images, chunk_tokens,
             sp_group, (multi_modal, modality or TEXT) if images else None,
         )  # fmt: skip
     if remove_padding and multi_modal is None:
-        return _packed_forward(model, input_ids, attention_mask, T, temperature, with_entropy, chunk_tokens)
+        return _packed_forward(model, input_ids, attention_mask, T, temperature, with_entropy, chunk_tokens, logits_fn)
     mm = (modality or TEXT).forward_kwargs(model, input_ids, multi_modal) if multi_modal is not None else {}
     keep = torch.arange(L - T - 1, L - 1, device=input_ids.device)  # position t predicts token t + 1
     out = model(
@@ -277,7 +283,12 @@ def response_logprobs(
     )
     logits_NV = out.logits.view(B * T, -1)  # [B, T, V], contiguous: no copy
     logp_N, entropy_N = token_logprobs(logits_NV, input_ids[:, -T:].reshape(-1), temperature, chunk_tokens, with_entropy)
-    return logp_N.view(B, T), entropy_N.view(B, T) if with_entropy else None
+    result = (logp_N.view(B, T), entropy_N.view(B, T) if with_entropy else None)
+    if logits_fn is None:
+        return result
+    rows, cols = torch.arange(B, device=logits_NV.device), torch.arange(T, device=logits_NV.device)
+    b_N, k_N = (x.reshape(-1) for x in torch.meshgrid(rows, cols, indexing="ij"))  # row-major, as logits_NV
+    return *result, logits_fn(logits_NV, b_N, k_N).view(B, T, -1)
 
 
 def _sequence_parallel_forward(
@@ -326,7 +337,7 @@ PACK_ROW_FACTOR = 4  # sdpa / eager: a shared-prompt unit holds up to this many 
 PACK_ROW_TOKENS = 4096  # ... but no more than this (or the longest sequence, when that is longer)
 
 
-def _packed_forward(model, input_ids, attention_mask, T, temperature, with_entropy, chunk_tokens):
+def _packed_forward(model, input_ids, attention_mask, T, temperature, with_entropy, chunk_tokens, logits_fn=None):
     """`response_logprobs` with the micro-batch packed into rows without padding.
 
     Flash attention (transformers' supported path for packed sequences): every sequence goes whole into
@@ -347,7 +358,7 @@ def _packed_forward(model, input_ids, attention_mask, T, temperature, with_entro
     attn = getattr(_config(model), "_attn_implementation", None) or "sdpa"
     packed = _pack(input_ids, attention_mask, T, varlen=_varlen_attention(attn))
     mask = None if packed.varlen else _shared_prompt_mask(packed, attn, model)
-    return _score_packed(model, packed, mask, input_ids.shape[0], T, temperature, with_entropy, chunk_tokens)
+    return _score_packed(model, packed, mask, input_ids.shape[0], T, temperature, with_entropy, chunk_tokens, logits_fn)
 
 
 @dataclass
@@ -452,7 +463,7 @@ def _shared_prompt_mask(p: _Packed, attn: str, model) -> torch.Tensor:
     return mask
 
 
-def _score_packed(model, p: _Packed, mask, B: int, T: int, temperature, with_entropy, chunk_tokens):
+def _score_packed(model, p: _Packed, mask, B: int, T: int, temperature, with_entropy, chunk_tokens, logits_fn=None):
     """One forward over the rows, keeping only the predicting slots' logits; log-probs back in [B, T]."""
     from postrl.algorithms import token_logprobs
 
@@ -476,7 +487,11 @@ def _score_packed(model, p: _Packed, mask, B: int, T: int, temperature, with_ent
     zeros_BT = torch.zeros((B, T), dtype=torch.float32, device=device)
     logp_BT = zeros_BT.index_put((p.b_M, p.k_M), logp_M)
     entropy_BT = zeros_BT.index_put((p.b_M, p.k_M), entropy_M) if with_entropy else None
-    return logp_BT, entropy_BT
+    if logits_fn is None:
+        return logp_BT, entropy_BT
+    extra_MK = logits_fn(logits_NV.index_select(0, flat_M), p.b_M, p.k_M)
+    extra_BTK = extra_MK.new_zeros((B, T, extra_MK.shape[-1])).index_put((p.b_M, p.k_M), extra_MK)
+    return logp_BT, entropy_BT, extra_BTK
 
 def _varlen_attention(attn: str) -> bool:
     """Whether the attention tells packed sequences apart by their position ids alone (no mask): flash

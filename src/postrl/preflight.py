@@ -43,7 +43,7 @@ REFERENCE = Role("reference model", "checkpoint.ref_model_path", "causal_lm", ow
 CRITIC = Role("critic", "critic.model_path", "any", own_tokenizer=False)
 REWARD_MODEL = Role("reward model", "reward.reward_model.path", "seq_cls", own_tokenizer=True)
 JUDGE = Role("judge", "reward.judge.path", "causal_lm", own_tokenizer=True)
-TEACHER = Role("teacher", "distill.teacher.path", "causal_lm", own_tokenizer=False)
+TEACHER = Role("teacher", "distill.teacher_path", "causal_lm", own_tokenizer=False)
 
 _FIX = {
     "causal_lm": "a causal LM directory (config.json with a *ForCausalLM or *ForConditionalGeneration architecture)",
@@ -238,7 +238,7 @@ def run_model_problems(cfg: Any) -> list[str]:
         problems += check_model(cfg.reward.reward_model.path, REWARD_MODEL)
     if cfg.reward.judge is not None:
         problems += check_model(cfg.reward.judge.path, JUDGE)
-    teacher = getattr(getattr(getattr(cfg, "distill", None), "teacher", None), "path", None)
+    teacher = cfg.distill.teacher_path
     if isinstance(teacher, str):
         problems += check_model(teacher, TEACHER, policy_vocab=policy_vocab)
     return problems

@@ -28,9 +28,17 @@ def build(cfg: Any, policy: Policy, runtime: Runtime) -> torch.nn.Module:
     model, ref_path = policy.model, cfg.checkpoint.ref_model_path
     if lora.is_lora(model) and not ref_path:
         return model  # the base, without a copy
-    if ref_path:
+    return frozen(cfg, policy, runtime, ref_path)
+
+
+def frozen(cfg: Any, policy: Policy, runtime: Runtime, path: str | None = None) -> torch.nn.Module:
+    """A frozen model beside the policy, held as the reference is: `path`'s weights (loaded with the policy's
+    options and modality), else a copy of the policy; in the compute dtype, on the device or (train.ref_offload)
+    in host memory, wrapped by train.strategy. The on-policy distillation teacher is built here too."""
+    model = policy.model
+    if path:
         m, attn = cfg.model, model.config._attn_implementation
-        ref = load_model(ref_path, m.dtype, m.trust_remote_code, modality=policy.modality, attn_implementation=attn)
+        ref = load_model(path, m.dtype, m.trust_remote_code, modality=policy.modality, attn_implementation=attn)
     else:
         ref = copy.deepcopy(model)
     home = torch.device("cpu") if cfg.train.ref_offload else runtime.device

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from postrl import checkpoint, distributed, guards, lora, reference
+from postrl import checkpoint, distill, distributed, guards, lora, reference
 from postrl.assembly import build_run
 from postrl.batch_source import open_source
 from postrl.config import Config
@@ -50,7 +50,8 @@ class Trainer:
         self.G = cfg.rollout.n_samples_per_prompt
         # runtime -> policy -> prompts -> reference -> actor (+ critic) -> validation -> rewards -> engine -> Experience
         run = build_run(cfg, "trainer", self.log, runtime=rt)
-        self.run, self.policy, self.actor, self.critic, self.ref_model = run, run.policy, run.actor, run.critic, run.ref_model
+        self.run, self.policy, self.actor, self.critic = run, run.policy, run.actor, run.critic
+        self.ref_model, self.teacher = run.ref_model, run.teacher
         self.model, self.tokenizer, self.model_path = self.policy.model, self.policy.tokenizer, self.policy.path
         self.train_examples, self.sampler, self.val_sets = run.examples, run.sampler, run.val_sets
         self.reward_fn, self.engine, self.experience = run.reward_fn, run.engine, run.experience
@@ -146,6 +147,7 @@ class Trainer:
             if self.ref_model is not None:
                 with self.timer("reference_model"), reference.ready(self.ref_model, self.model, self.runtime, self.timer) as ref:
                     local.tensors["ref_logp"] = self.actor.compute_logprobs(ref, local)
+            distill.score(self.teacher, self.actor, self.model, local, self.runtime, self.timer)  # timing/teacher
             update_stats = {}
             if self.critic is not None:  # values, GAE advantages and returns, then the critic's update (verl's order)
                 with self.timer("values"):

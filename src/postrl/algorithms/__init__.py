@@ -36,7 +36,8 @@ and `aggregate_loss` returns each micro-batch's *share*; the shares add up to th
 
 The parts: `advantages.py` (estimators, overlong penalty, group filter), `losses.py` (policy losses
 and their declarations), `correction.py` (rollout correction levels), `aggregation.py` (loss
-aggregation, KL, entropy), `logprobs.py` (per-token log-probs from logits), `common.py` (registries).
+aggregation, KL, entropy), `distill.py` (on-policy distillation's per-token advantage and top-k
+reverse KL), `logprobs.py` (per-token log-probs from logits), `common.py` (registries).
 """
 
 from __future__ import annotations
@@ -94,6 +95,11 @@ from postrl.algorithms.aggregation import (  # noqa: F401
     KL_ESTIMATORS,
     kl_penalty,
     entropy_from_logits,
+)
+from postrl.algorithms.distill import (  # noqa: F401
+    distill_advantages,
+    topk_reverse_kl,
+    distill_stats,
 )
 from postrl.algorithms.logprobs import (  # noqa: F401
     token_logprobs,

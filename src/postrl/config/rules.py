@@ -74,6 +74,18 @@ def derive(cfg: Any) -> Any:
             f"with a critic uses; adv_estimator '{a.adv_estimator}' reads one reward per sequence. Fix: set "
             "algorithm.adv_estimator: gae, or use the KL loss (algorithm.kl.coef) instead."
         )
+    d = cfg.distill
+    if d.enable and _needs_critic(a.adv_estimator):
+        problems.append(
+            "distill.teacher_path with adv_estimator 'gae': the critic's per-token advantages and the teacher's would both "
+            "claim the advantage slot. Fix: use a critic-free estimator (grpo, rloo, ...) for the group term."
+        )
+    if d.enable and d.top_k and sp > 1:
+        problems.append(
+            f"distill.top_k ({d.top_k}) with train.sequence_parallel_size {sp}: the top-k "
+            "logits are not gathered across a sequence-parallel group yet. Fix: distill.top_k: 0 (the sampled-token "
+            "variant), or train.sequence_parallel_size: 1."
+        )
     if problems:
         raise ValueError("\n".join(problems))
     return cfg

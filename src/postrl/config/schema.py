@@ -977,6 +977,27 @@ class CriticConfig(Section):
     cliprange_value: float = Field(0.5, gt=0, description="Value clipping: V stays within V_old +- this in the loss.")
 
 
+class DistillConfig(Section):
+    """On-policy distillation (docs/algorithms.md#on-policy-distillation): off while teacher_path is unset."""
+
+    teacher_path: str | None = Field(
+        None,
+        description="The teacher: any Hugging Face causal LM or Qwen-VL directory (or hub id) with the student's "
+        "tokenizer; it scores the student's sampled tokens. Held where the KL reference is (train.ref_offload applies).",
+    )
+    reward_weight: float = Field(
+        0.0, ge=0, description="w in A_t + w x A_group: the task reward's share beside the teacher's signal (0: pure distillation)."
+    )
+    top_k: int = Field(
+        0, ge=0, description="0: the sampled-token reverse KL as a per-token advantage; k > 0: the exact reverse KL over the "
+        "teacher's top-k tokens at every position, both distributions renormalised over them, added as a loss.",
+    )
+
+    @property
+    def enable(self) -> bool:
+        return self.teacher_path is not None
+
+
 class Config(Section):
     model: ModelConfig
     data: DataConfig = Field(default_factory=DataConfig)
@@ -992,6 +1013,7 @@ class Config(Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     guards: GuardsConfig = Field(default_factory=GuardsConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    distill: DistillConfig = Field(default_factory=DistillConfig)
 
     @model_validator(mode="after")
     def _derive(self) -> "Config":
