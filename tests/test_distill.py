@@ -138,7 +138,7 @@ def test_a_teacher_with_another_tokenizer_is_refused_before_any_model_loads(tmp_
     def no_load(*a, **k):
         raise AssertionError("a model was loaded before the tokenizer check")
 
-    for where in ("postrl.models.load_model", "postrl.reference.load_model", "postrl.trainer.load_policy"):
+    for where in ("postrl.models.load_model", "postrl.reference.load_model", "postrl.assembly.load_policy"):
         monkeypatch.setattr(where, no_load)
     with pytest.raises(UserError) as err:
         Trainer(cfg)
