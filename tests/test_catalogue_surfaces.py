@@ -160,6 +160,18 @@ def test_model_checks_read_no_weights_and_take_well_under_a_second(paths):
     assert problem.startswith("critic.model_path:") and time.perf_counter() - start < 1.0  # no hub retries (were 22 s)
 
 
+def test_a_two_part_path_under_a_local_directory_is_local_not_a_hub_id(tmp_path, monkeypatch):
+    """'runs/critic' (a run output not written yet) is refused at once as a missing local path; 'Qwen/Qwen2.5-7B'
+    with no Qwen/ directory here stays a hub id for the loader."""
+    from postrl.preflight import CRITIC, check_model, looks_like_hub_id
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    assert not looks_like_hub_id("runs/critic") and looks_like_hub_id("Qwen/Qwen2.5-7B")
+    (p,) = check_model("runs/critic", CRITIC)
+    assert p.startswith("critic.model_path: 'runs/critic' does not exist") and "its first part is a local directory" in p
+
+
 def test_check_model_takes_a_new_role(paths):
     from postrl.preflight import Role, check_model
 

@@ -53,9 +53,10 @@ _FIX = {
 
 
 def looks_like_hub_id(path: str) -> bool:
-    """'org/name' and nothing else: what the loaders would try on the model hub."""
+    """'org/name' and nothing else: what the loaders would try on the model hub. 'runs/critic' where a local
+    directory runs/ exists is a local path (a missing run output), never tried on the hub."""
     parts = path.split("/")
-    return len(parts) == 2 and all(parts) and not path.startswith((".", "/", "~"))
+    return len(parts) == 2 and all(parts) and not path.startswith((".", "/", "~")) and not Path(parts[0]).is_dir()
 
 
 def model_kind(config: dict) -> tuple[str | None, str]:
@@ -148,7 +149,7 @@ def check_model(path: str, role: Role, tokenizer_dir: str | None = None, policy_
         return []  # a hub id not cached here: the loader downloads it (and says so when it cannot)
     where = f"{role.key}: '{path}'"
     if not d.exists():
-        hub = " It is not tried as a model hub id either (a local path: it has a '/' prefix or more than two parts)." if not looks_like_hub_id(path) else ""
+        hub = " It is not tried as a model hub id either (a local path: it starts with '/', '.' or '~', has more than two parts, or its first part is a local directory)." if not looks_like_hub_id(path) else ""
         return [f"{where} does not exist; the run loads the {role.name} from it.{hub} Fix: point {role.key} at {_FIX[role.kind]}."]
     if not d.is_dir() or not (d / "config.json").is_file():
         return [

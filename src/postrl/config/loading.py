@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 from postrl.config.rules import _needs_critic
 from postrl.config.schema import Config
 from postrl.errors import UserError
+from postrl.preflight import looks_like_hub_id
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
@@ -211,16 +212,11 @@ def config_notes(cfg: Config) -> list[str]:
     return notes
 
 
-def _looks_like_hub_id(path: str) -> bool:
-    parts = path.split("/")
-    return len(parts) == 2 and all(parts) and not path.startswith((".", "/", "~"))
-
-
 def path_problems(cfg: Config) -> list[str]:
     """Input files and model paths that do not exist (checked before anything starts)."""
     problems = []
     mp = cfg.model.path
-    if not mp.startswith("builtin:") and not Path(mp).expanduser().exists() and not _looks_like_hub_id(mp):
+    if not mp.startswith("builtin:") and not Path(mp).expanduser().exists() and not looks_like_hub_id(mp):
         problems.append(
             f"model.path: '{mp}' does not exist. The policy is loaded from a Hugging Face model directory. "
             "Fix: point model.path at a directory with config.json (for the tiny default, run "
