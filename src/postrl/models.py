@@ -307,15 +307,7 @@ def _sequence_parallel_forward(
     B, L = input_ids.shape
     image_kwargs = None
     if images is not None:
-        import torch.distributed as dist
-        import torch.nn.functional as F
-
-        pad = -L % dist.get_world_size(group)
-        input_ids, attention_mask = F.pad(input_ids, (0, pad)), F.pad(attention_mask, (0, pad))
-        position_ids = F.pad(position_ids, (0, pad), value=1)  # not 0: no new segment (full_mask)
-        multi_modal, modality = images
-        mm = modality.forward_kwargs(model, input_ids, multi_modal)  # {}: no row of this micro-batch has an image
-        image_kwargs = {**mm, "attention_mask": attention_mask} if mm else None
+        input_ids, attention_mask, position_ids, image_kwargs = sp.widen_for_images(model, input_ids, attention_mask, position_ids, images, group)
     if remove_padding:
         p = _pack(input_ids, attention_mask, T, varlen=False)
         mask = _shared_prompt_mask(p, "sdpa", model)
@@ -492,6 +484,7 @@ def _score_packed(model, p: _Packed, mask, B: int, T: int, temperature, with_ent
     extra_MK = logits_fn(logits_NV.index_select(0, flat_M), p.b_M, p.k_M)
     extra_BTK = extra_MK.new_zeros((B, T, extra_MK.shape[-1])).index_put((p.b_M, p.k_M), extra_MK)
     return logp_BT, entropy_BT, extra_BTK
+
 
 def _varlen_attention(attn: str) -> bool:
     """Whether the attention tells packed sequences apart by their position ids alone (no mask): flash

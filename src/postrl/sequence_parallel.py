@@ -243,3 +243,15 @@ def token_logprobs(
     mask = full_mask(attention_mask_BS, position_ids_BS)
     logp_M, _ = score(model, input_ids_BS, position_ids_BS, mask, b_M, c_M, input_ids_BS[b_M, c_M + 1], group, temperature)
     return logp_M.view(B, S - 1)
+
+
+def widen_for_images(model, input_ids, attention_mask, position_ids, images, group):
+    """Padded rows of a batch with images ((multi_modal, modality)) widened at the end to a multiple of the
+    group size, and the image inputs (mRoPE positions over the whole rows) built for the very columns the
+    ranks split: (input_ids, attention_mask, position_ids, image kwargs or None)."""
+    pad = -input_ids.shape[1] % dist.get_world_size(group)
+    input_ids, attention_mask = F.pad(input_ids, (0, pad)), F.pad(attention_mask, (0, pad))
+    position_ids = F.pad(position_ids, (0, pad), value=1)  # not 0: no new segment (full_mask)
+    multi_modal, modality = images
+    mm = modality.forward_kwargs(model, input_ids, multi_modal)  # {}: no row of this micro-batch has an image
+    return input_ids, attention_mask, position_ids, ({**mm, "attention_mask": attention_mask} if mm else None)
