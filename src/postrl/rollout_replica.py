@@ -19,17 +19,9 @@ _TIMEOUT = datetime.timedelta(seconds=120)  # a collective that waits longer tha
 
 def make_group(backend: str, store: Any, rank: int) -> Any:
     """A two-member process group {trainer: 0, replica: 1} on `store`, outside the default group."""
-    import torch.distributed as dist
+    from postrl.runtime import pair_group
 
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, 2, _TIMEOUT)
-    if backend == "nccl":
-        return dist.ProcessGroupNCCL(store, rank, 2)
-    if backend == "hccl":
-        import torch_npu  # noqa: F401 - registers ProcessGroupHCCL
-
-        return torch.distributed.ProcessGroupHCCL(store, rank, 2)  # type: ignore[attr-defined]
-    raise ValueError(f"no process group for backend {backend!r}")
+    return pair_group(backend, store, rank, 2, _TIMEOUT)
 
 
 class ReceivedWeights:

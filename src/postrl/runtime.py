@@ -249,6 +249,20 @@ def accelerator(kind: str | None = None) -> Accelerator:
     return next((a for a in (ACCELERATORS["cuda"], ACCELERATORS["npu"]) if a.is_available()), ACCELERATORS["cpu"])
 
 
+def pair_group(backend: str, store: Any, rank: int, size: int, timeout: Any) -> Any:
+    """A process group of `size` members on `store`, outside the default group (the rollout pool's trainer-replica
+    pairs): gloo on host tensors, nccl / hccl (torch_npu registers it) on device tensors."""
+    import torch.distributed as dist
+
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    if backend == "nccl":
+        return dist.ProcessGroupNCCL(store, rank, size)
+    if backend == "hccl" and _import_torch_npu():
+        return dist.ProcessGroupHCCL(store, rank, size)  # type: ignore[attr-defined]
+    raise ValueError(f"no process group for backend {backend!r}")
+
+
 @functools.cache
 def _import_torch_npu() -> bool:
     """Import torch_npu (it registers the `npu` device with torch) when installed."""
