@@ -214,6 +214,19 @@ class RolloutConfig(Section):
         "compiler on a CPU machine).",
     )
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig, description="The agent loop: tools, environments.")
+    agent: str | None = Field(
+        None, description="A user's agent program as the rollout: 'package.module:function' or 'path/file.py:function', "
+        "sync or async, called once per sample with an openai client pointed at postrl's OpenAI-compatible endpoint and "
+        "the dataset row; returns a reward (added to the verifiers' score) or None (docs/agents.md).",
+    )
+    agent_concurrency: int = Field(64, ge=1, description="rollout.agent: programs running at once.")
+    agent_timeout_s: float = Field(300.0, gt=0, description="rollout.agent: time limit per sample; a program past it scores 0.")
+    agent_batch_wait_ms: float = Field(
+        20.0, ge=0, description="rollout.agent: how long the endpoint collects requests before an engine call, unless "
+        "every running program is already waiting on one.",
+    )
+    agent_host: str = Field("127.0.0.1", description="rollout.agent: the endpoint's address (loopback unless set).")
+    agent_port: int = Field(0, ge=0, le=65535, description="rollout.agent: the endpoint's port (0: a free one).")
     mode: Literal["sync", "async"] = Field(
         "sync",
         description="sync: generate, score, update, sync weights, in lock-step with the engine colocated. async: a "
@@ -247,6 +260,11 @@ class RolloutConfig(Section):
             raise ValueError(
                 "rollout.partial_rollout continues generations across weight updates, which only happen mid-generation "
                 "in async mode. Fix: set rollout.mode: async, or rollout.partial_rollout: false."
+            )
+        if self.agent and self.multi_turn.enable:
+            raise ValueError(
+                "rollout.agent and rollout.multi_turn.enable both say how to roll out: the user's program through the "
+                "endpoint, or postrl's own agent loop. Fix: keep one (the program calls its own tools)."
             )
         if self.partial_rollout and self.multi_turn.enable:
             raise ValueError(

@@ -121,7 +121,7 @@ class Experience:
         kept: list[Batch] = []
         n_kept = n_generated = num_gen_batches = 0
         failures = {"reward/calls": 0, "reward/timeouts": 0, "reward/errors": 0, "reward/invalid": 0}  # generate_and_score adds to it
-        agent = cfg.rollout.multi_turn.enable
+        agent = cfg.rollout.multi_turn.enable or bool(cfg.rollout.agent)
         if agent:
             self.engine.pop_metrics()  # drop what validation's rollouts counted
         while n_kept < want:
@@ -180,7 +180,7 @@ class Experience:
                 rewards = [s + p for s, p in zip(scores, penalty.tolist())]
         names = list(out.metrics)
         return Batch(
-            prompt_ids=[e.prompt_ids for e in owners],
+            prompt_ids=[c.prompt_ids or e.prompt_ids for c, e in zip(completions, owners)],  # the gateway's own
             response_ids=[c.token_ids for c in completions],
             loss_masks=masks,
             turns=[len(c.turn_spans) if c.turn_spans is not None else 1 for c in completions],
