@@ -215,3 +215,33 @@ def test_the_openai_agent_example_trains_two_steps_and_validates_through_the_end
     assert len(steps) == 2 and all(r["agent/requests_mean"] >= 1 and r["agent/errors"] == r["agent/timeouts"] == 0 for r in steps)
     assert all(r["response_length/mean"] > 0 for r in steps)  # the endpoint's sampled tokens are trained on
     assert len([r for r in rows if "val/tool_arithmetic/acc_mean@1" in r]) == 2
+
+
+def test_extra_segments_train_as_rows_of_their_own_with_their_trajectorys_reward_and_advantage():
+    from postrl.config import build_config
+    from postrl.experience import Batch, Experience, batch_metrics, expand_segments
+    from postrl.rollout.base import Completion
+
+    seg = Completion(0, [7, 8, 9], True, [-0.5, 0.0, -0.5], loss_mask=[1, 0, 1], turn_spans=[(0, 1), (2, 3)], prompt_ids=[1, 2])
+    n = 4
+    batch = Batch(
+        prompt_ids=[[1]] * n, response_ids=[[5], [6], [5, 6], [6]], loss_masks=[[1], [1], [1, 1], [1]], turns=[1] * n,
+        finished=[True] * n, scores=[1.0, 0.0, 1.0, 1.0], rewards=[1.0, 0.0, 1.0, 1.0], verifier_metrics=[{"acc": 1.0}] * n,
+        engine_logprobs=[None] * n, multi_modal=[None] * n, segments=[[seg], None, None, None],
+    )  # fmt: skip
+    full = expand_segments(batch)
+    assert full.size == 5 and full.owners == [None] * 4 + [0]
+    assert (full.prompt_ids[4], full.response_ids[4], full.loss_masks[4], full.turns[4]) == ([1, 2], [7, 8, 9], [1, 0, 1], 2)
+    assert full.rewards[4] == 1.0 and full.engine_logprobs[4] == [-0.5, 0.0, -0.5]
+    exp = Experience(build_config({"model": {"path": "builtin:tiny-qwen2"}, "rollout": {"n_samples_per_prompt": 2}}), None, None, None, [], None)
+    adv = exp.advantages(full)
+    assert adv.shape == (5,) and adv[4] == adv[0] and adv[0] > 0 > adv[1]
+    assert torch_equal(adv[:4], exp.advantages(batch))  # the groups' advantages are those without the segment
+    m = batch_metrics(full, "grpo", 2)
+    assert m["agent/extra_segments"] == 1.0 and m["grpo/rewards/mean"] == 0.75
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return bool(torch.equal(a, b))
