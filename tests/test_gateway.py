@@ -6,9 +6,7 @@ endpoint's logic is under test, not a model); the programs are plain `openai` cl
 
 from __future__ import annotations
 
-import asyncio
 import json
-import time
 
 import pytest
 
@@ -39,10 +37,10 @@ def chat_agent(client, row):
     return None
 
 
-def _gateway(tokenizer, turns, agent, **cfg):
+def _gateway(tokenizer, turns, agent, max_model_len=None, **cfg):
     engine = ScriptEngine(tokenizer, turns)
     rollout = RolloutConfig(agent="tests.test_gateway:chat_agent", **{"agent_timeout_s": 30, **cfg})
-    return AgentGateway(engine, tokenizer, rollout, agent=agent), engine
+    return AgentGateway(engine, tokenizer, rollout, agent=agent, max_model_len=max_model_len), engine
 
 
 SCRIPT = [_call("347 * 28", ""), _call("9716 + 1205", ""), "\\boxed{10921}<|im_end|>"]
@@ -131,7 +129,11 @@ def test_the_segment_rule_compares_ids():
 
 
 def test_programs_that_raise_hang_or_send_malformed_requests_score_zero_and_are_counted(tokenizer):
+    import threading
+
     import httpx
+
+    release = threading.Event()
 
     def agent(client, row):
         kind = row["kind"]
@@ -140,15 +142,17 @@ def test_programs_that_raise_hang_or_send_malformed_requests_score_zero_and_are_
             raise ValueError("the user's bug")
         if kind == "hang":
             client.chat.completions.create(model=client.model, messages=row["prompt"], tools=TOOLS)
-            time.sleep(3)
+            release.wait(60)  # hangs until the test is over
             return 1.0
         if kind == "malformed":
             base = str(client.base_url).rstrip("/")
             bad = [httpx.post(base + "/chat/completions", content=b"{not json"),
                    httpx.post(base + "/chat/completions", json={"messages": "hi"}),
                    httpx.post(base + "/chat/completions", json={"messages": QUESTION, "n": 0}),
-                   httpx.post(base + "/completions", json={"prompt": [10**9]})]  # fmt: skip
-            assert [b.status_code for b in bad] == [400] * 4 and all("message" in b.json()["error"] for b in bad)
+                   httpx.post(base + "/completions", json={"prompt": [10**9]}),
+                   httpx.post(base + "/completions", json={"prompt": "1 2 3 " * 200})]  # fmt: skip
+            assert [b.status_code for b in bad] == [400] * 5 and all("message" in b.json()["error"] for b in bad)
+            assert bad[-1].json()["error"]["code"] == "context_length_exceeded"
             return "not a number"
         if kind == "wrong-session":
             r = httpx.post(str(client.base_url).replace("/s/", "/s/x") + "chat/completions", json={"messages": QUESTION})
@@ -156,16 +160,23 @@ def test_programs_that_raise_hang_or_send_malformed_requests_score_zero_and_are_
         r = client.chat.completions.create(model=client.model, messages=row["prompt"], tools=TOOLS)
         return 1.0 if r.choices[0].message.tool_calls else 0.0
 
-    rows = [{"prompt": QUESTION, "kind": k} for k in ("raise", "hang", "malformed", "wrong-session", "ok")]
-    gw, _ = _gateway(tokenizer, [_call("1 + 1", "")] * 8, agent, agent_timeout_s=1.5, agent_batch_wait_ms=5)
+    kinds = ("raise", "malformed", "wrong-session", "ok")
+    gw, _ = _gateway(tokenizer, [_call("1 + 1", "")] * 8, agent, max_model_len=300, agent_timeout_s=120, agent_batch_wait_ms=5)
+    params = SamplingParams(max_tokens=50, greedy=True)
     try:
-        out = gw.generate([_prompt(tokenizer)] * 5, SamplingParams(max_tokens=50, greedy=True), rows=rows)
+        out = gw.generate([_prompt(tokenizer)] * 4, params, rows=[{"prompt": QUESTION, "kind": k} for k in kinds])
         m = gw.pop_metrics()
+        gw.cfg.agent_timeout_s = 2.0  # a program that never returns: scored at its time limit
+        (hung,) = gw.generate([_prompt(tokenizer)], params, rows=[{"prompt": QUESTION, "kind": "hang"}])
+        m_hang = gw.pop_metrics()
     finally:
+        release.set()
         gw.close()
-    assert [c.env_reward for c in out] == [0.0, 0.0, 0.0, 1.0, 1.0]
-    assert [sum(c.loss_mask) > 0 for c in out] == [False, False, False, True, True]  # the failed ones train nothing
-    assert (m["agent/errors"], m["agent/timeouts"], m["agent/bad_requests"]) == (2, 1, 4)
+    assert [c.env_reward for c in out] == [0.0, 0.0, 1.0, 1.0]
+    assert [sum(c.loss_mask) > 0 for c in out] == [False, False, True, True]  # the failed ones train nothing
+    assert (m["agent/errors"], m["agent/timeouts"], m["agent/bad_requests"]) == (2, 0, 5)
+    assert hung.env_reward == 0.0 and sum(hung.loss_mask) == 0 and len(hung.token_ids) > 1  # it sampled, then hung
+    assert (m_hang["agent/timeouts"], m_hang["agent/stuck_threads"]) == (1, 1)
 
 
 def test_the_endpoint_answers_models_completions_and_a_closed_session(tokenizer):

@@ -39,8 +39,8 @@ class BadRequest(Exception):
         self.message, self.param, self.status = message, param, status
 
 
-def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error") -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error", code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 @dataclass

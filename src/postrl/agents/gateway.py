@@ -84,8 +84,12 @@ class AgentGateway:
 
     takes_rows = True  # generate(..., rows=): every program gets its sample's dataset row
 
-    def __init__(self, engine: Any, tokenizer: Any, cfg: "RolloutConfig", model: Any = None, log: Any = None, agent: Any = None):
+    def __init__(
+        self, engine: Any, tokenizer: Any, cfg: "RolloutConfig", model: Any = None, log: Any = None, agent: Any = None,
+        max_model_len: int | None = None,
+    ):  # fmt: skip
         self.engine, self.tokenizer, self.cfg, self.log = engine, tokenizer, cfg, log
+        self.max_model_len = max_model_len  # prompt + sampled tokens the engine holds (vLLM's KV cache is sized for it)
         self.name = engine.name
         self.capabilities = engine.capabilities
         self.agent = agent if agent is not None else load_agent(cfg.agent)
@@ -100,6 +104,8 @@ class AgentGateway:
         self._server: Server | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # async programs run here
         self._stuck: list[threading.Thread] = []
+        self._http: Any = None  # httpx clients the programs' openai clients share (sync, async)
+        self._ahttp: Any = None
         self.reset_stats()
 
     # ------------------------------------------------------------------ the engine protocol
@@ -122,6 +128,9 @@ class AgentGateway:
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._loop = None
+        if self._http is not None:
+            self._http.close()
+            self._http = None
         self.engine.close()
 
     # ------------------------------------------------------------------ the endpoint's hub
@@ -225,15 +234,20 @@ class AgentGateway:
                 calls += self._sample(batch, replace(params, seed=seed))
 
     def _launch(self, s: Session) -> Any:
-        """Start one program: a thread (sync) or a task on the agents' loop (async); returns its handle."""
+        """Start one program: a thread (sync) or a task on the agents' loop (async); returns its handle. The
+        programs share one HTTP connection pool (an openai client per sample, one httpx client under them)."""
+        import httpx
         import openai
 
         url, timeout = self._server.url(s.key), self.cfg.agent_timeout_s
         row, events, agent = s.row, self._events, self.agent
+        limits = httpx.Limits(max_connections=2 * self.cfg.agent_concurrency, max_keepalive_connections=self.cfg.agent_concurrency)
         if self.is_async:
 
             async def run_async() -> None:
-                client = openai.AsyncOpenAI(base_url=url, api_key=s.key, max_retries=0, timeout=timeout)
+                if self._ahttp is None:
+                    self._ahttp = httpx.AsyncClient(limits=limits, timeout=timeout)
+                client = openai.AsyncOpenAI(base_url=url, api_key=s.key, max_retries=0, timeout=timeout, http_client=self._ahttp)
                 client.model = self.model_name
                 try:
                     events.put(("done", s, "ok", await agent(client, row)))
@@ -241,20 +255,18 @@ class AgentGateway:
                     raise
                 except BaseException as exc:  # noqa: BLE001 - whatever the user's program raised
                     events.put(("done", s, "error", exc))
-                finally:
-                    await client.close()
 
             return asyncio.run_coroutine_threadsafe(run_async(), self._loop)
+        if self._http is None:
+            self._http = httpx.Client(limits=limits, timeout=timeout)
+        client = openai.OpenAI(base_url=url, api_key=s.key, max_retries=0, timeout=timeout, http_client=self._http)
+        client.model = self.model_name
 
         def run_sync() -> None:
-            client = openai.OpenAI(base_url=url, api_key=s.key, max_retries=0, timeout=timeout)
-            client.model = self.model_name
             try:
                 events.put(("done", s, "ok", agent(client, row)))
             except BaseException as exc:  # noqa: BLE001 - whatever the user's program raised
                 events.put(("done", s, "error", exc))
-            finally:
-                client.close()
 
         t = threading.Thread(target=run_sync, name=f"postrl-agent-{s.key[:8]}", daemon=True)
         t.start()
@@ -291,6 +303,13 @@ class AgentGateway:
             target = next((c for c in p.session.tips if job.prompt[: len(c.full)] == c.full), None)
             used = len(job.prompt) - len(target.segment.prompt) if target is not None else 0
             room = min(job.max_tokens or params.max_tokens, params.max_tokens - used)
+            if self.max_model_len is not None and len(job.prompt) >= self.max_model_len:
+                p.session.bad_requests += 1
+                message = f"the prompt has {len(job.prompt)} tokens; this run's context is {self.max_model_len} (data.max_prompt_length + rollout.max_tokens)"
+                p.reply(400, error_body(message, "messages", code="context_length_exceeded"))
+                continue
+            if self.max_model_len is not None:
+                room = min(room, self.max_model_len - len(job.prompt))
             if room <= 0:  # the trajectory's budget is spent: nothing sampled, nothing recorded
                 p.reply(200, respond(job, [([], [], "length")] * job.n, self.tokenizer, self.eos_ids, self.model_name))
                 continue

@@ -48,7 +48,7 @@ def make_engine(
     if getattr(cfg, "agent", None):
         from postrl.agents.gateway import AgentGateway
 
-        return AgentGateway(engine, tokenizer, cfg, model=model, log=log)
+        return AgentGateway(engine, tokenizer, cfg, model=model, log=log, max_model_len=max_model_len)
     if not cfg.multi_turn.enable:
         return engine
     from postrl.agents.loop import AgentLoop
