@@ -222,8 +222,8 @@ class RolloutConfig(Section):
     agent_concurrency: int = Field(64, ge=1, description="rollout.agent: programs running at once.")
     agent_timeout_s: float = Field(300.0, gt=0, description="rollout.agent: time limit per sample; a program past it scores 0.")
     agent_batch_wait_ms: float = Field(
-        20.0, ge=0, description="rollout.agent: how long the endpoint collects requests before an engine call, unless "
-        "every running program is already waiting on one.",
+        20.0, ge=0, description="rollout.agent: the endpoint samples the requests it holds once every running program "
+        "waits on one, or when none arrived for this long (at most 10x this after the first).",
     )
     agent_host: str = Field("127.0.0.1", description="rollout.agent: the endpoint's address (loopback unless set).")
     agent_port: int = Field(0, ge=0, le=65535, description="rollout.agent: the endpoint's port (0: a free one).")

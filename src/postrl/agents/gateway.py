@@ -12,8 +12,9 @@ loop, so training, validation, `postrl eval` and `postrl doctor` all roll out th
 `generate` call: the endpoint (agents/endpoint.py) is started once on loopback; every sample gets a
 session; up to `rollout.agent_concurrency` programs run at once (threads for sync functions, an event
 loop for async ones), each under `rollout.agent_timeout_s`. The calling thread is the engine thread:
-it collects the programs' requests until every running program waits on one (or the oldest has waited
-`rollout.agent_batch_wait_ms`), renders them, and samples them in one engine call, so concurrent
+it collects the programs' requests until every running program waits on one (or none came for
+`rollout.agent_batch_wait_ms` or a tenth of an engine call, whichever is longer, and at most ten times
+that after the first), renders them, and samples them in one engine call, so concurrent
 agents batch like the agent loop's turns. The engine is only ever used from that thread.
 
 Each session's requests become segments (agents/session.py, DESIGN.md section 12); the completion of
@@ -104,6 +105,7 @@ class AgentGateway:
         self._server: Server | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # async programs run here
         self._stuck: list[threading.Thread] = []
+        self._call_s = 0.0  # the engine calls' seconds, a running mean
         self._http: Any = None  # httpx clients the programs' openai clients share (sync, async)
         self._ahttp: Any = None
         self.reset_stats()
@@ -187,15 +189,16 @@ class AgentGateway:
         waiting = list(sessions)
         running: dict[str, tuple[Session, float, Any]] = {}  # key -> (session, deadline, thread or future)
         pending: list[Pending] = []
-        wait_s = cfg.agent_batch_wait_ms / 1000
         calls = 0
         while waiting or running:
+            # waiting for stragglers costs little next to an engine call they would otherwise need of their own
+            wait_s = max(cfg.agent_batch_wait_ms / 1000, 0.1 * self._call_s)
             while waiting and len(running) < cfg.agent_concurrency:
                 s = waiting.pop(0)
                 running[s.key] = (s, time.perf_counter() + cfg.agent_timeout_s, self._launch(s))
             now = time.perf_counter()
             next_deadline = min(d for _, d, _ in running.values())
-            timeout = max(0.0, min(next_deadline, pending[0].arrived + wait_s if pending else now + 0.5) - now)
+            timeout = max(0.0, min(next_deadline, self._flush_at(pending, wait_s) if pending else now + 0.5) - now)
             events = []
             try:
                 events.append(self._events.get(timeout=timeout))
@@ -228,10 +231,16 @@ class AgentGateway:
                 p.reply(410, error_body("this session is closed (its sample ended or ran out of time)"))
             pending = [p for p in pending if not p.session.closed]
             waiting_on_us = len({p.session.key for p in pending})
-            if pending and (waiting_on_us >= len(running) or time.perf_counter() - pending[0].arrived >= wait_s):
+            if pending and (waiting_on_us >= len(running) or time.perf_counter() >= self._flush_at(pending, wait_s)):
                 batch, pending = pending, []
                 seed = None if params.seed is None else (params.seed + 7919 * calls) % 2**31
                 calls += self._sample(batch, replace(params, seed=seed))
+
+    @staticmethod
+    def _flush_at(pending: list[Pending], wait_s: float) -> float:
+        """When to sample the requests collected so far if not every program waits on one: `wait_s` after the
+        last arrived (requests that keep coming keep the batch open), at most 10 x `wait_s` after the first."""
+        return min(pending[-1].arrived + wait_s, pending[0].arrived + 10 * wait_s)
 
     def _launch(self, s: Session) -> Any:
         """Start one program: a thread (sync) or a task on the agents' loop (async); returns its handle. The
@@ -322,7 +331,9 @@ class AgentGateway:
             call = replace(params, n=n, max_tokens=max(r for _, r in group), stop_token_ids=stops)
             self.stats["agent/engine_calls"] += 1
             self.stats["agent/requests"] += len(group)
+            start = time.perf_counter()
             outs = self.engine.generate([j.prompt for j, _ in group], call)
+            self._call_s = 0.5 * self._call_s + 0.5 * (time.perf_counter() - start)
             for k, (job, room) in enumerate(group):
                 mine = outs[k * n : (k + 1) * n] * (job.n if n == 1 and job.n > 1 else 1)
                 self._answer(job, room, mine, set(stops))
