@@ -89,6 +89,12 @@ class AgentGateway:
         self, engine: Any, tokenizer: Any, cfg: "RolloutConfig", model: Any = None, log: Any = None, agent: Any = None,
         max_model_len: int | None = None,
     ):  # fmt: skip
+        missing = [m for m in ("fastapi", "uvicorn", "openai", "httpx") if importlib.util.find_spec(m) is None]
+        if missing:
+            raise UserError(
+                f"rollout.agent runs the program through an OpenAI-compatible endpoint, which needs {', '.join(missing)} "
+                "(not installed). Fix: pip install 'postrl[agent]' (vLLM installs them too)."
+            )
         self.engine, self.tokenizer, self.cfg, self.log = engine, tokenizer, cfg, log
         self.max_model_len = max_model_len  # prompt + sampled tokens the engine holds (vLLM's KV cache is sized for it)
         self.name = engine.name
