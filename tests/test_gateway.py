@@ -256,3 +256,17 @@ def torch_equal(a, b) -> bool:
     import torch
 
     return bool(torch.equal(a, b))
+
+
+def test_async_staleness_drops_a_stale_group_with_its_extra_segments():
+    from postrl.async_rollout import split_stale
+    from postrl.experience import Batch
+
+    n = 4  # two groups of 2; rows 4 and 5 are extra segments of rows 1 (stale group 0) and 2 (fresh group 1)
+    batch = Batch(
+        prompt_ids=[[1]] * 6, response_ids=[[i] for i in range(6)], loss_masks=[[1]] * 6, turns=[1] * 6, finished=[True] * 6,
+        scores=[0.0] * 6, rewards=[0.0] * 6, verifier_metrics=[{}] * 6, engine_logprobs=[None] * 6, multi_modal=[None] * 6,
+        versions=[0, 0, 3, 3, 0, 3], owners=[None] * n + [1, 2],
+    )  # fmt: skip
+    kept, dropped = split_stale(batch, step=3, max_staleness=1, group_size=2)
+    assert dropped == 1 and kept.response_ids == [[2], [3], [5]] and kept.owners == [None, None, 0]
