@@ -73,6 +73,8 @@ def main() -> None:
             print(f"{name:10s} {tokens:6d} model tokens in {seconds:6.2f} s = {tokens / seconds:8.0f} tokens/s "
                   f"({calling:.0%} call the tool, {turns:.2f} turns)")  # fmt: skip
     m = gateway.pop_metrics()
+    print(f"endpoint time split over {args.repeats} rollouts: {m['timing/agent_generate']:.2f} s in all, engine calls "
+          f"{m['timing/agent_engine']:.2f} s, rendering requests {m['timing/agent_render']:.2f} s")  # fmt: skip
     print(f"endpoint: {m['agent/requests_mean']:.2f} requests per sample, {m['agent/batch_mean']:.1f} requests per engine call, "
           f"errors {m['agent/errors']:.0f}, timeouts {m['agent/timeouts']:.0f}, bad requests {m['agent/bad_requests']:.0f}")  # fmt: skip
     a, b = statistics.median(tps["agent loop"]), statistics.median(tps["endpoint"])

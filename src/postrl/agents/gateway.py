@@ -204,7 +204,8 @@ class AgentGateway:
                 running[s.key] = (s, time.perf_counter() + cfg.agent_timeout_s, self._launch(s))
             now = time.perf_counter()
             next_deadline = min(d for _, d, _ in running.values())
-            timeout = max(0.0, min(next_deadline, self._flush_at(pending, wait_s) if pending else now + 0.5) - now)
+            starting = any(not r[0].asked for r in running.values())  # a program yet to send its first request
+            timeout = max(0.0, min(next_deadline, self._flush_at(pending, wait_s, starting) if pending else now + 0.5) - now)
             events = []
             try:
                 events.append(self._events.get(timeout=timeout))
@@ -215,6 +216,7 @@ class AgentGateway:
             for kind, *what in events:
                 if kind == "request":
                     p = what[0]
+                    p.session.asked = True
                     if p.session.key in running and not p.session.closed:
                         pending.append(p)
                     else:
@@ -237,16 +239,20 @@ class AgentGateway:
                 p.reply(410, error_body("this session is closed (its sample ended or ran out of time)"))
             pending = [p for p in pending if not p.session.closed]
             waiting_on_us = len({p.session.key for p in pending})
-            if pending and (waiting_on_us >= len(running) or time.perf_counter() >= self._flush_at(pending, wait_s)):
+            starting = any(not r[0].asked for r in running.values())
+            if pending and (waiting_on_us >= len(running) or time.perf_counter() >= self._flush_at(pending, wait_s, starting)):
                 batch, pending = pending, []
                 seed = None if params.seed is None else (params.seed + 7919 * calls) % 2**31
                 calls += self._sample(batch, replace(params, seed=seed))
 
     @staticmethod
-    def _flush_at(pending: list[Pending], wait_s: float) -> float:
+    def _flush_at(pending: list[Pending], wait_s: float, starting: bool) -> float:
         """When to sample the requests collected so far if not every program waits on one: `wait_s` after the
-        last arrived (requests that keep coming keep the batch open), at most 10 x `wait_s` after the first."""
-        return min(pending[-1].arrived + wait_s, pending[0].arrived + 10 * wait_s)
+        last arrived (requests that keep coming keep the batch open) unless some program has not sent its first
+        request yet (it is on its way: every program calls the model), and at most max(10 x `wait_s`, 1 s) after
+        the first."""
+        cap = pending[0].arrived + max(10 * wait_s, 1.0)
+        return cap if starting else min(pending[-1].arrived + wait_s, cap)
 
     def _launch(self, s: Session) -> Any:
         """Start one program: a thread (sync) or a task on the agents' loop (async); returns its handle. The
@@ -308,6 +314,7 @@ class AgentGateway:
     def _sample(self, batch: list[Pending], params: SamplingParams) -> int:
         """Render, sample and answer one batch of requests; returns the number of engine calls made."""
         jobs: list[tuple[Job, int]] = []
+        start = time.perf_counter()
         for p in batch:
             try:
                 job = prepare(p, self.renderer, self.tokenizer)
@@ -329,6 +336,7 @@ class AgentGateway:
                 p.reply(200, respond(job, [([], [], "length")] * job.n, self.tokenizer, self.eos_ids, self.model_name))
                 continue
             jobs.append((job, room))
+        self.stats["timing/agent_render"] += time.perf_counter() - start
         groups: dict[tuple, list[tuple[Job, int]]] = {}
         for job, room in jobs:
             stops = tuple(params.stop_token_ids) + ((self.call_end_id,) if job.tools and self.call_end_id is not None else ())
@@ -339,7 +347,9 @@ class AgentGateway:
             self.stats["agent/requests"] += len(group)
             start = time.perf_counter()
             outs = self.engine.generate([j.prompt for j, _ in group], call)
-            self._call_s = 0.5 * self._call_s + 0.5 * (time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            self._call_s = 0.5 * self._call_s + 0.5 * seconds
+            self.stats["timing/agent_engine"] += seconds
             for k, (job, room) in enumerate(group):
                 mine = outs[k * n : (k + 1) * n] * (job.n if n == 1 and job.n > 1 else 1)
                 self._answer(job, room, mine, set(stops))
@@ -398,7 +408,8 @@ class AgentGateway:
 
     # ------------------------------------------------------------------------------ metrics
     def reset_stats(self) -> None:
-        keys = ("agent/errors", "agent/timeouts", "agent/bad_requests", "agent/requests", "agent/engine_calls", "timing/agent_generate")
+        keys = ("agent/errors", "agent/timeouts", "agent/bad_requests", "agent/requests", "agent/engine_calls", "timing/agent_generate",
+                "timing/agent_engine", "timing/agent_render")
         self.stats = {k: 0.0 for k in keys}
         self._n = self._turns = self._calls = self._with_call = self._model = self._total = self._segments = 0
         self._reward = 0.0
