@@ -41,7 +41,7 @@ import torch
 
 from postrl.distributed import RENDEZVOUS_FILE_ENV
 from postrl.errors import UserError
-from postrl.experience import Batch, select_groups
+from postrl.experience import Batch, concat, select, select_groups
 from postrl.rollout import Completion, SamplingParams
 from postrl.rollout.base import EngineWrapper
 from postrl.transport import SharedWeights
@@ -246,9 +246,10 @@ def _add_logprobs(model, prompts, completions: list[Completion], temperature: fl
     rows = 64
     pad = getattr(getattr(model, "config", None), "pad_token_id", None) or 0
     device = next(model.parameters()).device
-    for start in range(0, len(completions), rows):
-        part = completions[start : start + rows]
-        seq = build_sequences([list(prompts[c.prompt_index]) for c in part], [c.token_ids for c in part], pad)
+    every = [x for c in completions for x in (c, *(c.segments or []))]  # rollout.agent: segments, own prompts
+    for start in range(0, len(every), rows):
+        part = every[start : start + rows]
+        seq = build_sequences([list(c.prompt_ids or prompts[c.prompt_index]) for c in part], [c.token_ids for c in part], pad)
         seq = {k: v.to(device) for k, v in seq.items()}
         mm = [multi_modal[c.prompt_index] for c in part] if multi_modal is not None else None
         with autocast:
@@ -343,9 +344,16 @@ def _build(spec: _Spec, weights: SharedWeights, stop, share: CoreShare):
 def split_stale(batch: Batch, step: int, max_staleness: int, group_size: int) -> tuple[Batch, int]:
     """The groups of `batch` whose every sequence is at most `max_staleness` versions behind `step`, and how
     many groups were dropped for being older."""
-    groups = batch.size // group_size
+    groups = sum(o is None for o in batch.owners) // group_size  # rollout.agent's extra segments come after the groups
     fresh = [g for g in range(groups) if min(batch.versions[g * group_size : (g + 1) * group_size]) >= step - max_staleness]
-    return select_groups(batch, fresh, group_size), groups - len(fresh)
+    kept = select_groups(batch, fresh, group_size)
+    if groups * group_size == batch.size:
+        return kept, groups - len(fresh)
+    new_row = {g * group_size + j: k * group_size + j for k, g in enumerate(fresh) for j in range(group_size)}
+    extra = [i for i, o in enumerate(batch.owners) if o is not None and o in new_row]  # those of kept trajectories
+    out = concat([kept, select(batch, extra)])
+    out.owners = kept.owners + [new_row[batch.owners[i]] for i in extra]
+    return out, groups - len(fresh)
 
 
 class AsyncRollout:

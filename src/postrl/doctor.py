@@ -31,7 +31,7 @@ def diagnose(cfg: Any, n_prompts: int = 48, log=print) -> dict[str, Any]:
     from postrl.evaluate import evaluate, load_val_sets
 
     run = build_run(cfg, "doctor", log)
-    policy, agent = run.policy, cfg.rollout.multi_turn.enable
+    policy, agent = run.policy, cfg.rollout.takes_rows
     files = (cfg.eval.files or cfg.data.train_files)[:1]
     name, examples = next(iter(load_val_sets(files, policy.tokenizer, cfg.data, n_prompts, policy.modality, run.tools).items()))
     n = cfg.rollout.n_samples_per_prompt

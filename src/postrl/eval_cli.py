@@ -18,7 +18,7 @@ def evaluate_model(cfg, log: Any = None) -> tuple[dict[str, float], str]:
     if not cfg.model.path.startswith("builtin:"):
         cfg.model.path = str(_resolve(cfg.model.path))
     run = build_run(cfg, "eval", log)  # weights in model.dtype: nothing trains here (runtime.py: precision)
-    policy, agent = run.policy, cfg.rollout.multi_turn.enable
+    policy, agent = run.policy, cfg.rollout.takes_rows
     results: dict[str, float] = {}
     try:
         val_sets = load_val_sets(cfg.eval.files or [], policy.tokenizer, cfg.data, cfg.eval.max_prompts, policy.modality, run.tools)

@@ -51,12 +51,20 @@ class Batch:
     versions: list[int | None] = field(default_factory=list)
     # async partial rollout: the version of every response token (None: all of the sequence's version)
     token_versions: list[list[int] | None] = field(default_factory=list)
+    # rollout.agent (DESIGN.md section 12): a trajectory's other segments (Completions), carried with its row
+    # until `expand_segments` makes each a row of its own whose `owners` entry is the trajectory's row
+    segments: list[list | None] = field(default_factory=list)
+    owners: list[int | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.versions:
             self.versions = [0] * len(self.response_ids)
         if not self.token_versions:
             self.token_versions = [None] * len(self.response_ids)
+        if not self.segments:
+            self.segments = [None] * len(self.response_ids)
+        if not self.owners:
+            self.owners = [None] * len(self.response_ids)
 
     @property
     def size(self) -> int:
@@ -121,7 +129,7 @@ class Experience:
         kept: list[Batch] = []
         n_kept = n_generated = num_gen_batches = 0
         failures = {"reward/calls": 0, "reward/timeouts": 0, "reward/errors": 0, "reward/invalid": 0}  # generate_and_score adds to it
-        agent = cfg.rollout.multi_turn.enable
+        agent = cfg.rollout.takes_rows
         if agent:
             self.engine.pop_metrics()  # drop what validation's rollouts counted
         while n_kept < want:
@@ -146,7 +154,7 @@ class Experience:
                 batch = select_groups(batch, keep.nonzero().flatten().tolist(), G)
             kept.append(batch)
             n_kept += batch.size // G
-        full = select(concat(kept), list(range(want * G)))
+        full = expand_segments(select(concat(kept), list(range(want * G))))
         stats = {f"{self.prefix}/num_gen_batches": num_gen_batches, f"{self.prefix}/kept_groups_ratio": n_kept / n_generated}
         stats.update(distributed.all_reduce_sum_dict({k: float(v) for k, v in failures.items()}))
         if agent:  # agent/*, timing/agent_*: this rank's rollouts (docs/agents.md)
@@ -162,7 +170,7 @@ class Experience:
         r = cfg.rollout
         params = SamplingParams(r.temperature, r.top_p, r.top_k, r.max_tokens, G, seed)
         with timer("rollout"):
-            completions = generate_for(self.engine, examples, params, self.cfg.rollout.multi_turn.enable)  # the agent loop when rollout.multi_turn is on
+            completions = generate_for(self.engine, examples, params, self.cfg.rollout.takes_rows)  # the agent loop / endpoint take rows
         masks = [trajectory_mask(c) for c in completions]  # 1 on the tokens the policy sampled
         with timer("reward"):
             texts = [model_text(self.tokenizer, c) for c in completions]  # what the policy wrote, not tool output
@@ -180,7 +188,7 @@ class Experience:
                 rewards = [s + p for s, p in zip(scores, penalty.tolist())]
         names = list(out.metrics)
         return Batch(
-            prompt_ids=[e.prompt_ids for e in owners],
+            prompt_ids=[c.prompt_ids or e.prompt_ids for c, e in zip(completions, owners)],  # the gateway's own
             response_ids=[c.token_ids for c in completions],
             loss_masks=masks,
             turns=[len(c.turn_spans) if c.turn_spans is not None else 1 for c in completions],
@@ -192,6 +200,7 @@ class Experience:
             multi_modal=[e.multi_modal for e in owners],
             versions=[c.version for c in completions],
             token_versions=[c.token_versions for c in completions],
+            segments=[c.segments for c in completions],
         )
 
     def _filter_metric(self, batch: Batch) -> list[float]:
@@ -208,10 +217,43 @@ class Experience:
         """adv_B of the global batch by `algorithm.adv_estimator` (broadcast to every token by the actor)."""
         a = self.cfg.algorithm
         estimator = algo.get_adv_estimator(a.adv_estimator)
-        return estimator(
-            torch.tensor(batch.rewards), self.G, norm_adv_by_std=a.norm_adv_by_std, epsilon=a.epsilon,
-            num_tokens_B=torch.tensor(batch.model_tokens),
+        traj = trajectories(batch)  # extra segments take their trajectory's advantage
+        adv = estimator(
+            torch.tensor(traj.rewards), self.G, norm_adv_by_std=a.norm_adv_by_std, epsilon=a.epsilon,
+            num_tokens_B=torch.tensor(traj.model_tokens),
         )
+        extra = [o for o in batch.owners if o is not None]
+        return torch.cat([adv, adv[torch.tensor(extra, dtype=torch.long)]]) if extra else adv
+
+
+def expand_segments(batch: Batch) -> Batch:
+    """Each trajectory's other segments (rollout.agent: a history the program edited) as rows after the
+    trajectories, with its reward, score and metrics, and `owners` pointing at its row (DESIGN.md section 12)."""
+    extra = [(i, seg) for i, segs in enumerate(batch.segments) for seg in segs or []]
+    extra = extra[: len(extra) - len(extra) % distributed.data_parallel_size()]  # every rank gets as many rows
+    if not extra:
+        return batch
+    rows = [i for i, _ in extra]
+    more = select(batch, rows)
+    more.prompt_ids = [seg.prompt_ids for _, seg in extra]
+    more.response_ids = [seg.token_ids for _, seg in extra]
+    more.loss_masks = [trajectory_mask(seg) for _, seg in extra]
+    more.turns = [len(seg.turn_spans or [None]) for _, seg in extra]
+    more.finished = [seg.finished for _, seg in extra]
+    more.engine_logprobs = [seg.logprobs for _, seg in extra]
+    more.versions = [batch.versions[i] if seg.version is None else seg.version for i, seg in extra]
+    more.token_versions = [None] * len(extra)
+    more.owners = rows
+    out = concat([batch, more])
+    out.segments = [None] * out.size
+    return out
+
+
+def trajectories(batch: Batch) -> Batch:
+    """The batch without the extra segments `expand_segments` added (one row per trajectory, groups contiguous)."""
+    if all(o is None for o in batch.owners):
+        return batch
+    return select(batch, [i for i, o in enumerate(batch.owners) if o is None])
 
 
 def trajectory_mask(c: Completion) -> list[int]:
@@ -230,7 +272,11 @@ def batch_metrics(batch: Batch, prefix: str, group_size: int) -> dict[str, float
     forward computes); num_turns/{mean,max} are logged when some trajectory of the batch has several turns
     or tokens the policy did not sample.
     """
+    segments = batch.size
+    batch = trajectories(batch)  # per trajectory; the extra segments (rollout.agent) are counted apart
     m = {**summary_stats(f"{prefix}/rewards", batch.rewards), **summary_stats(f"{prefix}/score", batch.scores)}
+    if segments > batch.size:
+        m["agent/extra_segments"] = float(segments - batch.size)
     if "rm_score" in batch.verifier_metrics[0]:  # the guides: score is the reward model's own when one is on
         m.update(summary_stats(f"{prefix}/score", batch.metric("rm_score")))
     for key in batch.verifier_metrics[0]:

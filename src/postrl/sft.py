@@ -181,7 +181,7 @@ def eval_greedy(policy: Policy, cfg: Config, max_prompts: int, rt: Runtime) -> d
     out = {}
     greedy = cfg.eval.model_copy(update={"n_samples": 1, "temperature": 0.0})
     for name, examples in load_val_sets(cfg.data.val_files, tokenizer, cfg.data, max_prompts, policy.modality, tools).items():
-        out.update(evaluate(engine, tokenizer, reward_fn, examples, greedy, name, agent=cfg.rollout.multi_turn.enable))
+        out.update(evaluate(engine, tokenizer, reward_fn, examples, greedy, name, agent=cfg.rollout.takes_rows))
     reward_fn.close()
     engine.close()
     return out

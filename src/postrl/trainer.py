@@ -262,7 +262,7 @@ class Trainer:
     # -------------------------------------------------------------------------------- validation
     def validate(self, last: bool = False) -> dict[str, float]:
         start = time.perf_counter()
-        engine, agent = self.batches.validation_engine(self.model), self.cfg.rollout.multi_turn.enable
+        engine, agent = self.batches.validation_engine(self.model), self.cfg.rollout.takes_rows
         out = {}
         for name, examples in self.val_sets.items():
             out.update(evaluate(engine, self.tokenizer, self.reward_fn.score_rules, examples, self.cfg.eval, name, self.cfg.train.seed, agent,

@@ -348,7 +348,7 @@ def tool_schemas(multi_turn: "MultiTurnConfig") -> list[dict] | None:
 
 def generate_for(engine: Any, examples: list, params: SamplingParams, agent: bool = False) -> list[Completion]:
     """`engine.generate` on prompt examples (data/dataset.py's PromptExample); with `agent`
-    (rollout.multi_turn.enable: the engine is an AgentLoop) it also gets their dataset rows, from which
+    (rollout.takes_rows: the engine is an AgentLoop or the endpoint's AgentGateway) it also gets their dataset rows, from which
     environments reset."""
     from postrl.data.dataset import multi_modal_of
 

@@ -264,6 +264,19 @@ class RolloutConfig(Section):
         "compiler on a CPU machine).",
     )
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig, description="The agent loop: tools, environments.")
+    agent: str | None = Field(
+        None, description="A user's agent program as the rollout: 'package.module:function' or 'path/file.py:function', "
+        "sync or async, called once per sample with an openai client pointed at postrl's OpenAI-compatible endpoint and "
+        "the dataset row; returns a reward (added to the verifiers' score) or None (docs/agents.md).",
+    )
+    agent_concurrency: int = Field(64, ge=1, description="rollout.agent: programs running at once.")
+    agent_timeout_s: float = Field(300.0, gt=0, description="rollout.agent: time limit per sample; a program past it scores 0.")
+    agent_batch_wait_ms: float = Field(
+        20.0, ge=0, description="rollout.agent: the endpoint samples the requests it holds once every running program "
+        "waits on one, or when none arrived for this long (at most 10x this after the first).",
+    )
+    agent_host: str = Field("127.0.0.1", description="rollout.agent: the endpoint's address (loopback unless set).")
+    agent_port: int = Field(0, ge=0, le=65535, description="rollout.agent: the endpoint's port (0: a free one).")
     mode: Literal["sync", "async"] = Field(
         "sync",
         description="sync: generate, score, update, sync weights, in lock-step with the engine colocated. async: a "
@@ -293,6 +306,12 @@ class RolloutConfig(Section):
         "rollout.mode; worker and pool imply rollout.mode async.",
     )
     pool: PoolConfig = Field(default_factory=lambda: PoolConfig(), description="rollout.placement pool: the replicas.")
+
+    @property
+    def takes_rows(self) -> bool:
+        """The engine is an agent wrapper (postrl's agent loop, or the endpoint that runs rollout.agent) whose
+        generate also takes the prompts' dataset rows."""
+        return self.multi_turn.enable or bool(self.agent)
 
     @model_validator(mode="after")
     def _async_keys(self) -> "RolloutConfig":
@@ -327,6 +346,11 @@ class RolloutConfig(Section):
                 "rollout.multi_turn.enable is true, but neither rollout.multi_turn.tools nor rollout.multi_turn.interaction "
                 "is set: the agent loop would have nothing to call or talk to, and run as single-turn rollout. Fix: list "
                 "the tools (e.g. [builtin:calculator]) or name an environment, or set rollout.multi_turn.enable: false."
+            )
+        if self.agent and self.multi_turn.enable:
+            raise ValueError(
+                "rollout.agent and rollout.multi_turn.enable both say how to roll out: the user's program through the "
+                "endpoint, or postrl's own agent loop. Fix: keep one (the program calls its own tools)."
             )
         if self.partial_rollout and self.multi_turn.enable:
             raise ValueError(

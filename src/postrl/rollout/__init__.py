@@ -41,9 +41,14 @@ def make_engine(
     `runtime` gives the compute dtype: HF generates under its autocast, vLLM holds weights in it
     (None: the dtype of the model's parameters, no autocast).
     With `cfg.multi_turn.enable` the engine is wrapped in the agent loop (postrl.agents.loop.AgentLoop),
-    so training, validation, `postrl eval` and `postrl doctor` all roll out multi-turn.
+    so training, validation, `postrl eval` and `postrl doctor` all roll out multi-turn; with `cfg.agent` it is
+    wrapped in the OpenAI-compatible endpoint that runs the user's agent program (postrl.agents.gateway).
     """
     engine = _engine(cfg, model, tokenizer, log, max_model_len, seed, modality, trust_remote_code, runtime)
+    if getattr(cfg, "agent", None):
+        from postrl.agents.gateway import AgentGateway
+
+        return AgentGateway(engine, tokenizer, cfg, model=model, log=log, max_model_len=max_model_len)
     if not cfg.multi_turn.enable:
         return engine
     from postrl.agents.loop import AgentLoop

@@ -1,0 +1,272 @@
+"""The OpenAI-compatible rollout endpoint (agents/gateway.py): token-in-token-out, segments, containment.
+
+The engine is tests/test_agents.py's `ScriptEngine` (a policy that is a fixed script of turns; the
+endpoint's logic is under test, not a model); the programs are plain `openai` client code.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from postrl.agents.gateway import AgentGateway
+from postrl.agents.loop import AgentLoop
+from postrl.agents.session import Session
+from postrl.agents.tools import call_tool, load_tools
+from postrl.config import MultiTurnConfig, RolloutConfig
+from postrl.rollout.base import SamplingParams
+from tests.test_agents import TOOLS, ScriptEngine, _call, _ids, _prompt, tokenizer  # noqa: F401 - the module's fixture
+
+QUESTION = [{"role": "user", "content": "What is 347 * 28 + 1205?"}]
+CALC = load_tools(["builtin:calculator"])
+
+
+def chat_agent(client, row):
+    """A plain openai-client tool loop (what a user writes): call, run the tools, send the results back."""
+    messages = list(row["prompt"])
+    for _ in range(4):
+        r = client.chat.completions.create(model=client.model, messages=messages, tools=TOOLS)
+        msg = r.choices[0].message
+        messages.append(msg.model_dump(exclude_none=True))
+        if not msg.tool_calls:
+            return None
+        for tc in msg.tool_calls:
+            result = call_tool(CALC, tc.function.name, json.loads(tc.function.arguments), 5).text
+            messages.append({"role": "tool", "tool_call_id": tc.id, "content": result})
+    return None
+
+
+def _gateway(tokenizer, turns, agent, max_model_len=None, **cfg):
+    engine = ScriptEngine(tokenizer, turns)
+    rollout = RolloutConfig(agent="tests.test_gateway:chat_agent", **{"agent_timeout_s": 30, **cfg})
+    return AgentGateway(engine, tokenizer, rollout, agent=agent, max_model_len=max_model_len), engine
+
+
+SCRIPT = [_call("347 * 28", ""), _call("9716 + 1205", ""), "\\boxed{10921}<|im_end|>"]
+
+
+def test_a_three_turn_tool_chat_through_the_endpoint_has_the_agent_loops_ids_mask_and_logprobs(tokenizer):
+    loop = AgentLoop(ScriptEngine(tokenizer, SCRIPT), tokenizer, MultiTurnConfig(enable=True, tools=["builtin:calculator"], max_turns=4))
+    params = SamplingParams(max_tokens=200, greedy=True)
+    (want,) = loop.generate([_prompt(tokenizer)], params)
+    gw, engine = _gateway(tokenizer, SCRIPT, chat_agent)
+    try:
+        (got,) = gw.generate([_prompt(tokenizer)], params, rows=[{"prompt": QUESTION}])
+        m = gw.pop_metrics()
+    finally:
+        gw.close()
+    assert len(want.turn_spans) == 3 and want.tool_calls == 2 and want.finished
+    assert got.prompt_ids == _prompt(tokenizer)
+    assert got.token_ids == want.token_ids
+    assert got.loss_mask == want.loss_mask and sum(got.loss_mask) == sum(len(_ids(tokenizer, t)) for t in SCRIPT)
+    assert got.logprobs == want.logprobs and got.turn_spans == want.turn_spans
+    assert got.finished and got.tool_calls == 2 and got.segments is None
+    assert engine.calls[0][1].stop_token_ids == (tokenizer.convert_tokens_to_ids("</tool_call>"),)
+    assert (m["agent/requests_mean"], m["agent/segments_mean"], m["agent/errors"], m["agent/bad_requests"]) == (3.0, 1.0, 0, 0)
+
+
+def test_concurrent_programs_are_sampled_in_one_engine_call_per_turn(tokenizer):
+    async def async_agent(client, row):  # an async program (AsyncOpenAI) takes the same path
+        messages = list(row["prompt"])
+        for _ in range(4):
+            r = await client.chat.completions.create(model=client.model, messages=messages, tools=TOOLS)
+            msg = r.choices[0].message
+            messages.append(msg.model_dump(exclude_none=True))
+            if not msg.tool_calls:
+                return 0.5
+            messages += [{"role": "tool", "tool_call_id": tc.id, "content": "9716"} for tc in msg.tool_calls]
+
+    for agent in (chat_agent, async_agent):
+        gw, engine = _gateway(tokenizer, SCRIPT, agent, agent_batch_wait_ms=10_000)  # only "all are waiting" flushes
+        try:
+            out = gw.generate([_prompt(tokenizer)] * 3, SamplingParams(max_tokens=200, n=2, seed=3), rows=[{"prompt": QUESTION}] * 3)
+        finally:
+            gw.close()
+        assert [n for n, _ in engine.calls] == [6, 6, 6]
+        assert [c.prompt_index for c in out] == [0, 0, 1, 1, 2, 2]
+        assert all(len(c.turn_spans) == 3 and c.finished for c in out)
+        assert [c.env_reward for c in out] == [0.0 if agent is chat_agent else 0.5] * 6
+
+
+def test_an_edited_history_opens_a_second_segment_with_its_own_mask_and_the_shared_reward(tokenizer):
+    def summarising_agent(client, row):
+        messages = list(row["prompt"])
+        r = client.chat.completions.create(model=client.model, messages=messages, tools=TOOLS)
+        tc = r.choices[0].message.tool_calls[0]
+        # the program drops the call from its history and summarises it in the user turn instead
+        edited = [{"role": "user", "content": row["prompt"][0]["content"] + " (347 * 28 = 9716)"}]
+        client.chat.completions.create(model=client.model, messages=edited, tools=TOOLS)
+        assert tc.function.name == "calculator"
+        return 1.0
+
+    gw, _ = _gateway(tokenizer, [_call("347 * 28", ""), "\\boxed{10921}<|im_end|>"], summarising_agent)
+    try:
+        (c,) = gw.generate([_prompt(tokenizer)], SamplingParams(max_tokens=200, greedy=True), rows=[{"prompt": QUESTION}])
+        m = gw.pop_metrics()
+    finally:
+        gw.close()
+    answer, call = _ids(tokenizer, "\\boxed{10921}<|im_end|>"), _ids(tokenizer, _call("347 * 28", ""))
+    edited_prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 347 * 28 + 1205? (347 * 28 = 9716)"}], tools=TOOLS, add_generation_prompt=True, return_dict=False
+    )  # fmt: skip
+    # the main segment is the one the last request made: its edited prompt, then the answer (all sampled)
+    assert c.prompt_ids == edited_prompt and c.token_ids == answer and c.loss_mask == [1] * len(answer)
+    (first,) = c.segments
+    assert first.prompt_ids == _prompt(tokenizer) and first.token_ids == call and first.loss_mask == [1] * len(call)
+    assert c.env_reward == 1.0 and m["agent/segments_mean"] == 2.0
+
+
+def test_the_segment_rule_compares_ids():
+    s = Session("k", 0)
+    s.record([1, 2, 3], [([4, 5], [-0.1, -0.2], False)], 0)
+    s.record([1, 2, 3, 4, 5, 6, 7], [([8], [-0.3], True)], 0)  # extends: one segment, 6 7 masked
+    assert len(s.segments) == 1 and s.segments[0].ids == [4, 5, 6, 7, 8] and s.segments[0].mask == [1, 1, 0, 0, 1]
+    assert s.segments[0].logprobs == [-0.1, -0.2, 0.0, 0.0, -0.3]
+    s.record([1, 2, 3, 4, 9], [([10], None, True)], 1)  # drops 5 (the previous sample): a new segment
+    assert len(s.segments) == 2 and s.segments[1].prompt == [1, 2, 3, 4, 9] and s.segments[1].mask == [1]
+    assert s.main_segment() is s.segments[1] and s.segments[1].version == 1
+
+
+def test_programs_that_raise_hang_or_send_malformed_requests_score_zero_and_are_counted(tokenizer):
+    import threading
+
+    import httpx
+
+    release = threading.Event()
+
+    def agent(client, row):
+        kind = row["kind"]
+        if kind == "raise":
+            client.chat.completions.create(model=client.model, messages=row["prompt"], tools=TOOLS)
+            raise ValueError("the user's bug")
+        if kind == "hang":
+            client.chat.completions.create(model=client.model, messages=row["prompt"], tools=TOOLS)
+            release.wait(60)  # hangs until the test is over
+            return 1.0
+        if kind == "malformed":
+            base = str(client.base_url).rstrip("/")
+            bad = [httpx.post(base + "/chat/completions", content=b"{not json"),
+                   httpx.post(base + "/chat/completions", json={"messages": "hi"}),
+                   httpx.post(base + "/chat/completions", json={"messages": QUESTION, "n": 0}),
+                   httpx.post(base + "/completions", json={"prompt": [10**9]}),
+                   httpx.post(base + "/completions", json={"prompt": "1 2 3 " * 200})]  # fmt: skip
+            assert [b.status_code for b in bad] == [400] * 5 and all("message" in b.json()["error"] for b in bad)
+            assert bad[-1].json()["error"]["code"] == "context_length_exceeded"
+            return "not a number"
+        if kind == "wrong-session":
+            r = httpx.post(str(client.base_url).replace("/s/", "/s/x") + "chat/completions", json={"messages": QUESTION})
+            assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
+        r = client.chat.completions.create(model=client.model, messages=row["prompt"], tools=TOOLS)
+        return 1.0 if r.choices[0].message.tool_calls else 0.0
+
+    kinds = ("raise", "malformed", "wrong-session", "ok")
+    gw, _ = _gateway(tokenizer, [_call("1 + 1", "")] * 8, agent, max_model_len=300, agent_timeout_s=120, agent_batch_wait_ms=5)
+    params = SamplingParams(max_tokens=50, greedy=True)
+    try:
+        out = gw.generate([_prompt(tokenizer)] * 4, params, rows=[{"prompt": QUESTION, "kind": k} for k in kinds])
+        m = gw.pop_metrics()
+        gw.cfg.agent_timeout_s = 2.0  # a program that never returns: scored at its time limit
+        (hung,) = gw.generate([_prompt(tokenizer)], params, rows=[{"prompt": QUESTION, "kind": "hang"}])
+        m_hang = gw.pop_metrics()
+    finally:
+        release.set()
+        gw.close()
+    assert [c.env_reward for c in out] == [0.0, 0.0, 1.0, 1.0]
+    assert [sum(c.loss_mask) > 0 for c in out] == [False, False, True, True]  # the failed ones train nothing
+    assert (m["agent/errors"], m["agent/timeouts"], m["agent/bad_requests"]) == (2, 0, 5)
+    assert hung.env_reward == 0.0 and sum(hung.loss_mask) == 0 and len(hung.token_ids) > 1  # it sampled, then hung
+    assert (m_hang["agent/timeouts"], m_hang["agent/stuck_threads"]) == (1, 1)
+
+
+def test_the_endpoint_answers_models_completions_and_a_closed_session(tokenizer):
+    import httpx
+
+    seen = {}
+
+    def agent(client, row):
+        seen["models"] = [m.id for m in client.models.list().data]
+        r = client.completions.create(model=client.model, prompt="What is", max_tokens=3, logprobs=1)
+        seen["text"], seen["lp"] = r.choices[0].text, r.choices[0].logprobs
+        seen["url"] = str(client.base_url)
+        return None
+
+    gw, _ = _gateway(tokenizer, ["1 2 3 4 5"], agent)
+    try:
+        (c,) = gw.generate([_prompt(tokenizer)], SamplingParams(max_tokens=50, greedy=True), rows=[{}])
+        late = httpx.post(seen["url"] + "chat/completions", json={"messages": QUESTION})
+    finally:
+        gw.close()
+    assert seen["models"] == [gw.model_name] and c.token_ids == _ids(tokenizer, "1 2 3 4 5")[:3]
+    assert c.prompt_ids == _ids(tokenizer, "What is") and not c.finished
+    assert late.status_code in (404, 410)
+
+
+def test_the_openai_agent_example_trains_two_steps_and_validates_through_the_endpoint(tmp_path):
+    """examples/openai_agent/ (a plain openai-client program) with tiny_tool_dapo's settings, shortened: the
+    random tiny tools model, HF rollout, 2 steps, validation before and after."""
+    from pathlib import Path
+
+    from postrl.config import load_config
+    from postrl.metrics import read_jsonl
+    from postrl.trainer import Trainer
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = load_config(root / "examples/openai_agent/tiny_tool_dapo_agent.yaml", [
+        "model.path=builtin:tiny-qwen2-tools", "rollout.engine=hf", "rollout.n_samples_per_prompt=2", "rollout.max_tokens=16",
+        f"rollout.agent={root}/examples/openai_agent/calculator_agent.py:run", "rollout.agent_concurrency=8",
+        "algorithm.filter_groups.enable=false", "algorithm.overlong_buffer.len=4", "train.global_batch_size=2", "train.gen_batch_size=2", "train.micro_batch_size=4",
+        "train.total_steps=2", "train.warmup_steps=0", "eval.freq=0",
+        "data.tool_arithmetic.train_size=64", "data.tool_arithmetic.val_size=8", "eval.max_prompts=4", "eval.max_tokens=16", f"logging.dir={tmp_path}", "logging.progress=false", "checkpoint.keep_best=null",
+        "checkpoint.save_final=false",
+    ])  # fmt: skip
+    Trainer(cfg).fit()
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    steps = [r for r in rows if "agent/requests_mean" in r]
+    assert len(steps) == 2 and all(r["agent/requests_mean"] >= 1 and r["agent/errors"] == r["agent/timeouts"] == 0 for r in steps)
+    assert all(r["response_length/mean"] > 0 for r in steps)  # the endpoint's sampled tokens are trained on
+    assert len([r for r in rows if "val/tool_arithmetic/acc_mean@1" in r]) == 2
+
+
+def test_extra_segments_train_as_rows_of_their_own_with_their_trajectorys_reward_and_advantage():
+    from postrl.config import build_config
+    from postrl.experience import Batch, Experience, batch_metrics, expand_segments
+    from postrl.rollout.base import Completion
+
+    seg = Completion(0, [7, 8, 9], True, [-0.5, 0.0, -0.5], loss_mask=[1, 0, 1], turn_spans=[(0, 1), (2, 3)], prompt_ids=[1, 2])
+    n = 4
+    batch = Batch(
+        prompt_ids=[[1]] * n, response_ids=[[5], [6], [5, 6], [6]], loss_masks=[[1], [1], [1, 1], [1]], turns=[1] * n,
+        finished=[True] * n, scores=[1.0, 0.0, 1.0, 1.0], rewards=[1.0, 0.0, 1.0, 1.0], verifier_metrics=[{"acc": 1.0}] * n,
+        engine_logprobs=[None] * n, multi_modal=[None] * n, segments=[[seg], None, None, None],
+    )  # fmt: skip
+    full = expand_segments(batch)
+    assert full.size == 5 and full.owners == [None] * 4 + [0]
+    assert (full.prompt_ids[4], full.response_ids[4], full.loss_masks[4], full.turns[4]) == ([1, 2], [7, 8, 9], [1, 0, 1], 2)
+    assert full.rewards[4] == 1.0 and full.engine_logprobs[4] == [-0.5, 0.0, -0.5]
+    exp = Experience(build_config({"model": {"path": "builtin:tiny-qwen2"}, "rollout": {"n_samples_per_prompt": 2}}), None, None, None, [], None)
+    adv = exp.advantages(full)
+    assert adv.shape == (5,) and adv[4] == adv[0] and adv[0] > 0 > adv[1]
+    assert torch_equal(adv[:4], exp.advantages(batch))  # the groups' advantages are those without the segment
+    m = batch_metrics(full, "grpo", 2)
+    assert m["agent/extra_segments"] == 1.0 and m["grpo/rewards/mean"] == 0.75
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return bool(torch.equal(a, b))
+
+
+def test_async_staleness_drops_a_stale_group_with_its_extra_segments():
+    from postrl.async_rollout import split_stale
+    from postrl.experience import Batch
+
+    n = 4  # two groups of 2; rows 4 and 5 are extra segments of rows 1 (stale group 0) and 2 (fresh group 1)
+    batch = Batch(
+        prompt_ids=[[1]] * 6, response_ids=[[i] for i in range(6)], loss_masks=[[1]] * 6, turns=[1] * 6, finished=[True] * 6,
+        scores=[0.0] * 6, rewards=[0.0] * 6, verifier_metrics=[{}] * 6, engine_logprobs=[None] * 6, multi_modal=[None] * 6,
+        versions=[0, 0, 3, 3, 0, 3], owners=[None] * n + [1, 2],
+    )  # fmt: skip
+    kept, dropped = split_stale(batch, step=3, max_staleness=1, group_size=2)
+    assert dropped == 1 and kept.response_ids == [[2], [3], [5]] and kept.owners == [None, None, 0]
