@@ -8,6 +8,12 @@ model's right and wrong samples under both models. Prints the flips (right -> wr
 by the start's sampled accuracy and margin, and how the greedy path moved against the samples.
 
     python benchmarks/greedy_drift.py START_MODEL END_MODEL VAL_PARQUET [--prompts 300] [--temperature 0.6]
+
+Agent trajectories (a tool task): the validation samples a run wrote (logging.samples), two steps compared
+per prompt: right -> wrong flips, and whether the first turn's tool call copies the prompt's entity (its
+argument's text occurs in the prompt) or names another; prints a few lost trajectories.
+
+    python benchmarks/greedy_drift.py --samples RUN_DIR/samples --steps BEST LAST [--show 3]
 """
 
 from __future__ import annotations
@@ -61,15 +67,67 @@ def _path_stats(model, prompt: list[int], completion: list[int]) -> tuple[float,
     return logp, (top2[:, 0] - top2[:, 1]).min().item()
 
 
+def _first_call(row: dict) -> dict | None:
+    """The first tool call of a validation trajectory (samples JSONL), or None when the first turn calls none."""
+    turns = [t for t in row["turns"] if t["role"] == "assistant"]
+    calls = turns[0]["tool_calls"] if turns else []
+    return calls[0] if calls and "name" in calls[0] else None
+
+
+def _copies_entity(row: dict) -> bool | None:
+    """Whether the first tool call's string arguments all occur in the prompt's user text; None without a call."""
+    call = _first_call(row)
+    if call is None:
+        return None
+    values = [str(v) for v in (call.get("arguments") or {}).values()]
+    user = row["prompt"].split("user", 1)[-1]
+    return bool(values) and all(v and v in user for v in values)
+
+
+def trajectory_flips(samples_dir: Path, best: int, last: int, show: int = 3) -> dict:
+    """Per validation prompt, the samples at step `best` against step `last`: flips, and entity copying in the call."""
+    import json
+
+    load = lambda step: [json.loads(x) for x in (samples_dir / f"val_step_{step}.jsonl").read_text().splitlines()]  # noqa: E731
+    a, b = load(best), load(last)
+    assert [r["prompt"] for r in a] == [r["prompt"] for r in b], "the two validations hold different prompts"
+    out = {"n": len(a), "acc": (sum(r["acc"] for r in a) / len(a), sum(r["acc"] for r in b) / len(b))}
+    out["lost"] = [i for i, (x, y) in enumerate(zip(a, b)) if x["acc"] == 1 and y["acc"] != 1]
+    out["gained"] = [i for i, (x, y) in enumerate(zip(a, b)) if x["acc"] != 1 and y["acc"] == 1]
+    for tag, rows in (("best", a), ("last", b)):
+        copied = [_copies_entity(r) for r in rows]
+        out[f"{tag}_called"] = sum(c is not None for c in copied)
+        out[f"{tag}_exact"] = sum(c is True for c in copied)
+        out[f"{tag}_other_entity"] = sum(c is False for c in copied)
+    out["lost_other_entity"] = sum(_copies_entity(b[i]) is False for i in out["lost"])
+    print(f"{out['n']} prompts: step {best} {out['acc'][0]:.1%} -> step {last} {out['acc'][1]:.1%}; "
+          f"lost {len(out['lost'])}, gained {len(out['gained'])}")  # fmt: skip
+    for tag, step in (("best", best), ("last", last)):
+        print(f"  step {step}: first turn calls the tool in {out[tag + '_called']}, with the prompt's entity in "
+              f"{out[tag + '_exact']}, with another in {out[tag + '_other_entity']}")  # fmt: skip
+    print(f"  of the {len(out['lost'])} lost, the call names another entity in {out['lost_other_entity']}")
+    for i in out["lost"][:show]:
+        user = a[i]["prompt"].split("user", 1)[-1].strip()
+        print(f"--- lost: {user!r}\n  step {best}: {a[i]['response']!r}\n  step {last}: {b[i]['response']!r}")
+        print(f"  step {last} turns: {json.dumps(b[i]['turns'], ensure_ascii=False)}")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("start")
-    ap.add_argument("end")
-    ap.add_argument("val")
+    ap.add_argument("start", nargs="?")
+    ap.add_argument("end", nargs="?")
+    ap.add_argument("val", nargs="?")
+    ap.add_argument("--samples", type=Path, help="a run's samples directory: compare two validations' trajectories")
+    ap.add_argument("--steps", type=int, nargs=2, metavar=("BEST", "LAST"))
+    ap.add_argument("--show", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=300)
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--max-tokens", type=int, default=48)
     args = ap.parse_args()
+    if args.samples:
+        trajectory_flips(args.samples, *args.steps, show=args.show)
+        return
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
