@@ -217,7 +217,7 @@ def test_async_keys_are_checked_and_the_decoupled_correction_is_on_by_default_of
     with pytest.raises(Exception, match="partial_rollout.*only happen mid-generation in async mode"):
         build_config({**m, "rollout": {"partial_rollout": True}})
     with pytest.raises(Exception, match="not built for agent trajectories"):
-        build_config({**m, "rollout": {"mode": "async", "partial_rollout": True, "multi_turn": {"enable": True}}})
+        build_config({**m, "rollout": {"mode": "async", "partial_rollout": True, "multi_turn": {"enable": True, "tools": ["builtin:calculator"]}}})
     assert build_config({**m, "rollout": {"mode": "async"}, "cluster": {"devices_per_node": 2}}).world_size == 2  # rank 0's worker feeds both
     one_off = build_config({**m, "rollout": {"mode": "async", "max_staleness": 1}}).algorithm.rollout_correction
     assert (one_off.enable, one_off.level) == (True, "token")
