@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from postrl.agents.env import EnvCalls, load_environment
 from postrl.agents.render import TurnRenderer, truncate_text
+from postrl.agents.session import append_tokens
 from postrl.errors import UserError
 from postrl.rollout.base import Completion, EngineWrapper, SamplingParams, eos_token_ids
 
@@ -62,15 +63,7 @@ class Trajectory:
     done: bool = False
 
     def append(self, ids: list[int], sampled: bool, logprobs: list[float] | None = None) -> None:
-        if sampled:
-            self.spans.append((len(self.ids), len(self.ids) + len(ids)))
-        self.ids += ids
-        self.mask += [int(sampled)] * len(ids)
-        if self.logprobs is not None:
-            if sampled and logprobs is None:
-                self.logprobs = None
-            else:
-                self.logprobs += list(logprobs[: len(ids)]) if sampled else [0.0] * len(ids)
+        append_tokens(self, ids, sampled, logprobs)
 
     def stop(self, finished: bool) -> None:
         self.done, self.finished = True, finished

@@ -26,6 +26,21 @@ from typing import Any
 from postrl.rollout.base import Completion
 
 
+def append_tokens(t: Any, ids: list[int], sampled: bool, logprobs: list[float] | None = None) -> None:
+    """Append `ids` to a token-level trajectory `t` (ids, mask, logprobs, spans: a Segment here, the agent
+    loop's Trajectory): sampled ids get mask 1, a span and their log-probs (the log-probs are dropped for
+    the whole trajectory once a sampled turn comes without them); rendered ids get mask 0."""
+    if sampled:
+        t.spans.append((len(t.ids), len(t.ids) + len(ids)))
+    t.ids += ids
+    t.mask += [int(sampled)] * len(ids)
+    if t.logprobs is not None:
+        if sampled and logprobs is None:
+            t.logprobs = None
+        else:
+            t.logprobs += list(logprobs[: len(ids)]) if sampled else [0.0] * len(ids)
+
+
 @dataclass
 class Segment:
     """One token-level trajectory: a prompt, then sampled (mask 1) and rendered (mask 0) ids."""
@@ -43,15 +58,7 @@ class Segment:
         return self.prompt + self.ids
 
     def append(self, ids: list[int], sampled: bool, logprobs: list[float] | None = None) -> None:
-        if sampled:
-            self.spans.append((len(self.ids), len(self.ids) + len(ids)))
-        self.ids += ids
-        self.mask += [int(sampled)] * len(ids)
-        if self.logprobs is not None:
-            if sampled and logprobs is None:
-                self.logprobs = None
-            else:
-                self.logprobs += list(logprobs[: len(ids)]) if sampled else [0.0] * len(ids)
+        append_tokens(self, ids, sampled, logprobs)
 
     def completion(self, prompt_index: int) -> Completion:
         return Completion(
