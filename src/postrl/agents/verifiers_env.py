@@ -242,7 +242,7 @@ def rollout_input(row: dict) -> dict:
     if own is not None:
         return own
     answer = (row.get("reward_model") or {}).get("ground_truth", "")
-    return {"prompt": row.get("prompt"), "answer": "" if answer is None else str(answer), "info": {}, "task": "default", "example_id": 0}
+    return {"prompt": row.get("prompt"), "answer": "" if answer is None else str(answer), "info": {}, "example_id": 0}
 
 
 class VerifiersAgent:

@@ -125,14 +125,14 @@ def main() -> None:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     spec, args = sys.argv[1], json.loads(sys.argv[2] if len(sys.argv) > 2 else "{}")
-    errors = _ErrorCounter()
-    logging.getLogger("verifiers").addHandler(errors)
     try:
         env = load(spec, args)
     except Exception as exc:  # noqa: BLE001 - said to postrl, which stops with a clear message
         out.write(json.dumps({"op": "fatal", "error": f"{type(exc).__name__}: {exc}"[:2000]}) + "\n")
         out.flush()
         sys.exit(3)
+    errors = _ErrorCounter()  # after the import: verifiers' setup_logging clears its logger's handlers
+    logging.getLogger("verifiers").addHandler(errors)
     ready = {"op": "ready", "env_id": env.env_id or Path(spec).stem, "group_rubric": bool(env.requires_group_rollouts),
              "has_eval": env.eval_dataset is not None or getattr(env, "eval_dataset_source", None) is not None}  # fmt: skip
     out.write(json.dumps(ready) + "\n")
