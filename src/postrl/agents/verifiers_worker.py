@@ -56,7 +56,7 @@ def load(spec: str, args: dict):
             raise FileNotFoundError(f"{path} does not exist")
         sys.path.insert(0, str(path.parent))
         spec = path.stem
-    module = importlib.import_module(spec.replace("-", "_"))  # import errors say what is missing
+    module = importlib.import_module(spec.replace("-", "_").split("/")[-1])  # as vf.load_environment: owner/my-env -> my_env
     if not hasattr(module, "load_environment"):
         raise AttributeError(f"the module '{spec}' ({getattr(module, '__file__', '?')}) has no load_environment function")
     env = module.load_environment(**args)
