@@ -81,7 +81,7 @@ def test_an_interpreter_without_verifiers_is_named_with_the_fix(tmp_path):
     import importlib.util
     import sys
 
-    from postrl.agents.verifiers_env import interpreter_problems
+    from postrl.agents.verifiers_python import interpreter_problems
 
     (missing,) = interpreter_problems(str(tmp_path / "nope/bin/python"))
     assert "does not exist" in missing and "postrl[verifiers]" in missing

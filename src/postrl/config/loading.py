@@ -260,7 +260,7 @@ def verifiers_problems(cfg: Config) -> list[str]:
     """rollout.environment: an interpreter that imports verifiers 0.1.x (the environment itself loads at start)."""
     if not cfg.rollout.environment:
         return []
-    from postrl.agents.verifiers_env import interpreter_problems
+    from postrl.agents.verifiers_python import interpreter_problems
 
     return interpreter_problems(cfg.rollout.environment_python)
 
