@@ -54,7 +54,7 @@ def test_the_verifiers_calculator_trains_two_steps_and_logs_its_rubric_reward(tm
         assert (r["rubric/scored"], r["rubric/failed"], r["rubric/function_errors"], r["agent/errors"]) == (4, 0, 0, 0)
         assert 0.0 <= r["reward/rubric"] <= 1.0 and "rubric/correct_answer" in r and "rubric/num_turns" in r
         assert r["rubric/correct_answer"] == r["reward/rubric"]  # the rubric's one weighted function
-        assert r["rubric/num_turns"] >= 1 and r["agent/requests_mean"] == r["rubric/num_turns"]
+        assert 1 <= r["agent/requests_mean"] <= r["rubric/num_turns"]  # a turn past the token budget asks no engine
         assert r["response_length/mean"] > 0  # the endpoint's sampled tokens are trained on
     assert len([r for r in rows if "val/calculator_env/score_mean" in r]) == 2  # eval_dataset validates
 
@@ -113,7 +113,7 @@ def test_the_rubric_scores_what_the_environments_tool_loop_did_through_the_endpo
     from tests.test_agents import _call, _ids
 
     script = [_call("347 * 28 + 1205", ""), "\\boxed{10921}<|im_end|>"]
-    gw = _engine(tokenizer, script, EXAMPLE / "calculator_env.py")
+    gw = _engine(tokenizer, script, EXAMPLE / "calculator_env.py", agent_batch_wait_ms=10_000)  # one engine call per turn
     rows = [{"prompt": QUESTION, "reward_model": {"ground_truth": truth}} for truth in ("10921", "10922")]  # rows of a file
     try:
         out = gw.generate([[1, 2, 3]] * 2, SamplingParams(max_tokens=200, n=2, seed=0), rows=rows)
@@ -168,7 +168,7 @@ def test_a_failing_environment_is_contained_and_counted_and_a_broken_one_stops_w
 
     env = tmp_path / "flaky_env.py"
     env.write_text(FLAKY)
-    gw = _engine(tokenizer, ["\\boxed{1}<|im_end|>"] * 2, env)
+    gw = _engine(tokenizer, ["\\boxed{1}<|im_end|>"] * 4, env)  # whichever way the requests are batched
     rows = [{"prompt": QUESTION, "extra_info": {"verifiers": {"prompt": QUESTION, "answer": "1", "info": {"mode": mode}, "example_id": i}}}
             for i, mode in enumerate(("ok", "raise", "rubric"))]  # fmt: skip
     try:

@@ -44,6 +44,8 @@ if TYPE_CHECKING:
     from postrl.config import RolloutConfig
 
 WORKER = Path(__file__).with_name("verifiers_worker.py")
+
+
 class Worker:
     """The environment's process (verifiers_worker.py): requests by id over its stdin, replies read by a thread."""
 
@@ -63,8 +65,11 @@ class Worker:
         reader.start()
         reader.join(start_timeout_s)
         if first.get("op") != "ready":
+            late = self.proc.poll() is None
             self.proc.kill()
-            why = first.get("error") or f"it exited with code {self.proc.wait()} before it was ready (its stderr is above)"
+            code = self.proc.wait()
+            why = first.get("error") or (f"it was not ready within {start_timeout_s:.0f} s" if late else f"its process exited (code {code})")
+            why += " (its own output: stderr, i.e. the console or logging.dir's postrl.log)" if not first.get("error") else ""
             raise UserError(
                 f"rollout.environment 'verifiers:{spec}' did not load: {why}. postrl imports '{spec}' (an installed "
                 "module or package, or a .py file) in rollout.environment_python and calls its load_environment("
@@ -75,7 +80,7 @@ class Worker:
             self.close()
             raise UserError(
                 f"rollout.environment 'verifiers:{spec}': its rubric has group-level reward functions, which score a "
-                "group of rollouts together; postrl runs and scores each rollout alone (its group advantage is its own). "
+                "group of rollouts together; postrl runs and scores each rollout on its own. "
                 "Fix: use per-rollout reward functions in the rubric."
             )
         self.env_id = first["env_id"]
@@ -221,7 +226,8 @@ class VerifiersAgent:
         self.worker = shared_worker(self.settings)  # a bad environment stops the run here, before any rollout
         self._restart_lock = threading.Lock()
         self._lock = threading.Lock()
-        self.restarts = self._function_errors = 0  # in the run so far (the worker reports its running total)
+        self.restarts = self._function_errors = 0  # in the run so far
+        self._reported: dict[int, int] = {}  # worker pid -> the rubric errors it reported (a running total)
         self._reset()
 
     def _reset(self) -> None:
@@ -244,8 +250,8 @@ class VerifiersAgent:
         """One sample: the environment's rollout against this sample's session; the rubric's reward."""
         msg = {"op": "rollout", "url": str(client.base_url), "key": client.api_key, "model": client.model,
                "input": rollout_input(row), "timeout": self.timeout_s}  # fmt: skip
-        worker = self._live_worker()
         try:
+            worker = self._live_worker()
             reply = await asyncio.wrap_future(worker.request(msg))
         except asyncio.CancelledError:
             raise
@@ -261,7 +267,9 @@ class VerifiersAgent:
             for name, value in reply["metrics"].items():
                 self._sums[f"rubric/{name}"] = self._sums.get(f"rubric/{name}", 0.0) + value
             self._rollout_errors += reply.get("error") is not None
-            self._function_errors = max(self._function_errors, reply.get("rubric_errors", 0))
+            pid, total = worker.proc.pid, reply.get("rubric_errors", 0)
+            self._function_errors += max(total - self._reported.get(pid, 0), 0)
+            self._reported[pid] = max(total, self._reported.get(pid, 0))
         if reply.get("error") is not None and self.log is not None and self._rollout_errors <= 3:
             self.log(f"[yellow]verifiers recorded an error in a rollout (the rubric scored it): {reply['error'][:300]}[/yellow]")
         return reply["reward"]
