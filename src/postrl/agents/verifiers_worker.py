@@ -8,7 +8,7 @@ torch, so it runs in a venv of its own (docs/agents.md: verifiers 0.1.x pins pac
 cannot share). postrl talks to it through JSON lines on its stdin and stdout (the environment's own prints go
 to stderr):
 
-    <- {"op": "ready", "env_id": ..., "group_rubric": bool, "has_eval": bool}  (or {"op": "fatal", "error": ...})
+    <- {"op": "ready", "env_id": ..., "group_rubric": bool}  (or {"op": "fatal", "error": ...})
     -> {"id": 1, "op": "dataset", "split": "train" | "eval"}
     <- {"id": 1, "rows": [{"prompt", "answer", "info", "task", "example_id"}, ...]}
     -> {"id": 2, "op": "rollout", "url": <session base URL>, "key": <session key>, "model": ..., "input": {...}}
@@ -133,8 +133,7 @@ def main() -> None:
         sys.exit(3)
     errors = _ErrorCounter()  # after the import: verifiers' setup_logging clears its logger's handlers
     logging.getLogger("verifiers").addHandler(errors)
-    ready = {"op": "ready", "env_id": env.env_id or Path(spec).stem, "group_rubric": bool(env.requires_group_rollouts),
-             "has_eval": env.eval_dataset is not None or getattr(env, "eval_dataset_source", None) is not None}  # fmt: skip
+    ready = {"op": "ready", "env_id": env.env_id or Path(spec).stem, "group_rubric": bool(env.requires_group_rollouts)}
     out.write(json.dumps(ready) + "\n")
     out.flush()
     asyncio.run(serve(env, out, errors))
