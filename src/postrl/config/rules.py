@@ -33,6 +33,8 @@ def derive(cfg: Any) -> Any:
         cfg.checkpoint.save_freq, cfg.checkpoint.save_final = 0, False
     if cfg.checkpoint.dir is None:
         cfg.checkpoint.dir = str(Path(cfg.logging.dir) / "checkpoints")
+    if cfg.rollout.environment:
+        derive_environment(cfg)
     if cfg.eval.files is None:
         cfg.eval.files = list(cfg.data.val_files)
     if cfg.eval.max_tokens is None:
@@ -89,6 +91,24 @@ def derive(cfg: Any) -> Any:
     if problems:
         raise ValueError("\n".join(problems))
     return cfg
+
+
+def derive_environment(cfg: Any) -> None:
+    """rollout.environment (a verifiers environment): its dataset and eval_dataset are the data unless data.train_files
+    / val_files name files; its rubric is the reward, so reward.verifiers left at their default only log (weight 0)
+    and DAPO's filter reads the score."""
+    r = cfg.rollout
+    cfg.data._environment = {"spec": r.environment.removeprefix("verifiers:").strip(), "args": dict(r.environment_args),
+                             "python": r.environment_python}  # fmt: skip
+    if "train_files" not in cfg.data.model_fields_set:
+        cfg.data.train_files = ["verifiers:train"]
+    if "val_files" not in cfg.data.model_fields_set:
+        cfg.data.val_files = ["verifiers:eval"]
+    if "reward" not in cfg.model_fields_set or "verifiers" not in cfg.reward.model_fields_set:
+        for v in cfg.reward.verifiers:
+            v.weight = 0.0
+    if "metric" not in cfg.algorithm.filter_groups.model_fields_set:
+        cfg.algorithm.filter_groups.metric = "score"
 
 
 def derive_algorithm(a: Any) -> None:

@@ -14,7 +14,7 @@ import difflib
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from postrl.config.knobs import BuiltinTaskConfig, ShapesTaskConfig, ToolArithmeticConfig
 from postrl.config.rules import derive
@@ -120,6 +120,8 @@ class DataConfig(Section):
     shuffle: bool = Field(True, description="Shuffle the training prompts every epoch.")
     seed: int = Field(0, description="Seed of the shuffle.")
     builtin: BuiltinTaskConfig = Field(default_factory=BuiltinTaskConfig, description="Built-in task knobs.")
+    # rollout.environment's settings (rules.derive), for the data files 'verifiers:train' / 'verifiers:eval'
+    _environment: dict | None = PrivateAttr(None)
 
     @field_validator("train_files", "val_files", mode="before")
     @classmethod
@@ -269,6 +271,19 @@ class RolloutConfig(Section):
         "sync or async, called once per sample with an openai client pointed at postrl's OpenAI-compatible endpoint and "
         "the dataset row; returns a reward (added to the verifiers' score) or None (docs/agents.md).",
     )
+    environment: str | None = Field(
+        None, description="A verifiers environment as the rollout: 'verifiers:<module or installed package>' (a Hub "
+        "environment) or 'verifiers:path/to/env.py', whose load_environment(**rollout.environment_args) gives the "
+        "dataset, the multi-turn logic and the rubric; it runs in its own process against postrl's endpoint and its "
+        "rubric's score is the reward (docs/agents.md). The rollout.agent_* settings apply.",
+    )
+    environment_args: dict[str, Any] = Field(
+        default_factory=dict, description="rollout.environment: keyword arguments of its load_environment."
+    )
+    environment_python: str | None = Field(
+        None, description="rollout.environment: the interpreter it runs in (e.g. a venv's bin/python with verifiers "
+        "0.1.x); default: this one, when it imports verifiers.",
+    )
     agent_concurrency: int = Field(64, ge=1, description="rollout.agent: programs running at once.")
     agent_timeout_s: float = Field(300.0, gt=0, description="rollout.agent: time limit per sample; a program past it scores 0.")
     agent_batch_wait_ms: float = Field(
@@ -311,7 +326,7 @@ class RolloutConfig(Section):
     def takes_rows(self) -> bool:
         """The engine is an agent wrapper (postrl's agent loop, or the endpoint that runs rollout.agent) whose
         generate also takes the prompts' dataset rows."""
-        return self.multi_turn.enable or bool(self.agent)
+        return self.multi_turn.enable or bool(self.agent) or bool(self.environment)
 
     @model_validator(mode="after")
     def _async_keys(self) -> "RolloutConfig":
@@ -352,6 +367,20 @@ class RolloutConfig(Section):
                 "rollout.agent and rollout.multi_turn.enable both say how to roll out: the user's program through the "
                 "endpoint, or postrl's own agent loop. Fix: keep one (the program calls its own tools)."
             )
+        if self.environment is not None:
+            name = self.environment.removeprefix("verifiers:").strip()
+            if not self.environment.startswith("verifiers:") or not name:
+                raise ValueError(
+                    f"rollout.environment '{self.environment}' is not of the form 'verifiers:<module or package>' (or "
+                    "'verifiers:path/to/env.py'): postrl runs verifiers environments. Fix: write e.g. "
+                    "'verifiers:wordle' (an installed Hub environment) or 'verifiers:my_env.py'."
+                )
+            if self.agent or self.multi_turn.enable:
+                other, loop = ("rollout.agent", "your program") if self.agent else ("rollout.multi_turn.enable", "postrl's agent loop")
+                raise ValueError(
+                    f"rollout.environment and {other} both say how to roll out: the verifiers environment's own loop, or "
+                    f"{loop}. Fix: keep one (the environment runs its own tools)."
+                )
         if self.partial_rollout and self.multi_turn.enable:
             raise ValueError(
                 "rollout.partial_rollout is not built for agent trajectories (rollout.multi_turn): their turns would "

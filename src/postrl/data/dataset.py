@@ -36,9 +36,15 @@ def multi_modal_of(examples: list[PromptExample]) -> list[dict | None] | None:
 
 
 def read_rows(
-    path: str, builtin_knobs: dict | None = None, shapes_knobs: dict | None = None, tool_knobs: dict | None = None
+    path: str, builtin_knobs: dict | None = None, shapes_knobs: dict | None = None, tool_knobs: dict | None = None,
+    environment: dict | None = None,
 ) -> list[dict]:
-    """All rows of one data file (parquet, jsonl, json list) or built-in split."""
+    """All rows of one data file (parquet, jsonl, json list) or built-in split, or 'verifiers:train' / 'verifiers:eval':
+    the dataset / eval_dataset of rollout.environment (`environment`: its settings, DataConfig._environment)."""
+    if path.startswith("verifiers:"):
+        from postrl.agents.verifiers_env import dataset_rows
+
+        return dataset_rows(path, environment)
     if path.startswith("builtin:"):
         from postrl.builtin.tasks import task_file
 
@@ -105,7 +111,7 @@ def load_prompts(
     empty_truths: list[str] = []
     knobs = data_cfg.builtin.model_dump()
     for f in files:
-        rows = read_rows(f, knobs, data_cfg.shapes.model_dump(), data_cfg.tool_arithmetic.model_dump())
+        rows = read_rows(f, knobs, data_cfg.shapes.model_dump(), data_cfg.tool_arithmetic.model_dump(), getattr(data_cfg, "_environment", None))
         name = _dataset_name(f)
         for i, row in enumerate(rows):
             if max_rows is not None and i >= max_rows:
@@ -156,7 +162,7 @@ def load_prompts(
 
 def file_dir(path: str) -> Path | None:
     """Relative image paths in a data file are taken from the file's directory (when not found from the cwd)."""
-    return None if path.startswith("builtin:") else Path(path).expanduser().resolve().parent
+    return None if path.startswith(("builtin:", "verifiers:")) else Path(path).expanduser().resolve().parent
 
 
 def _dataset_name(path: str) -> str:

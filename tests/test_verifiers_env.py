@@ -1,0 +1,200 @@
+"""`verifiers` environments as the rollout (agents/verifiers_env.py + verifiers_worker.py).
+
+The environment runs in its own process with an interpreter that has verifiers 0.1.x: `make setup` builds the
+side venv `.venv-verifiers` at the repository root (POSTRL_VERIFIERS_PYTHON overrides the path); without it the
+tests that need it skip, and say why.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.test_agents import tokenizer  # noqa: F401 - the module's fixture (the tiny tools model's tokenizer)
+
+ROOT = Path(__file__).resolve().parents[1]
+VF_PYTHON = os.environ.get("POSTRL_VERIFIERS_PYTHON") or str(ROOT / ".venv-verifiers" / "bin" / "python")
+needs_vf = pytest.mark.skipif(
+    not Path(VF_PYTHON).exists(),
+    reason=f"no verifiers side venv at {VF_PYTHON} (make setup builds it; or set POSTRL_VERIFIERS_PYTHON)",
+)
+EXAMPLE = ROOT / "examples/verifiers_calculator"
+
+
+def _example_cfg(tmp_path, *extra: str):
+    """examples/verifiers_calculator/ with tiny_tool_dapo's settings, shortened: the random tiny tools model, HF
+    rollout, 2 steps of 2 prompts x 2 samples, validation before and after on 4 prompts."""
+    from postrl.config import load_config
+
+    return load_config(EXAMPLE / "tiny_tool_dapo_verifiers.yaml", [
+        "model.path=builtin:tiny-qwen2-tools", "rollout.engine=hf", "rollout.n_samples_per_prompt=2", "rollout.max_tokens=16",
+        f"rollout.environment=verifiers:{EXAMPLE}/calculator_env.py", f"rollout.environment_python={VF_PYTHON}",
+        "rollout.environment_args.train_size=64", "rollout.environment_args.eval_size=8", "rollout.agent_concurrency=8",
+        "algorithm.filter_groups.enable=false", "algorithm.overlong_buffer.len=4", "train.global_batch_size=2", "train.gen_batch_size=2",
+        "train.micro_batch_size=4", "train.total_steps=2", "train.warmup_steps=0", "eval.freq=0", "eval.max_prompts=4", "eval.max_tokens=16",
+        f"logging.dir={tmp_path}", "logging.progress=false", "checkpoint.keep_best=null", "checkpoint.save_final=false", *extra,
+    ])  # fmt: skip
+
+
+@needs_vf
+def test_the_verifiers_calculator_trains_two_steps_and_logs_its_rubric_reward(tmp_path):
+    from postrl.metrics import read_jsonl
+    from postrl.trainer import Trainer
+
+    cfg = _example_cfg(tmp_path)
+    assert cfg.data.train_files == ["verifiers:train"] and cfg.data.val_files == ["verifiers:eval"]
+    assert [v.weight for v in cfg.reward.verifiers] == [0.0] and cfg.algorithm.filter_groups.metric == "score"
+    Trainer(cfg).fit()
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    steps = [r for r in rows if "reward/rubric" in r]
+    assert len(steps) == 2
+    for r in steps:  # 2 prompts x 2 samples per step, each scored by the rubric (ToolEnv adds its monitors)
+        assert (r["rubric/scored"], r["rubric/failed"], r["rubric/function_errors"], r["agent/errors"]) == (4, 0, 0, 0)
+        assert 0.0 <= r["reward/rubric"] <= 1.0 and "rubric/correct_answer" in r and "rubric/num_turns" in r
+        assert r["rubric/correct_answer"] == r["reward/rubric"]  # the rubric's one weighted function
+        assert 1 <= r["agent/requests_mean"] <= r["rubric/num_turns"]  # a turn past the token budget asks no engine
+        assert r["response_length/mean"] > 0  # the endpoint's sampled tokens are trained on
+    assert len([r for r in rows if "val/calculator_env/score_mean" in r]) == 2  # eval_dataset validates
+
+
+def test_config_errors_are_one_paragraph_each(tmp_path):
+    from postrl.config import RolloutConfig, load_config
+    from postrl.errors import UserError
+
+    base = ["model.path=builtin:tiny-qwen2-tools", f"logging.dir={tmp_path}"]
+    for extra, words in (
+        (["rollout.environment=wordle"], "not of the form 'verifiers:"),
+        (["rollout.environment=verifiers:wordle", "rollout.agent=x.py:run"], "rollout.environment and rollout.agent"),
+        (["rollout.environment=verifiers:wordle", "rollout.multi_turn.enable=true", "rollout.multi_turn.tools=[builtin:calculator]"],
+         "rollout.environment and rollout.multi_turn.enable"),
+    ):  # fmt: skip
+        with pytest.raises(UserError) as err:
+            load_config(EXAMPLE / "tiny_tool_dapo_verifiers.yaml", base + extra)
+        assert words in str(err.value) and "Fix:" in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="not of the form 'verifiers:"):
+        RolloutConfig(environment="verifiers: ")
+
+
+def test_an_interpreter_without_verifiers_is_named_with_the_fix(tmp_path):
+    import importlib.util
+    import sys
+
+    from postrl.agents.verifiers_python import interpreter_problems
+
+    (missing,) = interpreter_problems(str(tmp_path / "nope/bin/python"))
+    assert "does not exist" in missing and "postrl[verifiers]" in missing
+    if importlib.util.find_spec("verifiers") is None:  # postrl's own venv: verifiers lives in the side venv
+        (without,) = interpreter_problems(sys.executable)
+        assert "cannot import verifiers" in without and "rollout.environment_python" in without
+    if Path(VF_PYTHON).exists():
+        assert interpreter_problems(VF_PYTHON) == []
+
+
+QUESTION = [{"role": "user", "content": "What is 347 * 28 + 1205?"}]
+
+
+def _engine(tokenizer, turns, environment, **cfg):
+    from postrl.agents.verifiers_env import make_verifiers_engine
+    from postrl.config import RolloutConfig
+    from tests.test_agents import ScriptEngine
+
+    rollout = RolloutConfig(environment=f"verifiers:{environment}", environment_python=VF_PYTHON, agent_timeout_s=60, **cfg)
+    return make_verifiers_engine(ScriptEngine(tokenizer, turns), tokenizer, rollout)
+
+
+@needs_vf
+def test_the_rubric_scores_what_the_environments_tool_loop_did_through_the_endpoint(tokenizer):
+    """The calculator ToolEnv, a scripted policy (a calculator call, then the boxed result): the environment runs
+    the tool and sends its result back, the rubric pays the right number; the endpoint records one segment of
+    model tokens (mask 1) around the tool's (mask 0)."""
+    from postrl.rollout.base import SamplingParams
+    from tests.test_agents import _call, _ids
+
+    script = [_call("347 * 28 + 1205", ""), "\\boxed{10921}<|im_end|>"]
+    gw = _engine(tokenizer, script, EXAMPLE / "calculator_env.py", agent_batch_wait_ms=10_000)  # one engine call per turn
+    rows = [{"prompt": QUESTION, "reward_model": {"ground_truth": truth}} for truth in ("10921", "10922")]  # rows of a file
+    try:
+        out = gw.generate([[1, 2, 3]] * 2, SamplingParams(max_tokens=200, n=2, seed=0), rows=rows)
+        m = gw.pop_metrics()
+    finally:
+        gw.close()
+    assert [c.env_reward for c in out] == [1.0, 1.0, 0.0, 0.0]  # the rubric's reward: right, right, wrong truth x2
+    model_ids = _ids(tokenizer, script[0]) + _ids(tokenizer, script[1])
+    for c in out:
+        assert c.segments is None and len(c.turn_spans) == 2 and c.tool_calls == 1 and c.finished
+        assert sum(c.loss_mask) == len(model_ids) and [t for t, k in zip(c.token_ids, c.loss_mask) if k] == model_ids
+        assert "10921" in tokenizer.decode([t for t, k in zip(c.token_ids, c.loss_mask) if not k])  # the tool's answer
+    assert (m["reward/rubric"], m["rubric/correct_answer"], m["rubric/scored"]) == (0.5, 0.5, 4)
+    assert (m["rubric/num_turns"], m["rubric/calculator_calls"], m["rubric/failed"], m["agent/errors"]) == (2.0, 1.0, 0, 0)
+    assert m["agent/segments_mean"] == 1.0 and m["agent/requests_mean"] == 2.0
+
+
+FLAKY = """
+import verifiers as vf
+from datasets import Dataset
+
+
+def rubric(completion, answer, info):
+    if info.get("mode") == "rubric":
+        raise ValueError("the rubric is broken")
+    return 1.0
+
+
+class Env(vf.SingleTurnEnv):
+    async def setup_state(self, state):
+        if state["info"].get("mode") == "raise":
+            raise KeyError("the environment is broken")
+
+
+def load_environment(load="ok"):
+    if load == "fail":
+        raise RuntimeError("cannot load me")
+    return Env(dataset=Dataset.from_list([{"question": "q", "answer": "1"}]), rubric=vf.Rubric(funcs=[rubric]))
+"""
+
+
+@needs_vf
+def test_a_failing_environment_is_contained_and_counted_and_a_broken_one_stops_with_exit_2(tmp_path, tokenizer):
+    """A rollout that raises in the environment, a rubric function that raises, the environment's process killed:
+    each sample scores 0 and is counted, the run goes on (the process restarts). An environment whose
+    load_environment raises stops the run before any rollout (a UserError: one paragraph, exit 2)."""
+    import subprocess
+    import sys
+
+    from postrl.errors import UserError
+    from postrl.rollout.base import SamplingParams
+
+    env = tmp_path / "flaky_env.py"
+    env.write_text(FLAKY)
+    gw = _engine(tokenizer, ["\\boxed{1}<|im_end|>"] * 4, env)  # whichever way the requests are batched
+    rows = [{"prompt": QUESTION, "extra_info": {"verifiers": {"prompt": QUESTION, "answer": "1", "info": {"mode": mode}, "example_id": i}}}
+            for i, mode in enumerate(("ok", "raise", "rubric"))]  # fmt: skip
+    try:
+        out = gw.generate([[1, 2, 3]] * 3, SamplingParams(max_tokens=50, n=1, seed=0), rows=rows)
+        m = gw.pop_metrics()
+        assert [c.env_reward for c in out] == [1.0, 0.0, 0.0]
+        assert (m["agent/errors"], m["rubric/failed"], m["rubric/scored"], m["rubric/function_errors"]) == (1, 1, 2, 1)
+        assert m["reward/rubric"] == 0.5 and sum(out[1].loss_mask) == 0  # the failed sample trains nothing
+        gw.agent.worker.proc.kill()  # the environment's process dies: the next samples start a new one
+        gw.agent.worker.proc.wait()
+        out = gw.generate([[1, 2, 3]], SamplingParams(max_tokens=50, n=1, seed=0), rows=rows[:1])
+        m = gw.pop_metrics()
+        assert [c.env_reward for c in out] == [1.0] and (m["rubric/worker_restarts"], m["rubric/scored"]) == (1, 1)
+    finally:
+        gw.close()
+
+    from postrl.agents.verifiers_env import VerifiersAgent
+    from postrl.config import RolloutConfig
+
+    with pytest.raises(UserError) as err:
+        VerifiersAgent(RolloutConfig(environment=f"verifiers:{env}", environment_args={"load": "fail"}, environment_python=VF_PYTHON))
+    assert "did not load: RuntimeError: cannot load me" in str(err.value) and "Fix:" in str(err.value)
+    cli = subprocess.run(  # an interpreter without verifiers, through the CLI: one paragraph, exit 2, no traceback
+        [sys.executable, "-m", "postrl.cli", "check-config", str(EXAMPLE / "tiny_tool_dapo_verifiers.yaml"), "model.path=builtin:tiny-qwen2-tools",
+         f"rollout.environment_python={tmp_path}/no/python"],
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, timeout=300,
+    )  # fmt: skip
+    said = " ".join((cli.stdout + cli.stderr).split())  # the console wraps lines
+    assert cli.returncode == 2 and "1 problem(s)" in said and "rollout.environment_python" in said and "Traceback" not in said
