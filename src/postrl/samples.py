@@ -112,7 +112,7 @@ class SampleWriter:
             turns = split_turns(self.tokenizer, c.token_ids, c.loss_mask)
             rows.append({
                 "step": step, "version": step, "set": name,
-                "prompt": self.tokenizer.decode(e.prompt_ids, skip_special_tokens=True),
+                "prompt": self.tokenizer.decode(c.prompt_ids or e.prompt_ids, skip_special_tokens=True),  # rollout.agent: what the endpoint rendered
                 "turns": turns, "response": _policy_text(turns), "ground_truth": e.ground_truth,
                 "reward": s, "score": s, "acc": a, "finished": c.finished, "tool_calls": c.tool_calls,
             })  # fmt: skip
