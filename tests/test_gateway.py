@@ -89,6 +89,46 @@ def test_concurrent_programs_are_sampled_in_one_engine_call_per_turn(tokenizer):
         assert [c.env_reward for c in out] == [0.0 if agent is chat_agent else 0.5] * 6
 
 
+def test_programs_running_at_once_never_share_an_http_connection_pool(tokenizer):
+    """The stall: programs that shared one httpx pool across threads could lose a request to the pool closing
+    a connection it had just handed out (encode/httpcore#1110): a running program has a client of its own,
+    and a finished program's client (with its kept-alive connection) serves the next program."""
+    import asyncio
+    import threading
+
+    seen: list[int] = []
+    barrier = threading.Barrier(6, timeout=20)
+
+    def agent(client, row):
+        seen.append(id(client._client))
+        barrier.wait()  # all six are running at once
+        client.chat.completions.create(model=client.model, messages=row["prompt"])
+        return None
+
+    abarrier: list = []
+
+    async def async_agent(client, row):
+        seen.append(id(client._client))
+        abarrier.append(None)
+        while len(abarrier) < 6:
+            await asyncio.sleep(0.005)
+        await client.chat.completions.create(model=client.model, messages=row["prompt"])
+        return None
+
+    for program in (agent, async_agent):
+        seen.clear()
+        gw, _ = _gateway(tokenizer, ["\\boxed{1}<|im_end|>"] * 2, program)
+        try:
+            for _ in range(2):
+                abarrier.clear()
+                gw.generate([_prompt(tokenizer)] * 3, SamplingParams(max_tokens=20, n=2, seed=0), rows=[{"prompt": QUESTION}] * 3)
+                assert gw.pop_metrics()["agent/errors"] == 0
+        finally:
+            gw.close()
+        assert len(set(seen[:6])) == 6  # six programs at once, six pools
+        assert set(seen[6:]) == set(seen[:6])  # the next rollout's programs reuse them
+
+
 def test_an_edited_history_opens_a_second_segment_with_its_own_mask_and_the_shared_reward(tokenizer):
     def summarising_agent(client, row):
         messages = list(row["prompt"])

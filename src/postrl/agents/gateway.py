@@ -27,6 +27,7 @@ counted (`agent/errors`, `agent/timeouts`, `agent/bad_requests`), never fatal.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import inspect
 import queue
@@ -109,8 +110,8 @@ class AgentGateway(EngineWrapper):
         self._loop: asyncio.AbstractEventLoop | None = None  # async programs run here
         self._stuck: list[threading.Thread] = []
         self._call_s = 0.0  # the engine calls' seconds, a running mean
-        self._http: Any = None  # httpx clients the programs' openai clients share (sync, async)
-        self._ahttp: Any = None
+        self._free: dict[bool, list] = {False: [], True: []}  # idle httpx clients (sync, async): one per program running
+        self._ssl: Any = None
         self.reset_stats()
 
     # ------------------------------------------------------------------ the engine protocol
@@ -119,11 +120,18 @@ class AgentGateway(EngineWrapper):
             self._server.close()
             self._server = None
         if self._loop is not None:
+            clients, self._free[True] = self._free[True], []
+
+            async def close_async() -> None:
+                for c in clients:
+                    await c.aclose()
+
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(close_async(), self._loop).result(timeout=5)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._loop = None
-        if self._http is not None:
-            self._http.close()
-            self._http = None
+        while self._free[False]:
+            self._free[False].pop().close()
         self.engine.close()
 
     # ------------------------------------------------------------------ the endpoint's hub
@@ -240,20 +248,20 @@ class AgentGateway(EngineWrapper):
         return cap if starting else min(pending[-1].arrived + wait_s, cap)
 
     def _launch(self, s: Session) -> Any:
-        """Start one program: a thread (sync) or a task on the agents' loop (async); returns its handle. The
-        programs share one HTTP connection pool (an openai client per sample, one httpx client under them)."""
-        import httpx
+        """Start one program: a thread (sync) or a task on the agents' loop (async); returns its handle. Each
+        running program has an httpx client of its own (one kept-alive connection), taken from a free list
+        and put back when the program ends: never shared by programs running at once, because httpcore's
+        pool can close a connection it has just handed to another thread's request (encode/httpcore#1110,
+        keep-alive expiry or surplus idle connections), which hung that request until agent_timeout_s."""
         import openai
 
         url, timeout = self._server.url(s.key), self.cfg.agent_timeout_s
         row, events, agent = s.row, self._events, self.agent
-        limits = httpx.Limits(max_connections=2 * self.cfg.agent_concurrency, max_keepalive_connections=self.cfg.agent_concurrency)
         if self.is_async:
 
             async def run_async() -> None:
-                if self._ahttp is None:
-                    self._ahttp = httpx.AsyncClient(limits=limits, timeout=timeout)
-                client = openai.AsyncOpenAI(base_url=url, api_key=s.key, max_retries=0, timeout=timeout, http_client=self._ahttp)
+                http = self._http_client(True)
+                client = openai.AsyncOpenAI(base_url=url, api_key=s.key, max_retries=0, timeout=timeout, http_client=http)
                 client.model = self.model_name
                 try:
                     events.put(("done", s, "ok", await agent(client, row)))
@@ -261,22 +269,38 @@ class AgentGateway(EngineWrapper):
                     raise
                 except BaseException as exc:  # noqa: BLE001 - whatever the user's program raised
                     events.put(("done", s, "error", exc))
+                self._free[True].append(http)  # not on cancellation: its connection may be mid-request
 
             return asyncio.run_coroutine_threadsafe(run_async(), self._loop)
-        if self._http is None:
-            self._http = httpx.Client(limits=limits, timeout=timeout)
-        client = openai.OpenAI(base_url=url, api_key=s.key, max_retries=0, timeout=timeout, http_client=self._http)
-        client.model = self.model_name
 
         def run_sync() -> None:
+            http = self._http_client(False)
+            client = openai.OpenAI(base_url=url, api_key=s.key, max_retries=0, timeout=timeout, http_client=http)
+            client.model = self.model_name
             try:
                 events.put(("done", s, "ok", agent(client, row)))
             except BaseException as exc:  # noqa: BLE001 - whatever the user's program raised
                 events.put(("done", s, "error", exc))
+            self._free[False].append(http)  # the program returned: its requests are over
 
         t = threading.Thread(target=run_sync, name=f"postrl-agent-{s.key[:8]}", daemon=True)
         t.start()
         return t
+
+    def _http_client(self, is_async: bool) -> Any:
+        """A free httpx client, or a new one (one SSL context for all: making one per client costs ~40 ms)."""
+        import ssl
+
+        import httpx
+
+        try:
+            return self._free[is_async].pop()  # list.pop is atomic: the free list needs no lock
+        except IndexError:
+            pass
+        if self._ssl is None:
+            self._ssl = ssl.create_default_context()
+        kind = httpx.AsyncClient if is_async else httpx.Client
+        return kind(timeout=self.cfg.agent_timeout_s, verify=self._ssl, limits=httpx.Limits(max_connections=4, max_keepalive_connections=1))
 
     def _finish(self, s: Session, outcome: str, value: Any) -> None:
         s.closed = True
