@@ -7,6 +7,7 @@ endpoint's logic is under test, not a model); the programs are plain `openai` cl
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -15,7 +16,7 @@ from postrl.agents.loop import AgentLoop
 from postrl.agents.session import Session
 from postrl.agents.tools import call_tool, load_tools
 from postrl.config import MultiTurnConfig, RolloutConfig
-from postrl.rollout.base import SamplingParams
+from postrl.rollout.base import Completion, EngineCapabilities, SamplingParams
 from tests.test_agents import TOOLS, ScriptEngine, _call, _ids, _prompt, tokenizer  # noqa: F401 - the module's fixture
 
 QUESTION = [{"role": "user", "content": "What is 347 * 28 + 1205?"}]
@@ -127,6 +128,51 @@ def test_programs_running_at_once_never_share_an_http_connection_pool(tokenizer)
             gw.close()
         assert len(set(seen[:6])) == 6  # six programs at once, six pools
         assert set(seen[6:]) == set(seen[:6])  # the next rollout's programs reuse them
+
+
+class StepEngine(ScriptEngine):
+    """A continuous-batching ScriptEngine (as vLLM's `generate_continuing`): every request runs one step of ~1 ms
+    and answers its trajectory's next scripted turn (the turn is the number of tool calls in its prompt)."""
+
+    capabilities = EngineCapabilities(reports_logprobs=False, shares_trainer_model=False, can_sleep=False, continuous_batching=True)
+
+    def __init__(self, tokenizer, turns):
+        super().__init__(tokenizer, turns)
+        self.end, self.base, self.streams, self.steps = tokenizer.convert_tokens_to_ids("</tool_call>"), None, [], 0
+
+    def generate_continuing(self, requests, on_finish, seed=None):
+        self.streams.append([])
+        while requests:
+            time.sleep(0.001)  # the step's compute
+            self.steps += 1
+            done = []
+            for key, prompt, params in requests:
+                self.streams[-1].append((key, len(prompt)))
+                self.base = prompt.count(self.end) if self.base is None else self.base
+                ids = self.tok(self.turns[prompt.count(self.end) - self.base], add_special_tokens=False)["input_ids"][: params.max_tokens]
+                done.append((key, Completion(0, ids, bool(ids) and ids[-1] in (self.tok.eos_token_id, *params.stop_token_ids), [-0.25] * len(ids))))
+            requests = on_finish(done)
+
+
+def test_with_a_continuous_engine_each_request_joins_the_running_batch_and_records_the_same_tokens(tokenizer):
+    loop = AgentLoop(ScriptEngine(tokenizer, SCRIPT), tokenizer, MultiTurnConfig(enable=True, tools=["builtin:calculator"], max_turns=4))
+    params = SamplingParams(max_tokens=200, n=2, seed=1)
+    want = loop.generate([_prompt(tokenizer)] * 3, params)
+    engine = StepEngine(tokenizer, SCRIPT)
+    gw = AgentGateway(engine, tokenizer, RolloutConfig(agent="x:y", agent_timeout_s=30, agent_batch_wait_ms=10_000), agent=chat_agent)
+    try:
+        got = gw.generate([_prompt(tokenizer)] * 3, params, rows=[{"prompt": QUESTION}] * 3)
+        m = gw.pop_metrics()
+    finally:
+        gw.close()
+    for g, w in zip(got, want, strict=True):
+        assert (g.token_ids, g.loss_mask, g.logprobs, g.turn_spans) == (w.token_ids, w.loss_mask, w.logprobs, w.turn_spans)
+        assert g.finished and g.tool_calls == 2 and g.segments is None
+    assert engine.calls == []  # no per-turn generate call
+    asked = [key for stream in engine.streams for key, _ in stream if key is not None]
+    assert len(asked) == 18 and len(engine.streams[0]) >= 6  # 6 programs x 3 requests; the first 6 start it together
+    assert len(engine.streams) < 18  # later turns joined a running batch (not one engine call per request)
+    assert (m["agent/requests_mean"], m["agent/errors"], m["agent/bad_requests"]) == (3.0, 0, 0)
 
 
 def test_an_edited_history_opens_a_second_segment_with_its_own_mask_and_the_shared_reward(tokenizer):

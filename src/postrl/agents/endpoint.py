@@ -330,6 +330,17 @@ def respond(job: Job, choices: list[tuple[list[int], list[float] | None, str]], 
     }  # fmt: skip
 
 
+def cut_at_stop(tokenizer: Any, ids: list[int], stops: list[str]) -> tuple[list[int], bool]:
+    """The ids through the token that completes the first stop string (the program sees the text before it)."""
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    if not any(s in text for s in stops):
+        return ids, False
+    for k in range(1, len(ids) + 1):
+        if any(s in tokenizer.decode(ids[:k], skip_special_tokens=False) for s in stops):
+            return ids[:k], True
+    return ids, False
+
+
 def _outside_calls(text: str) -> str:
     from postrl.agents.parse import _BLOCK
 
