@@ -63,22 +63,38 @@ def calculator(expression: str) -> str:
 def run(client, row) -> None:
     """One episode: ask, run the calculator for each call, send the results back, until an answer."""
     messages = [{"role": m["role"], "content": m["content"]} for m in row["prompt"]]
-    calls = 0
     for _ in range(MAX_TURNS):
         reply = client.chat.completions.create(model=getattr(client, "model", "policy"), messages=messages, tools=TOOLS)
-        message = reply.choices[0].message
-        messages.append(message.model_dump(exclude_none=True))
-        if not message.tool_calls or calls >= MAX_TOOL_CALLS:
+        if not answer_tools(messages, reply.choices[0].message):
             return None
-        for call in message.tool_calls:
-            calls += 1
-            try:
-                args = json.loads(call.function.arguments)
-                result = calculator(args["expression"]) if call.function.name == "calculator" else f"error: no tool {call.function.name}"
-            except (ValueError, KeyError, TypeError) as exc:
-                result = f"error: bad arguments ({exc})"
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
     return None
+
+
+async def run_async(client, row) -> None:
+    """`run` for an `openai.AsyncOpenAI` client (`rollout.agent: ...calculator_agent.py:run_async`): many
+    episodes on one event loop instead of a thread each."""
+    messages = [{"role": m["role"], "content": m["content"]} for m in row["prompt"]]
+    for _ in range(MAX_TURNS):
+        reply = await client.chat.completions.create(model=getattr(client, "model", "policy"), messages=messages, tools=TOOLS)
+        if not answer_tools(messages, reply.choices[0].message):
+            return None
+    return None
+
+
+def answer_tools(messages: list[dict], message) -> bool:
+    """Append the model's message and, if it called tools (within MAX_TOOL_CALLS), their results; False: done."""
+    calls = sum(m["role"] == "tool" for m in messages)
+    messages.append(message.model_dump(exclude_none=True))
+    if not message.tool_calls or calls >= MAX_TOOL_CALLS:
+        return False
+    for call in message.tool_calls:
+        try:
+            args = json.loads(call.function.arguments)
+            result = calculator(args["expression"]) if call.function.name == "calculator" else f"error: no tool {call.function.name}"
+        except (ValueError, KeyError, TypeError) as exc:
+            result = f"error: bad arguments ({exc})"
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    return True
 
 
 if __name__ == "__main__":

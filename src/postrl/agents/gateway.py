@@ -164,10 +164,13 @@ class AgentGateway(EngineWrapper):
                     events.append(self._events.get_nowait())
             except queue.Empty:
                 pass
+            self.stats["timing/agent_idle"] += time.perf_counter() - now
             self._take(r, events)
             waiting_on_us = len({p.session.key for p in r.pending})
             starting = any(not x[0].asked for x in r.running.values())
-            if r.pending and (waiting_on_us >= len(r.running) or time.perf_counter() >= self._flush_at(r.pending, wait_s, starting)):
+            # a continuous batch starts at the first request: the others join it as they come
+            flush = continuous or waiting_on_us >= len(r.running) or time.perf_counter() >= self._flush_at(r.pending, wait_s, starting)
+            if r.pending and flush:
                 batch, r.pending = r.pending, []
                 seed = None if params.seed is None else (params.seed + 7919 * r.calls) % 2**31
                 r.calls += self._stream(batch, r, seed) if continuous else self._sample(batch, replace(params, seed=seed))
@@ -317,17 +320,22 @@ class AgentGateway(EngineWrapper):
             self._take(r, events)
             self._admit(r)
             new, r.pending = requests(self._prepare(r.pending, params)), []
-            asking = {job.pending.session.key for job, *_ in live.values()}
-            if live and not tick[0] and any(key not in asking for key in r.running):
-                new.append((None, [next(iter(self.eos_ids))], replace(one, max_tokens=1, stop_token_ids=())))
-                tick[0] = True
             polled[0] += time.perf_counter() - start
-            return new
+            return new + ticked()
+
+        def ticked() -> list[tuple[Any, list[int], SamplingParams]]:
+            asking = {job.pending.session.key for job, *_ in live.values()}
+            if not live or tick[0] or all(key in asking for key in r.running):
+                return []
+            tick[0] = True
+            self.stats["agent/ticks"] += 1
+            return [(None, [next(iter(self.eos_ids))], replace(one, max_tokens=1, stop_token_ids=()))]
 
         polled = [0.0]
         first = requests(self._prepare(batch, params))
         if not first:
             return 0
+        first += ticked()
         self.stats["agent/engine_calls"] += 1
         start = time.perf_counter()
         self.engine.generate_continuing(first, on_finish, seed=seed)
@@ -378,7 +386,7 @@ class AgentGateway(EngineWrapper):
     # ------------------------------------------------------------------------------ metrics
     def reset_stats(self) -> None:
         keys = ("agent/errors", "agent/timeouts", "agent/bad_requests", "agent/requests", "agent/engine_calls", "timing/agent_generate",
-                "timing/agent_engine", "timing/agent_render")
+                "timing/agent_engine", "timing/agent_render", "timing/agent_idle", "agent/ticks")
         self.stats = {k: 0.0 for k in keys}
         self._n = self._turns = self._calls = self._with_call = self._model = self._total = self._segments = 0
         self._reward = 0.0
