@@ -169,8 +169,7 @@ class AgentGateway(EngineWrapper):
             waiting_on_us = len({p.session.key for p in r.pending})
             starting = any(not x[0].asked for x in r.running.values())
             # a continuous batch starts at the first request: the others join it as they come
-            flush = continuous or waiting_on_us >= len(r.running) or time.perf_counter() >= self._flush_at(r.pending, wait_s, starting)
-            if r.pending and flush:
+            if r.pending and (continuous or waiting_on_us >= len(r.running) or time.perf_counter() >= self._flush_at(r.pending, wait_s, starting)):
                 batch, r.pending = r.pending, []
                 seed = None if params.seed is None else (params.seed + 7919 * r.calls) % 2**31
                 r.calls += self._stream(batch, r, seed) if continuous else self._sample(batch, replace(params, seed=seed))
