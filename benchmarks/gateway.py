@@ -12,7 +12,8 @@ a plain openai-client program (examples/openai_agent/calculator_agent.py) throug
 batched with the other programs' requests into engine calls, and parsed back into tool calls. Both
 wrap the same engine object (same settings, threads, seed) and count the tokens the model sampled
 (their loss-masked tokens). Calls alternate (loop, endpoint, loop, ...) after a warm-up of each, so load
-from other processes hits both alike. Printed: the median tokens/s of each and their ratio (goal >= 0.8x).
+from other processes hits both alike. Printed: the median tokens/s of each and their ratio (goal >= 0.8x),
+and the CPU seconds of each rollout (all threads of this process).
 `--async-program` adds a third arm, the example's async variant (`run_async`, AsyncOpenAI clients on
 one event loop instead of a thread per program).
 """
@@ -61,12 +62,12 @@ def main() -> None:
         arms[name] = AgentGateway(engine, tokenizer, rollout, model=model, max_model_len=512)
     params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, n=args.n, seed=0)
 
-    def run(side) -> tuple[int, float, float, float]:
-        start = time.perf_counter()
+    def run(side) -> tuple[int, float, float, float, float]:
+        start, cpu = time.perf_counter(), time.process_time()
         out = side.generate(prompts, params, rows=rows) if side is not loop else side.generate(prompts, params)
-        seconds = time.perf_counter() - start
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
         turns = sum(len(c.turn_spans or []) for c in out) / len(out)
-        return sum(sum(c.loss_mask) for c in out), seconds, sum(c.tool_calls > 0 for c in out) / len(out), turns
+        return sum(sum(c.loss_mask) for c in out), seconds, cpu, sum(c.tool_calls > 0 for c in out) / len(out), turns
 
     for side in arms.values():  # warm-up (the endpoint starts on its first call)
         run(side)
@@ -74,9 +75,9 @@ def main() -> None:
     tps: dict[str, list[float]] = {name: [] for name in arms}
     for _ in range(args.repeats):
         for name, side in arms.items():
-            tokens, seconds, calling, turns = run(side)
+            tokens, seconds, cpu, calling, turns = run(side)
             tps[name].append(tokens / seconds)
-            print(f"{name:14s} {tokens:6d} model tokens in {seconds:6.2f} s = {tokens / seconds:8.0f} tokens/s "
+            print(f"{name:14s} {tokens:6d} model tokens in {seconds:6.2f} s ({cpu:5.2f} s CPU) = {tokens / seconds:8.0f} tokens/s "
                   f"({calling:.0%} call the tool, {turns:.2f} turns)", flush=True)  # fmt: skip
     a = statistics.median(tps["agent loop"])
     for name, side in list(arms.items())[1:]:

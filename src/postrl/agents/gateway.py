@@ -90,6 +90,7 @@ class AgentGateway(EngineWrapper):
         self._server: Server | None = None
         self._stuck: list[threading.Thread] = []
         self._call_s = 0.0  # the engine calls' seconds, a running mean
+        self._rendered: dict[str, list[int]] = {}  # whole chats' template ids (endpoint.prepare)
         self.reset_stats()
 
     # ------------------------------------------------------------------ the engine protocol
@@ -241,7 +242,7 @@ class AgentGateway(EngineWrapper):
         start = time.perf_counter()
         for p in batch:
             try:
-                job = prepare(p, self.renderer, self.tokenizer)
+                job = prepare(p, self.renderer, self.tokenizer, self._rendered)
             except BadRequest as exc:
                 p.session.bad_requests += 1
                 p.reply(exc.status, error_body(exc.message, exc.param))
