@@ -81,6 +81,7 @@ class AgentGateway(EngineWrapper):
         self.tokenizer, self.cfg, self.log = tokenizer, cfg, log
         self.max_model_len = max_model_len  # prompt + sampled tokens the engine holds (vLLM's KV cache is sized for it)
         self.programs = Programs(agent if agent is not None else load_agent(cfg.agent), cfg, self._events)
+        self.agent, self.is_async = self.programs.agent, self.programs.is_async
         self.renderer = TurnRenderer(tokenizer)
         self.eos_ids = set(eos_token_ids(model, tokenizer)) if model is not None else {tokenizer.eos_token_id}
         end = tokenizer.convert_tokens_to_ids("</tool_call>")
