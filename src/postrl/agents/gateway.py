@@ -213,11 +213,12 @@ class AgentGateway(EngineWrapper):
     @staticmethod
     def _flush_at(pending: list[Pending], wait_s: float, starting: bool) -> float:
         """When to sample the requests collected so far if not every program waits on one: `wait_s` after the
-        last arrived (requests that keep coming keep the batch open) unless some program has not sent its first
-        request yet (it is on its way: every program calls the model), and at most max(10 x `wait_s`, 1 s) after
-        the first."""
+        last arrived (requests that keep coming keep the batch open), and at most max(10 x `wait_s`, 1 s) after
+        the first; while some program has not sent its first request yet (it is on its way: every program calls
+        the model), not before that cap, and later while first requests keep coming (192 programs starting on a
+        loaded CPU take longer than the cap, and a first turn cut in two costs a whole engine call)."""
         cap = pending[0].arrived + max(10 * wait_s, 1.0)
-        return cap if starting else min(pending[-1].arrived + wait_s, cap)
+        return max(cap, pending[-1].arrived + wait_s) if starting else min(pending[-1].arrived + wait_s, cap)
 
     def _finish(self, s: Session, outcome: str, value: Any) -> None:
         s.closed = True
