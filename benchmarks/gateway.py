@@ -12,7 +12,11 @@ a plain openai-client program (examples/openai_agent/calculator_agent.py) throug
 batched with the other programs' requests into engine calls, and parsed back into tool calls. Both
 wrap the same engine object (same settings, threads, seed) and count the tokens the model sampled
 (their loss-masked tokens). Calls alternate (loop, endpoint, loop, ...) after a warm-up of each, so load
-from other processes hits both alike. Printed: the median tokens/s of each and their ratio (goal >= 0.8x).
+from other processes hits both alike. Printed: the median tokens/s of each and their ratio (goal >= 0.8x),
+and the CPU seconds of each rollout (all threads of this process) with the same ratio per CPU second
+(what the endpoint costs in CPU, less sensitive to other processes' load on a shared machine).
+`--async-program` adds a third arm, the example's async variant (`run_async`, AsyncOpenAI clients on
+one event loop instead of a thread per program).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96, help="response budget across turns")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--batch-wait-ms", type=float, default=20.0, help="rollout.agent_batch_wait_ms")
+    ap.add_argument("--async-program", action="store_true", help="also measure the example's async variant (run_async: one event loop)")
     args = ap.parse_args()
 
     from postrl.agents.gateway import AgentGateway
@@ -51,35 +56,48 @@ def main() -> None:
     prompts, rows = [e.prompt_ids for e in examples], [e.row for e in examples]
     engine = make_engine(RolloutConfig(engine=args.engine, enforce_eager=True), model, tokenizer, max_model_len=512)
     loop = AgentLoop(engine, tokenizer, mt, model=model)
-    agent = f"{ROOT}/examples/openai_agent/calculator_agent.py:run"
-    rollout = RolloutConfig(agent=agent, agent_concurrency=len(prompts) * args.n, agent_batch_wait_ms=args.batch_wait_ms)
-    gateway = AgentGateway(engine, tokenizer, rollout, model=model, max_model_len=512)
+    arms = {"agent loop": loop}
+    for name, fn in (("endpoint", "run"), ("endpoint async", "run_async"))[: 1 + args.async_program]:
+        agent = f"{ROOT}/examples/openai_agent/calculator_agent.py:{fn}"
+        rollout = RolloutConfig(agent=agent, agent_concurrency=len(prompts) * args.n, agent_batch_wait_ms=args.batch_wait_ms)
+        arms[name] = AgentGateway(engine, tokenizer, rollout, model=model, max_model_len=512)
     params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, n=args.n, seed=0)
 
-    def run(side) -> tuple[int, float, float, float]:
-        start = time.perf_counter()
-        out = side.generate(prompts, params, rows=rows) if side is gateway else side.generate(prompts, params)
-        seconds = time.perf_counter() - start
+    def run(side) -> tuple[int, float, float, float, float]:
+        start, cpu = time.perf_counter(), time.process_time()
+        out = side.generate(prompts, params, rows=rows) if side is not loop else side.generate(prompts, params)
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
         turns = sum(len(c.turn_spans or []) for c in out) / len(out)
-        return sum(sum(c.loss_mask) for c in out), seconds, sum(c.tool_calls > 0 for c in out) / len(out), turns
+        return sum(sum(c.loss_mask) for c in out), seconds, cpu, sum(c.tool_calls > 0 for c in out) / len(out), turns
 
-    run(loop), run(gateway)  # warm-up (the endpoint starts on its first call)
-    gateway.pop_metrics()
-    tps: dict[str, list[float]] = {"agent loop": [], "endpoint": []}
+    for side in arms.values():  # warm-up (the endpoint starts on its first call)
+        run(side)
+        side.pop_metrics()
+    tps: dict[str, list[float]] = {name: [] for name in arms}
+    per_cpu: dict[str, list[float]] = {name: [] for name in arms}  # model tokens per CPU second of this process
     for _ in range(args.repeats):
-        for name, side in (("agent loop", loop), ("endpoint", gateway)):
-            tokens, seconds, calling, turns = run(side)
+        for name, side in arms.items():
+            tokens, seconds, cpu, calling, turns = run(side)
             tps[name].append(tokens / seconds)
-            print(f"{name:10s} {tokens:6d} model tokens in {seconds:6.2f} s = {tokens / seconds:8.0f} tokens/s "
-                  f"({calling:.0%} call the tool, {turns:.2f} turns)")  # fmt: skip
-    m = gateway.pop_metrics()
-    print(f"endpoint time split over {args.repeats} rollouts: {m['timing/agent_generate']:.2f} s in all, engine calls "
-          f"{m['timing/agent_engine']:.2f} s, rendering requests {m['timing/agent_render']:.2f} s")  # fmt: skip
-    print(f"endpoint: {m['agent/requests_mean']:.2f} requests per sample, {m['agent/batch_mean']:.1f} requests per engine call, "
-          f"errors {m['agent/errors']:.0f}, timeouts {m['agent/timeouts']:.0f}, bad requests {m['agent/bad_requests']:.0f}")  # fmt: skip
-    a, b = statistics.median(tps["agent loop"]), statistics.median(tps["endpoint"])
-    print(f"{args.engine}: endpoint {b:.0f} tokens/s vs agent loop {a:.0f} tokens/s = {b / a:.2f}x (goal >= 0.8x)")
-    gateway.close()  # closes the engine too
+            per_cpu[name].append(tokens / cpu)
+            print(f"{name:14s} {tokens:6d} model tokens in {seconds:6.2f} s ({cpu:5.2f} s CPU) = {tokens / seconds:8.0f} tokens/s "
+                  f"({calling:.0%} call the tool, {turns:.2f} turns)", flush=True)  # fmt: skip
+    a = statistics.median(tps["agent loop"])
+    for name, side in list(arms.items())[1:]:
+        m = side.pop_metrics()
+        print(f"{name}: time split over {args.repeats} rollouts: {m['timing/agent_generate']:.2f} s in all, engine "
+              f"{m['timing/agent_engine']:.2f} s, rendering requests {m['timing/agent_render']:.2f} s, waiting for requests "
+              f"{m['timing/agent_idle']:.2f} s, {m['agent/ticks']:.0f} ticks; "
+              f"{m['agent/requests_mean']:.2f} requests per sample, {m['agent/batch_mean']:.1f} requests per engine call, "
+              f"errors {m['agent/errors']:.0f}, timeouts {m['agent/timeouts']:.0f}, bad requests {m['agent/bad_requests']:.0f}")  # fmt: skip
+        b = statistics.median(tps[name])
+        c, d = statistics.median(per_cpu["agent loop"]), statistics.median(per_cpu[name])
+        print(f"{args.engine}: {name} {b:.0f} tokens/s vs agent loop {a:.0f} tokens/s = {b / a:.2f}x (goal >= 0.8x); "
+              f"per CPU second {d:.0f} vs {c:.0f} = {d / c:.2f}x")  # fmt: skip
+    for side in list(arms.values())[1:]:
+        side.programs.close()
+        side._server.close()
+    loop.close()  # closes the engine too
 
 
 if __name__ == "__main__":

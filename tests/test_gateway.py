@@ -6,7 +6,9 @@ endpoint's logic is under test, not a model); the programs are plain `openai` cl
 
 from __future__ import annotations
 
+import collections
 import json
+import time
 
 import pytest
 
@@ -15,7 +17,7 @@ from postrl.agents.loop import AgentLoop
 from postrl.agents.session import Session
 from postrl.agents.tools import call_tool, load_tools
 from postrl.config import MultiTurnConfig, RolloutConfig
-from postrl.rollout.base import SamplingParams
+from postrl.rollout.base import Completion, EngineCapabilities, SamplingParams
 from tests.test_agents import TOOLS, ScriptEngine, _call, _ids, _prompt, tokenizer  # noqa: F401 - the module's fixture
 
 QUESTION = [{"role": "user", "content": "What is 347 * 28 + 1205?"}]
@@ -87,6 +89,109 @@ def test_concurrent_programs_are_sampled_in_one_engine_call_per_turn(tokenizer):
         assert [c.prompt_index for c in out] == [0, 0, 1, 1, 2, 2]
         assert all(len(c.turn_spans) == 3 and c.finished for c in out)
         assert [c.env_reward for c in out] == [0.0 if agent is chat_agent else 0.5] * 6
+
+
+def test_programs_running_at_once_never_share_an_http_connection_pool(tokenizer):
+    """The stall: programs that shared one httpx pool across threads could lose a request to the pool closing
+    a connection it had just handed out (encode/httpcore#1110): a running program has a client of its own,
+    and a finished program's client (with its kept-alive connection) serves the next program."""
+    import asyncio
+    import threading
+
+    seen: list[int] = []
+    barrier = threading.Barrier(6, timeout=20)
+
+    def agent(client, row):
+        seen.append(id(client._client))
+        barrier.wait()  # all six are running at once
+        client.chat.completions.create(model=client.model, messages=row["prompt"])
+        return None
+
+    abarrier: list = []
+
+    async def async_agent(client, row):
+        seen.append(id(client._client))
+        abarrier.append(None)
+        while len(abarrier) < 6:
+            await asyncio.sleep(0.005)
+        await client.chat.completions.create(model=client.model, messages=row["prompt"])
+        return None
+
+    for program in (agent, async_agent):
+        seen.clear()
+        gw, _ = _gateway(tokenizer, ["\\boxed{1}<|im_end|>"] * 2, program)
+        try:
+            for _ in range(2):
+                abarrier.clear()
+                gw.generate([_prompt(tokenizer)] * 3, SamplingParams(max_tokens=20, n=2, seed=0), rows=[{"prompt": QUESTION}] * 3)
+                assert gw.pop_metrics()["agent/errors"] == 0
+        finally:
+            gw.close()
+        assert len(set(seen[:6])) == 6  # six programs at once, six pools
+        assert set(seen[6:]) == set(seen[:6])  # the next rollout's programs reuse them
+
+
+class StepEngine(ScriptEngine):
+    """A continuous-batching ScriptEngine (as vLLM's `generate_continuing`): a step takes ~1 ms; a request answers
+    its trajectory's next scripted turn (the number of tool calls in its prompt), but not before the batch has
+    had `hold` requests of that turn (a long generation that the other programs' requests catch up with; if
+    they do not come within 5 s, it gives up waiting and counts a `late`)."""
+
+    capabilities = EngineCapabilities(reports_logprobs=False, shares_trainer_model=False, can_sleep=False, continuous_batching=True)
+
+    def __init__(self, tokenizer, turns, hold):
+        super().__init__(tokenizer, turns)
+        self.end, self.hold, self.base, self.streams, self.late = tokenizer.convert_tokens_to_ids("</tool_call>"), hold, None, [], 0
+        self.seen = collections.Counter()  # requests of each turn, over all streams
+
+    def generate_continuing(self, requests, on_finish, seed=None):
+        self.streams.append([])
+        live, seen, deadline = [], self.seen, time.time() + 5
+
+        def add(new):
+            for key, prompt, params in new:
+                self.base = prompt.count(self.end) if self.base is None else self.base
+                turn = None if key is None else prompt.count(self.end) - self.base
+                live.append((key, turn, prompt, params))
+                if key is not None:
+                    seen[turn] += 1
+                    self.streams[-1].append(key)
+
+        add(requests)
+        while live:
+            time.sleep(0.001)  # the step's compute
+            late = time.time() > deadline
+            done = [x for x in live if x[0] is None or seen[x[1]] >= self.hold or late]
+            self.late += late
+            for x in done:
+                live.remove(x)
+            if done:
+                outs = []
+                for key, turn, prompt, params in done:
+                    ids = self.tok(self.turns[turn or 0], add_special_tokens=False)["input_ids"][: params.max_tokens]
+                    outs.append((key, Completion(0, ids, bool(ids) and ids[-1] in (self.tok.eos_token_id, *params.stop_token_ids), [-0.25] * len(ids))))
+                add(on_finish(outs))
+
+
+def test_with_a_continuous_engine_requests_join_the_running_batch_as_they_come_and_record_the_same_tokens(tokenizer):
+    loop = AgentLoop(ScriptEngine(tokenizer, SCRIPT), tokenizer, MultiTurnConfig(enable=True, tools=["builtin:calculator"], max_turns=4))
+    params = SamplingParams(max_tokens=200, n=2, seed=1)
+    want = loop.generate([_prompt(tokenizer)] * 3, params)
+    engine = StepEngine(tokenizer, SCRIPT, hold=6)
+    gw = AgentGateway(engine, tokenizer, RolloutConfig(agent="x:y", agent_timeout_s=30), agent=chat_agent)
+    try:
+        got = gw.generate([_prompt(tokenizer)] * 3, params, rows=[{"prompt": QUESTION}] * 3)
+        m = gw.pop_metrics()
+    finally:
+        gw.close()
+    for g, w in zip(got, want, strict=True):
+        assert (g.token_ids, g.loss_mask, g.logprobs, g.turn_spans) == (w.token_ids, w.loss_mask, w.logprobs, w.turn_spans)
+        assert g.finished and g.tool_calls == 2 and g.segments is None
+    assert engine.calls == []  # no per-turn generate call
+    # a stream starts at the first request; each request of a turn found the other five joining it while it ran
+    # (ticks poll the endpoint at every step), none waited in vain, and at most one stream per turn was started
+    assert engine.late == 0 and sum(map(len, engine.streams)) == 18 and 1 <= len(engine.streams) <= 3
+    assert (m["agent/requests_mean"], m["agent/errors"], m["agent/bad_requests"]) == (3.0, 0, 0) and m["agent/ticks"] > 0
 
 
 def test_an_edited_history_opens_a_second_segment_with_its_own_mask_and_the_shared_reward(tokenizer):

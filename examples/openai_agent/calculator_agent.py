@@ -162,20 +162,42 @@ def run(client, row) -> None:
     calls = 0
     for turn in range(MAX_TURNS):
         reply = client.chat.completions.create(model=model, messages=messages, tools=TOOLS)
-        message = reply.choices[0].message
-        messages.append(message.model_dump(exclude_none=True))
-        if not message.tool_calls or turn == MAX_TURNS - 1 or calls >= MAX_TOOL_CALLS:
-            return None  # an answer, or calls the limits leave unanswered
-        for k, call in enumerate(message.tool_calls):
-            if k >= MAX_PARALLEL_CALLS:
-                result = f"at most {MAX_PARALLEL_CALLS} tool calls per turn; this one was not run"
-            elif calls >= MAX_TOOL_CALLS:
-                result = f"the limit of {MAX_TOOL_CALLS} tool calls is reached; answer without tools"
-            else:
-                calls += 1
-                result = call_tool(call.function.name, call.function.arguments)
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": cut(result, model)})
+        calls = answer_tools(messages, reply.choices[0].message, turn, calls, model)
+        if calls is None:
+            return None
     return None
+
+
+async def run_async(client, row) -> None:
+    """`run` for an `openai.AsyncOpenAI` client (`rollout.agent: ...calculator_agent.py:run_async`): many
+    episodes on one event loop instead of a thread each."""
+    model = getattr(client, "model", "policy")
+    messages = [{"role": m["role"], "content": m["content"]} for m in row["prompt"]]
+    calls = 0
+    for turn in range(MAX_TURNS):
+        reply = await client.chat.completions.create(model=model, messages=messages, tools=TOOLS)
+        calls = answer_tools(messages, reply.choices[0].message, turn, calls, model)
+        if calls is None:
+            return None
+    return None
+
+
+def answer_tools(messages: list[dict], message, turn: int, calls: int, model: str) -> int | None:
+    """Append the model's message and the results of the calls it made (within the limits); return the calls
+    run so far, or None: the episode is over (an answer, or calls the limits leave unanswered)."""
+    messages.append(message.model_dump(exclude_none=True))
+    if not message.tool_calls or turn == MAX_TURNS - 1 or calls >= MAX_TOOL_CALLS:
+        return None
+    for k, call in enumerate(message.tool_calls):
+        if k >= MAX_PARALLEL_CALLS:
+            result = f"at most {MAX_PARALLEL_CALLS} tool calls per turn; this one was not run"
+        elif calls >= MAX_TOOL_CALLS:
+            result = f"the limit of {MAX_TOOL_CALLS} tool calls is reached; answer without tools"
+        else:
+            calls += 1
+            result = call_tool(call.function.name, call.function.arguments)
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": cut(result, model)})
+    return calls
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ correction assume that distribution; `max_tokens` is honoured within the traject
 
 import asyncio
 import json
+import re
 import socket
 import threading
 import time
@@ -83,9 +84,8 @@ def make_app(hub: Any) -> Any:
 
     app = FastAPI(title="postrl rollout endpoint", docs_url=None, redoc_url=None, openapi_url=None)
 
-    def session_of(request: Request, key: str | None) -> Session | BadRequest:
+    def session_of(key: str | None, auth: str = "") -> Session | BadRequest:
         if key is None:
-            auth = request.headers.get("authorization", "")
             key = auth[7:].strip() if auth.lower().startswith("bearer ") else None
         s = hub.session(key) if key else None
         if s is None:
@@ -94,46 +94,62 @@ def make_app(hub: Any) -> Any:
             return BadRequest(f"session '{key}' is closed (its sample ended or ran out of time)", status=410)
         return s
 
-    async def post(kind: str, request: Request, key: str | None) -> JSONResponse:
-        s = session_of(request, key)
+    async def post(kind: str, key: str | None, auth: str, raw: bytes) -> tuple[int, dict]:
+        s = session_of(key, auth)
         if isinstance(s, BadRequest):
-            return JSONResponse(error_body(s.message), status_code=s.status)
+            return s.status, error_body(s.message)
         try:
-            body = json.loads(await request.body())
+            body = json.loads(raw)
         except ValueError as exc:
             s.bad_requests += 1
-            return JSONResponse(error_body(f"the body is not valid JSON: {exc}"), status_code=400)
+            return 400, error_body(f"the body is not valid JSON: {exc}")
         if not isinstance(body, dict):
             s.bad_requests += 1
-            return JSONResponse(error_body("the body must be a JSON object"), status_code=400)
+            return 400, error_body("the body must be a JSON object")
         loop = asyncio.get_running_loop()
         pending = Pending(kind, s, body, loop, loop.create_future())
         hub.submit(pending)
-        status, out = await pending.future
-        return JSONResponse(out, status_code=status)
+        return await pending.future
+
+    async def fast(scope: dict, receive: Any, send: Any) -> None:
+        """The sampling routes as plain ASGI (the hot path: every model call of every program; FastAPI's routing
+        and request objects cost about as much as the rest of the server's work per request); the others,
+        and any path that is not one of these, go to FastAPI."""
+        m = _POST_ROUTE.fullmatch(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if m is None:
+            return await app(scope, receive, send)
+        chunks = []
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        auth = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), "")
+        status, out = await post("completions" if m["kind"] == "completions" else "chat", m["key"], auth, b"".join(chunks))
+        payload = json.dumps(out).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": payload})
 
     def models(request: Request, key: str | None) -> JSONResponse:
-        s = session_of(request, key)
+        s = session_of(key, request.headers.get("authorization", ""))
         if isinstance(s, BadRequest):
             return JSONResponse(error_body(s.message), status_code=s.status)
         return JSONResponse({"object": "list", "data": [{"id": hub.model_name, "object": "model", "created": 0, "owned_by": "postrl"}]})
 
     for prefix in ("/s/{key}/v1", "/v1"):
         def routes(prefix: str = prefix) -> None:
-            @app.post(prefix + "/chat/completions")
-            async def chat(request: Request, key: str | None = None) -> JSONResponse:
-                return await post("chat", request, key)
-
-            @app.post(prefix + "/completions")
-            async def completions(request: Request, key: str | None = None) -> JSONResponse:
-                return await post("completions", request, key)
-
             @app.get(prefix + "/models")
             async def list_models(request: Request, key: str | None = None) -> JSONResponse:
                 return models(request, key)
 
         routes()
-    return app
+    return fast
+
+
+_POST_ROUTE = re.compile(r"(?:/s/(?P<key>[^/]+))?/v1/(?P<kind>chat/completions|completions)/?")
 
 
 class Server:
@@ -160,7 +176,14 @@ class Server:
             time.sleep(0.01)
 
     def _run(self) -> None:
-        asyncio.run(self.server.serve(sockets=[self.sock]))
+        try:  # uvloop (installed with uvicorn[standard], vLLM): a faster loop for the server's per-request work
+            import uvloop
+
+            factory = uvloop.new_event_loop
+        except ImportError:
+            factory = None
+        with asyncio.Runner(loop_factory=factory) as runner:
+            runner.run(self.server.serve(sockets=[self.sock]))
 
     def url(self, key: str) -> str:
         return f"http://{self.host}:{self.port}/s/{key}/v1"
@@ -240,8 +263,10 @@ def template_messages(messages: list[dict], session: Session) -> list[dict]:
     return out
 
 
-def prepare(p: Pending, renderer: Any, tokenizer: Any) -> Job:
-    """The request's prompt ids; a chat that extends the session's last one reuses that one's ids (session.py)."""
+def prepare(p: Pending, renderer: Any, tokenizer: Any, cache: dict | None = None) -> Job:
+    """The request's prompt ids; a chat that extends the session's last one reuses that one's ids (session.py).
+    `cache` (the template's ids of whole chats, by their messages and tools) spares rendering the same first
+    request again: the n samples of a prompt all start with it (~1 ms each for a chat with tools)."""
     body, s = p.body, p.session
     n, max_tokens, stop, logprobs = _common(body)
     if p.kind == "completions":
@@ -258,12 +283,18 @@ def prepare(p: Pending, renderer: Any, tokenizer: Any) -> Job:
     messages, tools = _messages(body), _tools(body)
     ids = _continuation(s, messages, tools, renderer)
     if ids is None:
-        try:
-            ids = tokenizer.apply_chat_template(
-                template_messages(messages, s), tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
-            )  # fmt: skip
-        except Exception as exc:  # the template refused these messages (its own raise_exception, a bad shape)
-            raise BadRequest(f"the model's chat template cannot render these messages: {exc}", "messages") from None
+        shown = template_messages(messages, s)
+        key = json.dumps([shown, tools], sort_keys=True, default=str) if cache is not None else None
+        ids = cache.get(key) if cache is not None else None
+        if ids is None:
+            try:
+                ids = tokenizer.apply_chat_template(shown, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False)
+            except Exception as exc:  # the template refused these messages (its own raise_exception, a bad shape)
+                raise BadRequest(f"the model's chat template cannot render these messages: {exc}", "messages") from None
+            if cache is not None:
+                if len(cache) >= 4096:
+                    cache.clear()
+                cache[key] = list(ids)
     return Job(p, list(ids), n, max_tokens, stop, logprobs, tools=tools, messages=messages)
 
 
@@ -328,6 +359,17 @@ def respond(job: Job, choices: list[tuple[list[int], list[float] | None, str]], 
         "id": f"postrl-{uuid.uuid4().hex[:24]}", "object": kind, "created": created, "model": model, "choices": out,
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens},
     }  # fmt: skip
+
+
+def cut_at_stop(tokenizer: Any, ids: list[int], stops: list[str]) -> tuple[list[int], bool]:
+    """The ids through the token that completes the first stop string (the program sees the text before it)."""
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    if not any(s in text for s in stops):
+        return ids, False
+    for k in range(1, len(ids) + 1):
+        if any(s in tokenizer.decode(ids[:k], skip_special_tokens=False) for s in stops):
+            return ids[:k], True
+    return ids, False
 
 
 def _outside_calls(text: str) -> str:

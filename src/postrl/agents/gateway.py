@@ -15,7 +15,10 @@ loop for async ones), each under `rollout.agent_timeout_s`. The calling thread i
 it collects the programs' requests until every running program waits on one (or none came for
 `rollout.agent_batch_wait_ms` or a tenth of an engine call, whichever is longer, and at most ten times
 that after the first), renders them, and samples them in one engine call, so concurrent
-agents batch like the agent loop's turns. The engine is only ever used from that thread.
+agents batch like the agent loop's turns. With an engine that batches continuously (vLLM) that call
+is a continuous batch that each request joins as it arrives (`_stream`), so the programs' HTTP work
+overlaps the engine's steps. The engine is only ever used from that thread. Each running program has
+an HTTP client of its own (agents/programs.py).
 
 Each session's requests become segments (agents/session.py, DESIGN.md section 12); the completion of
 a sample is its main segment (the one its last request extended), and its other segments ride along
@@ -26,18 +29,17 @@ counted (`agent/errors`, `agent/timeouts`, `agent/bad_requests`), never fatal.
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import importlib.util
-import inspect
 import queue
 import threading
 import time
 import uuid
-from dataclasses import replace
-from pathlib import Path
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from postrl.agents.endpoint import BadRequest, Job, Pending, Server, error_body, make_app, prepare, respond
+from postrl.agents.endpoint import BadRequest, Job, Pending, Server, cut_at_stop, error_body, make_app, prepare, respond
+from postrl.agents.programs import Programs, load_agent
 from postrl.agents.render import TurnRenderer
 from postrl.agents.session import Session
 from postrl.errors import UserError
@@ -47,35 +49,16 @@ if TYPE_CHECKING:
     from postrl.config import RolloutConfig
 
 
-def load_agent(spec: str) -> Any:
-    """The function named 'package.module:function' or 'path/to/file.py:function'."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise UserError(
-            f"rollout.agent '{spec}' is not of the form 'package.module:function' (or 'path/to/file.py:function'). "
-            "Fix: name a function (sync or async) that takes (client, row)."
-        )
-    if module_name.endswith(".py"):
-        path = Path(module_name)
-        if not path.is_file():
-            raise UserError(f"rollout.agent '{spec}': the file {path} does not exist. Fix: give a path to your agent's file.")
-        mod_spec = importlib.util.spec_from_file_location(f"postrl_user_agent_{path.stem}", path)
-        module = importlib.util.module_from_spec(mod_spec)
-        try:
-            mod_spec.loader.exec_module(module)
-        except Exception as exc:  # noqa: BLE001 - the user's module failed on import
-            raise UserError(f"rollout.agent '{spec}': importing {path} failed ({type(exc).__name__}: {exc}). Fix the file.") from None
-        fn = getattr(module, attr, None)
-    else:
-        from postrl.utils import import_named
+@dataclass
+class _Rollout:
+    """One `generate` call's programs: not started yet, running (session, deadline, thread or future), and the
+    requests collected for the next engine call."""
 
-        try:
-            fn = import_named(spec, f"rollout.agent '{spec}'")
-        except ValueError as exc:
-            raise UserError(str(exc)) from None
-    if not callable(fn):
-        raise UserError(f"rollout.agent '{spec}' names no function in that module. Fix: name a function that takes (client, row).")
-    return fn
+    params: SamplingParams
+    waiting: list[Session]
+    running: dict[str, tuple[Session, float, Any]] = field(default_factory=dict)
+    pending: list[Pending] = field(default_factory=list)
+    calls: int = 0
 
 
 class AgentGateway(EngineWrapper):
@@ -92,25 +75,23 @@ class AgentGateway(EngineWrapper):
                 f"rollout.agent runs the program through an OpenAI-compatible endpoint, which needs {', '.join(missing)} "
                 "(not installed). Fix: pip install 'postrl[agent]' (vLLM installs them too)."
             )
+        self._events: queue.Queue = queue.Queue()  # the server's requests and the programs' ends, for the engine thread
         super().__init__(engine)  # what the wrapped engine can do is what the gateway can, but for continuous
         self.capabilities = replace(engine.capabilities, continuous_batching=False)  # batching: requests go through it
         self.tokenizer, self.cfg, self.log = tokenizer, cfg, log
         self.max_model_len = max_model_len  # prompt + sampled tokens the engine holds (vLLM's KV cache is sized for it)
-        self.agent = agent if agent is not None else load_agent(cfg.agent)
-        self.is_async = inspect.iscoroutinefunction(self.agent)
+        self.programs = Programs(agent if agent is not None else load_agent(cfg.agent), cfg, self._events)
+        self.agent, self.is_async = self.programs.agent, self.programs.is_async
         self.renderer = TurnRenderer(tokenizer)
         self.eos_ids = set(eos_token_ids(model, tokenizer)) if model is not None else {tokenizer.eos_token_id}
         end = tokenizer.convert_tokens_to_ids("</tool_call>")
         self.call_end_id = end if isinstance(end, int) and end != tokenizer.unk_token_id else None
         self.model_name = str(getattr(tokenizer, "name_or_path", "") or "postrl-policy")
         self._sessions: dict[str, Session] = {}
-        self._events: queue.Queue = queue.Queue()
         self._server: Server | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None  # async programs run here
         self._stuck: list[threading.Thread] = []
         self._call_s = 0.0  # the engine calls' seconds, a running mean
-        self._http: Any = None  # httpx clients the programs' openai clients share (sync, async)
-        self._ahttp: Any = None
+        self._rendered: dict[str, list[int]] = {}  # whole chats' template ids (endpoint.prepare)
         self.reset_stats()
 
     # ------------------------------------------------------------------ the engine protocol
@@ -118,12 +99,7 @@ class AgentGateway(EngineWrapper):
         if self._server is not None:
             self._server.close()
             self._server = None
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._loop = None
-        if self._http is not None:
-            self._http.close()
-            self._http = None
+        self.programs.close()
         self.engine.close()
 
     # ------------------------------------------------------------------ the endpoint's hub
@@ -143,9 +119,6 @@ class AgentGateway(EngineWrapper):
             self._server = Server(make_app(self), host=host, port=getattr(self.cfg, "agent_port", 0))
             if self.log is not None:
                 self.log(f"rollout endpoint: http://{host}:{self._server.port}/s/<session>/v1 (OpenAI-compatible)")
-        if self.is_async and self._loop is None:
-            self._loop = asyncio.new_event_loop()
-            threading.Thread(target=self._loop.run_forever, name="postrl-agents", daemon=True).start()
 
     # ------------------------------------------------------------------------- a rollout
     def generate(
@@ -176,107 +149,76 @@ class AgentGateway(EngineWrapper):
 
     def _serve(self, sessions: list[Session], params: SamplingParams) -> None:
         """The engine thread: admit programs, batch their requests into engine calls, enforce time limits."""
-        cfg = self.cfg
-        waiting = list(sessions)
-        running: dict[str, tuple[Session, float, Any]] = {}  # key -> (session, deadline, thread or future)
-        pending: list[Pending] = []
-        calls = 0
-        while waiting or running:
+        r = _Rollout(params, list(sessions))
+        continuous = self.engine.capabilities.continuous_batching
+        while r.waiting or r.running:
             # waiting for stragglers costs little next to an engine call they would otherwise need of their own
-            wait_s = max(cfg.agent_batch_wait_ms / 1000, 0.1 * self._call_s)
-            while waiting and len(running) < cfg.agent_concurrency:
-                s = waiting.pop(0)
-                running[s.key] = (s, time.perf_counter() + cfg.agent_timeout_s, self._launch(s))
+            wait_s = max(self.cfg.agent_batch_wait_ms / 1000, 0.1 * self._call_s)
+            self._admit(r)
             now = time.perf_counter()
-            next_deadline = min(d for _, d, _ in running.values())
-            starting = any(not r[0].asked for r in running.values())  # a program yet to send its first request
-            timeout = max(0.0, min(next_deadline, self._flush_at(pending, wait_s, starting) if pending else now + 0.5) - now)
+            next_deadline = min(d for _, d, _ in r.running.values())
+            starting = any(not x[0].asked for x in r.running.values())  # a program yet to send its first request
+            flush_at = self._flush_at(r.pending, wait_s, starting) if r.pending else now + 0.5
             events = []
             try:
-                events.append(self._events.get(timeout=timeout))
+                events.append(self._events.get(timeout=max(0.0, min(next_deadline, flush_at) - now)))
                 while True:
                     events.append(self._events.get_nowait())
             except queue.Empty:
                 pass
-            for kind, *what in events:
-                if kind == "request":
-                    p = what[0]
-                    p.session.asked = True
-                    if p.session.key in running and not p.session.closed:
-                        pending.append(p)
-                    else:
-                        p.reply(410, error_body("this session is closed (its sample ended or ran out of time)"))
-                elif kind == "done":
-                    s, outcome, value = what
-                    if s.key in running:
-                        del running[s.key]
-                        self._finish(s, outcome, value)
-            now = time.perf_counter()
-            for key, (s, deadline, handle) in list(running.items()):
-                if now >= deadline:
-                    del running[key]
-                    self._finish(s, "timeout", None)
-                    if isinstance(handle, threading.Thread):
-                        self._stuck.append(handle)
-                    elif handle is not None:
-                        handle.cancel()
-            for p in [p for p in pending if p.session.closed]:
-                p.reply(410, error_body("this session is closed (its sample ended or ran out of time)"))
-            pending = [p for p in pending if not p.session.closed]
-            waiting_on_us = len({p.session.key for p in pending})
-            starting = any(not r[0].asked for r in running.values())
-            if pending and (waiting_on_us >= len(running) or time.perf_counter() >= self._flush_at(pending, wait_s, starting)):
-                batch, pending = pending, []
-                seed = None if params.seed is None else (params.seed + 7919 * calls) % 2**31
-                calls += self._sample(batch, replace(params, seed=seed))
+            self.stats["timing/agent_idle"] += time.perf_counter() - now
+            self._take(r, events)
+            waiting_on_us = len({p.session.key for p in r.pending})
+            starting = any(not x[0].asked for x in r.running.values())
+            # a continuous batch starts at the first request: the others join it as they come
+            if r.pending and (continuous or waiting_on_us >= len(r.running) or time.perf_counter() >= self._flush_at(r.pending, wait_s, starting)):
+                batch, r.pending = r.pending, []
+                seed = None if params.seed is None else (params.seed + 7919 * r.calls) % 2**31
+                r.calls += self._stream(batch, r, seed) if continuous else self._sample(batch, replace(params, seed=seed))
+
+    def _admit(self, r: "_Rollout") -> None:
+        while r.waiting and len(r.running) < self.cfg.agent_concurrency:
+            s = r.waiting.pop(0)
+            r.running[s.key] = (s, time.perf_counter() + self.cfg.agent_timeout_s, self.programs.launch(s, self._server.url(s.key), self.model_name))
+
+    def _take(self, r: "_Rollout", events: list[tuple]) -> None:
+        """New requests join `r.pending`, ended programs are scored, programs past their time limit are ended."""
+        closed = "this session is closed (its sample ended or ran out of time)"
+        for kind, *what in events:
+            if kind == "request":
+                p = what[0]
+                p.session.asked = True
+                if p.session.key in r.running and not p.session.closed:
+                    r.pending.append(p)
+                else:
+                    p.reply(410, error_body(closed))
+            elif kind == "done":
+                s, outcome, value = what
+                if s.key in r.running:
+                    del r.running[s.key]
+                    self._finish(s, outcome, value)
+        now = time.perf_counter()
+        for key, (s, deadline, handle) in list(r.running.items()):
+            if now >= deadline:
+                del r.running[key]
+                self._finish(s, "timeout", None)
+                if isinstance(handle, threading.Thread):
+                    self._stuck.append(handle)
+                elif handle is not None:
+                    handle.cancel()
+        for p in [p for p in r.pending if p.session.closed]:
+            p.reply(410, error_body(closed))
+        r.pending = [p for p in r.pending if not p.session.closed]
 
     @staticmethod
     def _flush_at(pending: list[Pending], wait_s: float, starting: bool) -> float:
         """When to sample the requests collected so far if not every program waits on one: `wait_s` after the
-        last arrived (requests that keep coming keep the batch open) unless some program has not sent its first
-        request yet (it is on its way: every program calls the model), and at most max(10 x `wait_s`, 1 s) after
-        the first."""
+        last arrived (requests that keep coming keep the batch open), and at most max(10 x `wait_s`, 1 s) after
+        the first; while some program has not sent its first request yet (it is on its way: every program calls
+        the model), not before that cap, and later while first requests keep coming (192 programs starting on a
+        loaded CPU take longer than the cap, and a first turn cut in two costs a whole engine call)."""
         cap = pending[0].arrived + max(10 * wait_s, 1.0)
-        return cap if starting else min(pending[-1].arrived + wait_s, cap)
-
-    def _launch(self, s: Session) -> Any:
-        """Start one program: a thread (sync) or a task on the agents' loop (async); returns its handle. The
-        programs share one HTTP connection pool (an openai client per sample, one httpx client under them)."""
-        import httpx
-        import openai
-
-        url, timeout = self._server.url(s.key), self.cfg.agent_timeout_s
-        row, events, agent = s.row, self._events, self.agent
-        limits = httpx.Limits(max_connections=2 * self.cfg.agent_concurrency, max_keepalive_connections=self.cfg.agent_concurrency)
-        if self.is_async:
-
-            async def run_async() -> None:
-                if self._ahttp is None:
-                    self._ahttp = httpx.AsyncClient(limits=limits, timeout=timeout)
-                client = openai.AsyncOpenAI(base_url=url, api_key=s.key, max_retries=0, timeout=timeout, http_client=self._ahttp)
-                client.model = self.model_name
-                try:
-                    events.put(("done", s, "ok", await agent(client, row)))
-                except asyncio.CancelledError:
-                    raise
-                except BaseException as exc:  # noqa: BLE001 - whatever the user's program raised
-                    events.put(("done", s, "error", exc))
-
-            return asyncio.run_coroutine_threadsafe(run_async(), self._loop)
-        if self._http is None:
-            self._http = httpx.Client(limits=limits, timeout=timeout)
-        client = openai.OpenAI(base_url=url, api_key=s.key, max_retries=0, timeout=timeout, http_client=self._http)
-        client.model = self.model_name
-
-        def run_sync() -> None:
-            try:
-                events.put(("done", s, "ok", agent(client, row)))
-            except BaseException as exc:  # noqa: BLE001 - whatever the user's program raised
-                events.put(("done", s, "error", exc))
-
-        t = threading.Thread(target=run_sync, name=f"postrl-agent-{s.key[:8]}", daemon=True)
-        t.start()
-        return t
+        return max(cap, pending[-1].arrived + wait_s) if starting else min(pending[-1].arrived + wait_s, cap)
 
     def _finish(self, s: Session, outcome: str, value: Any) -> None:
         s.closed = True
@@ -296,13 +238,13 @@ class AgentGateway(EngineWrapper):
             self.stats["agent/timeouts"] += 1
 
     # ------------------------------------------------------------------------ engine calls
-    def _sample(self, batch: list[Pending], params: SamplingParams) -> int:
-        """Render, sample and answer one batch of requests; returns the number of engine calls made."""
-        jobs: list[tuple[Job, int]] = []
+    def _prepare(self, batch: list[Pending], params: SamplingParams) -> list[tuple[Job, int, tuple[int, ...]]]:
+        """Render the requests: (job, room, stop ids) of each one to sample; the others are answered here."""
+        jobs = []
         start = time.perf_counter()
         for p in batch:
             try:
-                job = prepare(p, self.renderer, self.tokenizer)
+                job = prepare(p, self.renderer, self.tokenizer, self._rendered)
             except BadRequest as exc:
                 p.session.bad_requests += 1
                 p.reply(exc.status, error_body(exc.message, exc.param))
@@ -320,11 +262,15 @@ class AgentGateway(EngineWrapper):
             if room <= 0:  # the trajectory's budget is spent: nothing sampled, nothing recorded
                 p.reply(200, respond(job, [([], [], "length")] * job.n, self.tokenizer, self.eos_ids, self.model_name))
                 continue
-            jobs.append((job, room))
-        self.stats["timing/agent_render"] += time.perf_counter() - start
-        groups: dict[tuple, list[tuple[Job, int]]] = {}
-        for job, room in jobs:
             stops = tuple(params.stop_token_ids) + ((self.call_end_id,) if job.tools and self.call_end_id is not None else ())
+            jobs.append((job, room, stops))
+        self.stats["timing/agent_render"] += time.perf_counter() - start
+        return jobs
+
+    def _sample(self, batch: list[Pending], params: SamplingParams) -> int:
+        """Render, sample and answer one batch of requests; returns the number of engine calls made."""
+        groups: dict[tuple, list[tuple[Job, int]]] = {}
+        for job, room, stops in self._prepare(batch, params):
             groups.setdefault((1 if params.greedy else job.n, stops), []).append((job, room))
         for (n, stops), group in groups.items():
             call = replace(params, n=n, max_tokens=max(r for _, r in group), stop_token_ids=stops)
@@ -340,6 +286,64 @@ class AgentGateway(EngineWrapper):
                 self._answer(job, room, mine, set(stops))
         return len(groups)
 
+    def _stream(self, batch: list[Pending], r: "_Rollout", seed: int | None) -> int:
+        """A continuous batch (vLLM): `batch` starts it; after every engine step that finished a request, the
+        finished requests are answered and the requests that arrived meanwhile join it, so the programs' HTTP
+        round trips overlap the engine's steps instead of holding the batch at every turn. While requests
+        run and some program is between requests, a one-token 'tick' request keeps an engine step from
+        passing unpolled. Returns when the engine has nothing left to run (1: one engine call)."""
+        params, live, tick = r.params, {}, [False]
+        one = replace(r.params, n=1, seed=None)
+
+        def requests(prepared: list[tuple[Job, int, tuple[int, ...]]]) -> list[tuple[Any, list[int], SamplingParams]]:
+            out = []
+            for job, room, stops in prepared:
+                k, n = id(job), 1 if params.greedy else job.n
+                live[k] = (job, room, stops, [None] * n)
+                out += [((k, i), job.prompt, replace(one, max_tokens=room, stop_token_ids=stops)) for i in range(n)]
+            self.stats["agent/requests"] += len(prepared)
+            return out
+
+        def on_finish(done: list[tuple[Any, Completion]]) -> list[tuple[Any, list[int], SamplingParams]]:
+            start = time.perf_counter()
+            for key, out in done:
+                if key is None:
+                    tick[0] = False
+                    continue
+                job, room, stops, outs = live[key[0]]
+                outs[key[1]] = out
+                if all(o is not None for o in outs):
+                    del live[key[0]]
+                    self._answer(job, room, outs * (job.n if len(outs) == 1 else 1), set(stops))
+            events = []
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    events.append(self._events.get_nowait())
+            self._take(r, events)
+            self._admit(r)
+            new, r.pending = requests(self._prepare(r.pending, params)), []
+            polled[0] += time.perf_counter() - start
+            return new + ticked()
+
+        def ticked() -> list[tuple[Any, list[int], SamplingParams]]:
+            asking = {job.pending.session.key for job, *_ in live.values()}
+            if not live or tick[0] or all(key in asking for key in r.running):
+                return []
+            tick[0] = True
+            self.stats["agent/ticks"] += 1
+            return [(None, [next(iter(self.eos_ids))], replace(one, max_tokens=1, stop_token_ids=()))]
+
+        polled = [0.0]
+        first = requests(self._prepare(batch, params))
+        if not first:
+            return 0
+        first += ticked()
+        self.stats["agent/engine_calls"] += 1
+        start = time.perf_counter()
+        self.engine.generate_continuing(first, on_finish, seed=seed)
+        self.stats["timing/agent_engine"] += time.perf_counter() - start - polled[0]
+        return 1
+
     def _answer(self, job: Job, room: int, outs: list[Completion], stops: set[int]) -> None:
         s = job.pending.session
         choices, finishes = [], []
@@ -348,7 +352,7 @@ class AgentGateway(EngineWrapper):
             finish = "stop" if ids and (ids[-1] in self.eos_ids or ids[-1] in stops) and len(ids) <= room else "length"
             ids = ids[:room]
             if job.stop:
-                ids, hit = self._cut_at_stop(ids, job.stop)
+                ids, hit = cut_at_stop(self.tokenizer, ids, job.stop)
                 finish = "stop" if hit else finish
             lps = None if lps is None else list(lps[: len(ids)])
             finished = finish == "stop" and not (ids and ids[-1] == self.call_end_id)
@@ -364,16 +368,6 @@ class AgentGateway(EngineWrapper):
             s.last_messages = None
         s.tool_calls = len(s.tool_names)
         job.pending.reply(200, body)
-
-    def _cut_at_stop(self, ids: list[int], stops: list[str]) -> tuple[list[int], bool]:
-        """The ids through the token that completes the first stop string (the program sees the text before it)."""
-        text = self.tokenizer.decode(ids, skip_special_tokens=False)
-        if not any(s in text for s in stops):
-            return ids, False
-        for k in range(1, len(ids) + 1):
-            if any(s in self.tokenizer.decode(ids[:k], skip_special_tokens=False) for s in stops):
-                return ids[:k], True
-        return ids, False
 
     # ------------------------------------------------------------------------- results
     def _completion(self, s: Session, prompt: list[int]) -> Completion:
@@ -394,7 +388,7 @@ class AgentGateway(EngineWrapper):
     # ------------------------------------------------------------------------------ metrics
     def reset_stats(self) -> None:
         keys = ("agent/errors", "agent/timeouts", "agent/bad_requests", "agent/requests", "agent/engine_calls", "timing/agent_generate",
-                "timing/agent_engine", "timing/agent_render")
+                "timing/agent_engine", "timing/agent_render", "timing/agent_idle", "agent/ticks")
         self.stats = {k: 0.0 for k in keys}
         self._n = self._turns = self._calls = self._with_call = self._model = self._total = self._segments = 0
         self._reward = 0.0
