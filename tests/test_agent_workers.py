@@ -76,10 +76,11 @@ def test_worker_programs_that_raise_exit_or_hang_are_counted_and_their_workers_r
     prompt = _prompt(tokenizer)
     seen = {}
     try:
-        for kind in ("raise", "exit", "hang", "ok"):
+        for kind in ("raise", "unpicklable", "exit", "hang", "ok"):
             if kind == "hang":
                 gw.cfg.agent_timeout_s = 2.0
-            (c,) = gw.generate([prompt], params, rows=[{"prompt": QUESTION, "kind": kind}])
+            row = {"prompt": QUESTION, "kind": kind, **({"f": lambda: 0} if kind == "unpicklable" else {})}
+            (c,) = gw.generate([prompt], params, rows=[row])
             m = gw.pop_metrics()
             seen[kind] = (m["agent/errors"], m["agent/timeouts"], c.env_reward, sum(c.loss_mask) > 0, gw.programs.restarts)
             gw.cfg.agent_timeout_s = 30.0
@@ -87,6 +88,7 @@ def test_worker_programs_that_raise_exit_or_hang_are_counted_and_their_workers_r
         gw.close()
     assert seen == {  # errors, timeouts, reward, trains, workers restarted so far
         "raise": (1, 0, 0.0, False, 0),
+        "unpicklable": (1, 0, 0.0, False, 0),  # a row that cannot go to a worker: that program fails, not the rollout
         "exit": (1, 0, 0.0, False, 1),  # the worker died with the program: an error, and a new worker
         "hang": (0, 1, 0.0, False, 2),  # past its time limit: its worker killed at the rollout's end
         "ok": (0, 0, 1.0, True, 2),

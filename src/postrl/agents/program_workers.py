@@ -70,6 +70,10 @@ class _Worker:
             self.conn.send((s.key, url, model_name, s.row))
         except (OSError, ValueError):  # the worker is gone: its reader reports this program with the others
             self.proc.kill()
+        except Exception as exc:  # noqa: BLE001 - the row does not pickle: this program fails, not the rollout
+            with self._lock:
+                self.running.pop(s.key, None)
+            self._events.put(("done", s, "error", exc))
         return True
 
     def _read(self) -> None:
