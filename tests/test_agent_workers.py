@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from postrl.agents.gateway import AgentGateway
 from postrl.agents.loop import AgentLoop
 from postrl.config import MultiTurnConfig, RolloutConfig
@@ -39,23 +41,36 @@ def chat(client, row):
             result = str(eval(json.loads(tc.function.arguments)["expression"]))  # the calculator's answer, as text
             messages.append({{"role": "tool", "tool_call_id": tc.id, "content": result}})
     return 1.0
+
+
+async def achat(client, row):  # the async form: AsyncOpenAI clients on the worker's event loop
+    messages = list(row["prompt"])
+    for _ in range(4):
+        msg = (await client.chat.completions.create(model=client.model, messages=messages, tools=TOOLS)).choices[0].message
+        messages.append(msg.model_dump(exclude_none=True))
+        if not msg.tool_calls:
+            return 0.5
+        for tc in msg.tool_calls:
+            result = str(eval(json.loads(tc.function.arguments)["expression"]))
+            messages.append({{"role": "tool", "tool_call_id": tc.id, "content": result}})
 '''
 
 
-def _gateway(tokenizer, tmp_path, turns, **cfg):
+def _gateway(tokenizer, tmp_path, turns, fn="chat", **cfg):
     path = tmp_path / "my_agent.py"
     path.write_text(AGENT.format(tools=json.dumps(TOOLS)))
-    rollout = RolloutConfig(agent=f"{path}:chat", **{"agent_timeout_s": 30, "agent_workers": 2, **cfg})
+    rollout = RolloutConfig(agent=f"{path}:{fn}", **{"agent_timeout_s": 30, "agent_workers": 2, **cfg})
     return AgentGateway(ScriptEngine(tokenizer, turns), tokenizer, rollout)
 
 
-def test_a_three_turn_tool_chat_in_worker_processes_has_the_agent_loops_ids_mask_and_logprobs(tokenizer, tmp_path):
+@pytest.mark.parametrize("fn", ["chat", "achat"])
+def test_a_three_turn_tool_chat_in_worker_processes_has_the_agent_loops_ids_mask_and_logprobs(tokenizer, tmp_path, fn):
     loop = AgentLoop(ScriptEngine(tokenizer, SCRIPT), tokenizer, MultiTurnConfig(enable=True, tools=["builtin:calculator"], max_turns=4))
     params = SamplingParams(max_tokens=200, greedy=True)
     (want,) = loop.generate([_prompt(tokenizer)], params)
-    gw = _gateway(tokenizer, tmp_path, SCRIPT, agent_batch_wait_ms=10_000)  # only "all are waiting" flushes: a turn a call
+    gw = _gateway(tokenizer, tmp_path, SCRIPT, fn, agent_batch_wait_ms=10_000)  # only "all are waiting" flushes: a turn a call
     try:
-        assert type(gw.programs).__name__ == "WorkerPool"
+        assert type(gw.programs).__name__ == "WorkerPool" and gw.is_async == (fn == "achat")
         out = gw.generate([_prompt(tokenizer)] * 3, params, rows=[{"prompt": QUESTION, "kind": "plain"}] * 3)
         m = gw.pop_metrics()
         pids = {w.proc.pid for w in gw.programs.workers}
@@ -66,7 +81,7 @@ def test_a_three_turn_tool_chat_in_worker_processes_has_the_agent_loops_ids_mask
     for got in out:
         assert got.token_ids == want.token_ids and got.loss_mask == want.loss_mask
         assert got.logprobs == want.logprobs and got.turn_spans == want.turn_spans
-        assert got.finished and got.tool_calls == 2 and got.segments is None
+        assert got.finished and got.tool_calls == 2 and got.segments is None and got.env_reward == (0.0 if fn == "chat" else 0.5)
     assert (m["agent/requests_mean"], m["agent/errors"], m["agent/timeouts"]) == (3.0, 0, 0)
 
 
