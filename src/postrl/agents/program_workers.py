@@ -95,9 +95,9 @@ class _Worker:
 
     def close(self) -> None:
         self.dead = True
-        with contextlib.suppress(OSError):  # the worker exits when its connection ends (close alone would wait for the
-            socket.socket(fileno=os.dup(self.conn.fileno())).shutdown(socket.SHUT_RDWR)  # reader thread's recv to return)
-        self.conn.close()
+        with contextlib.suppress(OSError), socket.socket(fileno=os.dup(self.conn.fileno())) as sock:
+            sock.shutdown(socket.SHUT_RDWR)  # the worker exits when its connection ends (close alone would wait for the
+        self.conn.close()  # reader thread's recv to return)
         try:
             self.proc.wait(timeout=2)
         except subprocess.TimeoutExpired:
