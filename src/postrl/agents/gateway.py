@@ -11,7 +11,8 @@ sample with an `openai` client already pointed at that sample's session and the 
 loop, so training, validation, `postrl eval` and `postrl doctor` all roll out through it. Per
 `generate` call: the endpoint (agents/endpoint.py) is started once on loopback; every sample gets a
 session; up to `rollout.agent_concurrency` programs run at once (threads for sync functions, an event
-loop for async ones), each under `rollout.agent_timeout_s`. The calling thread is the engine thread:
+loop for async ones; in `rollout.agent_workers` worker processes if set, agents/program_workers.py),
+each under `rollout.agent_timeout_s`. The calling thread is the engine thread:
 it collects the programs' requests until every running program waits on one (or none came for
 `rollout.agent_batch_wait_ms` or a tenth of an engine call, whichever is longer, and at most ten times
 that after the first), renders them, and samples them in one engine call, so concurrent
