@@ -16,7 +16,9 @@ from other processes hits both alike. Printed: the median tokens/s of each and t
 and the CPU seconds of each rollout (all threads of this process) with the same ratio per CPU second
 (what the endpoint costs in CPU, less sensitive to other processes' load on a shared machine).
 `--async-program` adds a third arm, the example's async variant (`run_async`, AsyncOpenAI clients on
-one event loop instead of a thread per program).
+one event loop instead of a thread per program). `--agent-workers 1 2` adds an arm per number: the sync
+program in that many worker processes (`rollout.agent_workers`); their CPU seconds are not in this
+process's, so the per-CPU-second ratio of those arms counts the trainer's side only.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--batch-wait-ms", type=float, default=20.0, help="rollout.agent_batch_wait_ms")
     ap.add_argument("--async-program", action="store_true", help="also measure the example's async variant (run_async: one event loop)")
+    ap.add_argument("--agent-workers", type=int, nargs="*", default=[], metavar="N",
+                    help="also measure the sync program in N worker processes (rollout.agent_workers), an arm per N")  # fmt: skip
     args = ap.parse_args()
 
     from postrl.agents.gateway import AgentGateway
@@ -61,12 +65,26 @@ def main() -> None:
         agent = f"{ROOT}/examples/openai_agent/calculator_agent.py:{fn}"
         rollout = RolloutConfig(agent=agent, agent_concurrency=len(prompts) * args.n, agent_batch_wait_ms=args.batch_wait_ms)
         arms[name] = AgentGateway(engine, tokenizer, rollout, model=model, max_model_len=512)
+    for workers in args.agent_workers:
+        agent = f"{ROOT}/examples/openai_agent/calculator_agent.py:run"
+        rollout = RolloutConfig(agent=agent, agent_concurrency=len(prompts) * args.n, agent_batch_wait_ms=args.batch_wait_ms,
+                                agent_workers=workers)  # fmt: skip
+        arms[f"endpoint {workers}w"] = AgentGateway(engine, tokenizer, rollout, model=model, max_model_len=512)
     params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, n=args.n, seed=0)
 
+    def workers_cpu(side) -> float:
+        """The CPU seconds of the side's worker processes so far (rollout.agent_workers), 0 for the others."""
+        import psutil
+
+        procs = [w.proc.pid for w in getattr(side.programs, "workers", []) if w is not None] if side is not loop else []
+        return sum(sum(psutil.Process(pid).cpu_times()[:2]) for pid in procs)
+
     def run(side) -> tuple[int, float, float, float, float]:
-        start, cpu = time.perf_counter(), time.process_time()
+        start, cpu, wcpu = time.perf_counter(), time.process_time(), workers_cpu(side)
         out = side.generate(prompts, params, rows=rows) if side is not loop else side.generate(prompts, params)
         seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+        if side is not loop and getattr(side.programs, "workers", None):
+            print(f"{'':14s} + {workers_cpu(side) - wcpu:.2f} s CPU in the worker processes", flush=True)
         turns = sum(len(c.turn_spans or []) for c in out) / len(out)
         return sum(sum(c.loss_mask) for c in out), seconds, cpu, sum(c.tool_calls > 0 for c in out) / len(out), turns
 

@@ -11,7 +11,8 @@ sample with an `openai` client already pointed at that sample's session and the 
 loop, so training, validation, `postrl eval` and `postrl doctor` all roll out through it. Per
 `generate` call: the endpoint (agents/endpoint.py) is started once on loopback; every sample gets a
 session; up to `rollout.agent_concurrency` programs run at once (threads for sync functions, an event
-loop for async ones), each under `rollout.agent_timeout_s`. The calling thread is the engine thread:
+loop for async ones; in `rollout.agent_workers` worker processes if set, agents/program_workers.py),
+each under `rollout.agent_timeout_s`. The calling thread is the engine thread:
 it collects the programs' requests until every running program waits on one (or none came for
 `rollout.agent_batch_wait_ms` or a tenth of an engine call, whichever is longer, and at most ten times
 that after the first), renders them, and samples them in one engine call, so concurrent
@@ -39,6 +40,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from postrl.agents.endpoint import BadRequest, Job, Pending, Server, cut_at_stop, error_body, make_app, prepare, respond
+from postrl.agents.program_workers import WorkerPool
 from postrl.agents.programs import Programs, load_agent
 from postrl.agents.render import TurnRenderer
 from postrl.agents.session import Session
@@ -80,7 +82,10 @@ class AgentGateway(EngineWrapper):
         self.capabilities = replace(engine.capabilities, continuous_batching=False)  # batching: requests go through it
         self.tokenizer, self.cfg, self.log = tokenizer, cfg, log
         self.max_model_len = max_model_len  # prompt + sampled tokens the engine holds (vLLM's KV cache is sized for it)
-        self.programs = Programs(agent if agent is not None else load_agent(cfg.agent), cfg, self._events)
+        if agent is None and getattr(cfg, "agent_workers", 0) > 0:  # only a spec can go to worker processes
+            self.programs: Any = WorkerPool(cfg.agent, cfg.agent_workers, cfg, self._events)
+        else:
+            self.programs = Programs(agent if agent is not None else load_agent(cfg.agent), cfg, self._events)
         self.agent, self.is_async = self.programs.agent, self.programs.is_async
         self.renderer = TurnRenderer(tokenizer)
         self.eos_ids = set(eos_token_ids(model, tokenizer)) if model is not None else {tokenizer.eos_token_id}
@@ -142,6 +147,7 @@ class AgentGateway(EngineWrapper):
             for s in sessions:
                 s.closed = True
                 self._sessions.pop(s.key, None)
+            self.programs.reap()  # worker processes holding programs past their time limit are replaced
         self.stats["timing/agent_generate"] += time.perf_counter() - start
         out = [self._completion(s, prompts[s.prompt_index]) for s in sessions]
         self._record(sessions, out)

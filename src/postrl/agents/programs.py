@@ -119,6 +119,9 @@ class Programs:
         kind = httpx.AsyncClient if is_async else httpx.Client
         return kind(timeout=self.cfg.agent_timeout_s, verify=self._ssl, limits=httpx.Limits(max_connections=4, max_keepalive_connections=1))
 
+    def reap(self) -> None:
+        """The end of a rollout: nothing to do in-process (a stuck thread cannot be killed; the gateway counts it)."""
+
     def close(self) -> None:
         if self._loop is not None:
             clients, self._free[True] = self._free[True], []

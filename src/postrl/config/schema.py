@@ -286,6 +286,11 @@ class RolloutConfig(Section):
     )
     agent_concurrency: int = Field(64, ge=1, description="rollout.agent: programs running at once.")
     agent_timeout_s: float = Field(300.0, gt=0, description="rollout.agent: time limit per sample; a program past it scores 0.")
+    agent_workers: int = Field(
+        0, ge=0,
+        description="rollout.agent: 0 runs the programs in the trainer's process; N >= 1 runs them in N worker processes, so their "
+        "own CPU (the openai client, tools) does not share the trainer's GIL, and a stuck or crashing program is contained.",
+    )  # fmt: skip
     agent_batch_wait_ms: float = Field(
         20.0, ge=0, description="rollout.agent: the endpoint samples the requests it holds once every running program "
         "waits on one, or when none arrived for this long (at most 10x this after the first).",
