@@ -82,7 +82,7 @@ class AgentGateway(EngineWrapper):
         self.capabilities = replace(engine.capabilities, continuous_batching=False)  # batching: requests go through it
         self.tokenizer, self.cfg, self.log = tokenizer, cfg, log
         self.max_model_len = max_model_len  # prompt + sampled tokens the engine holds (vLLM's KV cache is sized for it)
-        if agent is None and getattr(cfg, "agent_workers", 0) > 0:  # only a spec can go to worker processes
+        if agent is None and cfg.agent_workers > 0:  # only a spec can go to worker processes
             self.programs: Any = WorkerPool(cfg.agent, cfg.agent_workers, cfg, self._events)
         else:
             self.programs = Programs(agent if agent is not None else load_agent(cfg.agent), cfg, self._events)
