@@ -17,7 +17,6 @@ the tests have an RM without downloads.
 from __future__ import annotations
 
 import random
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from postrl.data.dataset import read_rows
 from postrl.errors import UserError
 from postrl.rewards.reward_model import encode, prompt_messages, render, sequence_scores
 from postrl.runtime import configure_threads, init_runtime, seed_everything
+from postrl.utils import publish_dir, scratch_path
 
 BUILTIN_PAIRS = "builtin:arithmetic_pairs:"
 
@@ -236,12 +236,10 @@ def run_rm(cfg: Config, console: Any = None) -> dict[str, float]:
         if cfg.logging.progress and (step + 1) % 50 == 0:
             console.print(f"rm step {step + 1}/{s.steps}: loss {loss_ema:.4f}, train accuracy {acc_ema:.3f}")
     out = Path(s.output_dir) / "model"
-    tmp = out.with_name("model.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = scratch_path(out)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    publish_dir(tmp, out)
     console.print(f"RM done: final loss {loss_ema:.4f}; model saved to {out}")
     result = {"rm/loss": loss_ema or 0.0, "rm/train_accuracy": acc_ema or 0.0}
     if s.eval_pairs and s.val_files:

@@ -7,7 +7,6 @@ this gives the tiny model the \\boxed{} format and partial accuracy, leaving roo
 from __future__ import annotations
 
 import random
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from postrl.modality import Modality
 from postrl.models import Policy, load_policy
 from postrl.runtime import Runtime, configure_threads, init_runtime, seed_everything
 from postrl.schedule import lr_lambda
-from postrl.utils import get_dotted
+from postrl.utils import get_dotted, publish_dir, scratch_path
 
 
 def build_examples(rows: list[dict], tokenizer, cfg: Config, source: str, modality: Modality | None = None) -> list[tuple]:
@@ -159,13 +158,10 @@ class _Progress:
 
 def save_model(policy: Policy, out: Path) -> Path:
     """The fine-tuned model at `out` as a plain Hugging Face directory (written aside, then renamed)."""
-    tmp = out.with_name(f"{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = scratch_path(out)
     distributed.save_pretrained(policy.model, tmp, write=True)  # with LoRA: merged, a plain model
     policy.tokenizer.save_pretrained(tmp)  # VLMs: with the image processor (the policy's tokenizer writes it)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
+    return publish_dir(tmp, out)
 
 
 def eval_greedy(policy: Policy, cfg: Config, max_prompts: int, rt: Runtime) -> dict[str, float]:

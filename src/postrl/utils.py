@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import importlib
 import os
+import secrets
+import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 
 def cache_dir() -> Path:
@@ -13,6 +16,39 @@ def cache_dir() -> Path:
     path = Path(os.environ.get("POSTRL_CACHE", Path.home() / ".cache" / "postrl"))
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def scratch_path(target: Path) -> Path:
+    """A temporary name beside `target` that no other writer uses (pid + random), in the target's directory so
+    that the final rename is atomic. Concurrent builders of one artefact (ranks, test workers, two runs on a
+    cold cache) each write their own scratch copy and never see each other's half-written files."""
+    return target.with_name(f".{target.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+
+
+def publish_dir(tmp: Path, target: Path, done: Callable[[Path], bool] | None = None) -> Path:
+    """Rename the finished directory `tmp` to `target` atomically; returns `target`.
+
+    With `done` (a cache): when another builder published a whole `target` first, ours is discarded and
+    theirs reused, so a directory a reader may hold open is never deleted; a leftover that `done` does not
+    accept is moved aside (itself an atomic rename) and replaced. Without `done`: `target` is replaced.
+    """
+    for _ in range(5):
+        try:
+            os.rename(tmp, target)
+            return target
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+        if done is not None and done(target):
+            shutil.rmtree(tmp, ignore_errors=True)
+            return target
+        aside = scratch_path(target)
+        try:
+            os.rename(target, aside)
+        except FileNotFoundError:
+            pass  # another writer moved it first
+        shutil.rmtree(aside, ignore_errors=True)
+    raise OSError(f"could not publish {tmp} as {target}: other writers kept replacing it")
 
 
 def get_dotted(row: dict, dotted: str, default: Any = None) -> Any:

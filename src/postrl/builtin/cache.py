@@ -2,18 +2,20 @@
 
 Cached artefacts (tiny models, task files) are named by a hash of everything they are built from
 (their spec, with a version number that is bumped when the builder's output changes), so a changed
-spec never reuses a stale build; they are written under a temporary name and renamed, so a crash
-never leaves a half build that a later run would pick up.
+spec never reuses a stale build; each builder writes under a temporary name of its own (pid + random) and
+renames it into place atomically, so a crash never leaves a half build that a later run would pick up, and
+builders racing on a cold cache (ranks, test workers, two runs) never share a half-written file.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any, Callable
 
-from postrl.utils import cache_dir
+from postrl.utils import cache_dir, scratch_path
 
 
 def spec_key(spec: dict) -> str:
@@ -37,9 +39,9 @@ def task_files(name: str, version: int, generate: Callable[..., dict[str, list[d
     out.mkdir(parents=True, exist_ok=True)
     splits = generate(**knobs)
     for split, rows in splits.items():
-        tmp = out / f".{split}.parquet.tmp"
+        tmp = scratch_path(paths[split])
         pq.write_table(pa.Table.from_pylist(rows), tmp)
-        tmp.rename(paths[split])
+        os.replace(tmp, paths[split])  # a racing builder's file is the same rows: either one may win
     return paths
 
 

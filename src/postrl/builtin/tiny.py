@@ -20,7 +20,6 @@ cached under <cache>/models/<name>-<key of the spec>; `model.tiny` overrides the
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -29,7 +28,7 @@ import torch
 
 from postrl.builtin import arithmetic, cache, shapes, tool_arithmetic
 from postrl.errors import UserError
-from postrl.utils import cache_dir
+from postrl.utils import cache_dir, publish_dir, scratch_path
 
 TINY_VERSION = 2  # tiny-qwen2; bump when the architecture or the tokenizer corpus changes (invalidates the cache)
 TINY_VL_VERSION = 3  # tiny-qwen2.5-vl; same rule
@@ -288,10 +287,13 @@ def build_tiny_model(name: str = "tiny-qwen2", out_dir: str | Path | None = None
         )
     spec = {**kind.defaults, **overrides, "version": kind.version}
     out = Path(out_dir) if out_dir else cache_dir() / "models" / f"{name}-{cache.spec_key(spec)}"
-    if (out / "config.json").exists() and (out / kind.done_file).exists():
+    def done(path: Path) -> bool:
+        return (path / "config.json").exists() and (path / kind.done_file).exists()
+
+    if done(out):
         return out
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = scratch_path(out)
     tokenizer = train_tokenizer(spec["vocab_size"], kind.special_tokens, kind.chat_template, kind.corpus(spec["seed"]))
     model, savers = kind.build(spec, tokenizer)
     model.generation_config = GenerationConfig(
@@ -300,6 +302,4 @@ def build_tiny_model(name: str = "tiny-qwen2", out_dir: str | Path | None = None
     for part in (model, tokenizer, *savers):
         part.save_pretrained(tmp)
     (tmp / "postrl_tiny.json").write_text(json.dumps(spec, indent=2))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
+    return publish_dir(tmp, out, done)  # a racing builder that published first wins; its build is reused

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 
 from postrl.errors import UserError
+from postrl.utils import scratch_path
 
 TRACKER = "latest_checkpointed_iteration.txt"
 STATE_FILE = "trainer_state.json"
@@ -80,7 +81,7 @@ def fsync_tree(path: Path) -> None:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = scratch_path(path)
     with open(tmp, "w") as f:
         f.write(text)
         f.flush()

@@ -40,6 +40,7 @@ from postrl.data.readers import expand_inputs, iter_records
 from postrl.data.templates import get_template, has_chat_template
 from postrl.errors import UserError
 from postrl.models import load_tokenizer
+from postrl.utils import scratch_path
 
 CHUNK_ROWS = 256
 
@@ -436,7 +437,7 @@ def write_parquet(rows: list[dict], output: str, summary: Summary) -> None:
                 for k, v in r["extra_info"].items()
             }
         table = pa.Table.from_pylist(rows)
-    tmp = output + ".tmp"
+    tmp = scratch_path(Path(output))
     pq.write_table(table, tmp)
     os.replace(tmp, output)
 
