@@ -229,6 +229,23 @@ def test_without_isolation_the_python_tool_runs_nothing_and_says_how_to_fix(no_i
     start_python_tool({"backend": "sandbox_fusion", "url": "http://127.0.0.1:9"})
 
 
+@pytest.mark.skipif(not Path("/usr/bin/python3").exists(), reason="needs the system Python (>= 3.10)")
+def test_without_the_seccomp_filter_nothing_runs(tmp_path):
+    """An interpreter that cannot build the filter (no pyseccomp, as the system Python here; or no libseccomp)
+    gets the refusal, with the fix, and runs nothing, though the namespaces would work."""
+    marker = tmp_path / "ran"
+    script = (f"import sys; sys.path.insert(0, {SRC!r})\n"
+              "from postrl.agents.sandbox import isolation, run_python\n"
+              f"r = run_python({f'open({str(marker)!r}, chr(119))'!r})\n"
+              "print(isolation().namespaces, r.error)\nprint(r.stderr)")
+    proc = subprocess.run(["/usr/bin/python3", "-I", "-c", script], capture_output=True, text=True, timeout=60,
+                          env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
+    if "seccomp filter unavailable" not in proc.stdout:
+        pytest.skip(f"the system Python builds the filter too: {proc.stdout[:200]}{proc.stderr[-300:]}")
+    assert proc.stdout.splitlines()[0] == "False isolation", proc.stdout + proc.stderr
+    assert "seccomp filter unavailable: ModuleNotFoundError" in proc.stdout and "Fix: install libseccomp" in proc.stdout
+    assert not marker.exists()
+
 @pytest.mark.parametrize("command", ["check-config", "train"])
 def test_without_isolation_check_config_and_train_refuse_builtin_python(no_isolation, tmp_path, command, capsys):
     from postrl.cli import main
