@@ -122,11 +122,13 @@ def torch_load(path: Path) -> Any:
     """A .pt file of a checkpoint, without running code from it (the module docstring)."""
     try:
         return torch.load(path, weights_only=True)
-    except pickle.UnpicklingError:
+    except pickle.UnpicklingError as exc:
         # Reads the names only, calls nothing; a file that is no archive raises here and `read` calls it damaged.
         unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        if not unsafe:  # damaged, not hostile
+            raise exc from None
         allowed = [_numpy_array_global(name) for name in unsafe]
-        if not unsafe or None in allowed:
+        if None in allowed:
             raise Untrusted(_untrusted(path, unsafe)) from None
         import numpy as np
 
