@@ -11,7 +11,8 @@ Where the kernel allows it, the run also gets new network, PID, IPC and mount na
 - no Unix sockets: a seccomp filter (built here with libseccomp, `seccomp_program`; loaded by _boot.py)
   makes socket(AF_UNIX) fail with EACCES, so no host service listening on a Unix socket (/run, /tmp, an
   abstract name) is reached; socketpair(AF_UNIX, SOCK_STREAM / SOCK_SEQPACKET) still works (datagram
-  pairs, which could send to a path, do not); io_uring, which would bypass the filter, is refused;
+  pairs, which could send to a path, do not); nor AF_VSOCK (a VM's host); io_uring, which would bypass
+  the filter, is refused;
   a syscall of another ABI (i386, x32) kills the process;
 - no shared IPC: System V and POSIX message queues / shared memory of the host are not visible;
 - no writes outside: every mount is read-only; /tmp, /var/tmp, /dev/shm and the working directory
@@ -128,7 +129,7 @@ def _unshare_cmd() -> tuple[str, ...] | None:
 @lru_cache(maxsize=1)
 def seccomp_program() -> bytes:
     """The seccomp filter of the code's process as classic BPF for this machine's architecture, built once with
-    libseccomp (pyseccomp): the architecture check (another ABI: kill), socket(AF_UNIX) -> EACCES, datagram
+    libseccomp (pyseccomp): the architecture check (another ABI: kill), socket(AF_UNIX / AF_VSOCK) -> EACCES, datagram
     socketpair -> EACCES, io_uring -> EPERM, everything else allowed. Raises where libseccomp is missing."""
     import errno
     import socket
@@ -138,8 +139,10 @@ def seccomp_program() -> bytes:
     flt = sc.SyscallFilter(sc.ALLOW)
     flt.set_attr(sc.Attr.ACT_BADARCH, sc.KILL_PROCESS)
     # Masked compares look at the low 32 bits only, as the kernel does for an int argument: a family of
-    # AF_UNIX + 2**32 must not pass as "not AF_UNIX".
-    flt.add_rule(sc.ERRNO(errno.EACCES), "socket", sc.Arg(0, sc.MASKED_EQ, 0xFFFFFFFF, socket.AF_UNIX))
+    # AF_UNIX + 2**32 must not pass as "not AF_UNIX". AF_VSOCK reaches the hypervisor's host, which no
+    # network namespace fences either.
+    for family in (socket.AF_UNIX, getattr(socket, "AF_VSOCK", 40)):
+        flt.add_rule(sc.ERRNO(errno.EACCES), "socket", sc.Arg(0, sc.MASKED_EQ, 0xFFFFFFFF, family))
     for kind in (socket.SOCK_DGRAM, socket.SOCK_RAW):  # AF_UNIX makes SOCK_RAW a datagram socket
         flt.add_rule(sc.ERRNO(errno.EACCES), "socketpair", sc.Arg(1, sc.MASKED_EQ, 0xF, kind))
     for name in ("io_uring_setup", "io_uring_enter", "io_uring_register"):  # its socket/connect skip seccomp
@@ -218,7 +221,7 @@ def refusal(require_isolation: bool = True, iso: Isolation | None = None) -> str
         what += "Without that fence the code could reach what this machine keeps from it, so postrl refuses. "
         fix = ("Fix: " + ("install libseccomp (apt-get install libseccomp2, or your distribution's libseccomp) and the "
                           "pyseccomp package (pip install pyseccomp, a dependency of postrl)"
-                          if iso.why.startswith("seccomp") else "see the sandbox setup line above")
+                          if iso.why.startswith("seccomp") else "remove the cause the setup line in parentheses names")
                + f", or {remote}.")
         return what + fix
     if root:
