@@ -16,8 +16,8 @@ namespace. It then, in order:
    /dev/shm, a home directory, /root) are bound back in read-only at their own paths,
 4. forks the code's process: drops to uid/gid 65534 (real root) or drops every capability (user
    namespace), sets no_new_privs, installs the seccomp filter the caller built (`sandbox.seccomp_program`:
-   no socket(AF_UNIX), so no filesystem or abstract Unix socket is reached; socketpair for streams keeps
-   working) and the rlimits, and execs `python -I main.py`,
+   no socket(AF_UNIX / AF_VSOCK), so no filesystem or abstract Unix socket and no VM host is reached;
+   socketpair for streams keeps working) and the rlimits, and execs `python -I main.py`,
 5. waits for it as init and exits with its status. When PID 1 exits the kernel kills every process
    left in the namespace, so a daemonised child cannot outlive the call.
 Without the namespaces (`isolate: false`) it skips steps 1-3; step 5 then only keeps a process
