@@ -150,6 +150,134 @@ def daemon(run):
     assert res.stdout == "daemon started\n" and res.error is None, res
 
 
+
+def _unix_listeners(stack):
+    """A stream and a datagram Unix socket in /run (a daemon's place, as root) and /tmp, and an abstract one."""
+    tag = f"postrl-host-{random.getrandbits(48):x}"
+    dirs = [d for d in ("/run", f"/run/user/{os.getuid()}", "/tmp") if os.path.isdir(d) and os.access(d, os.W_OK)]
+    assert "/tmp" in dirs and ("/run" in dirs or os.getuid() != 0), dirs
+    found = []
+    for d in dirs:
+        for kind, suffix in ((socket.SOCK_STREAM, "s"), (socket.SOCK_DGRAM, "d")):
+            sock = stack.enter_context(socket.socket(socket.AF_UNIX, kind))
+            path = os.path.join(d, f"{tag}.{suffix}")
+            sock.bind(path)
+            stack.callback(os.unlink, path)
+            os.chmod(path, 0o777)  # anyone may connect: only the sandbox stands in the way
+            if kind == socket.SOCK_STREAM:
+                sock.listen(4)
+            sock.setblocking(False)
+            found.append((path, kind, sock))
+    abstract = stack.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+    abstract.bind(b"\0" + tag.encode())
+    abstract.listen(4)
+    abstract.setblocking(False)
+    found.append((b"\0" + tag.encode(), socket.SOCK_STREAM, abstract))
+    return found
+
+
+UNIX_ATTEMPTS = """import ctypes, socket
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+for address, kind in TARGETS:
+    tries = [lambda: socket.socket(socket.AF_UNIX, kind).connect(address) if kind == socket.SOCK_STREAM
+             else socket.socket(socket.AF_UNIX, kind).sendto(b'hello', address),
+             lambda: socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)[0].sendto(b'hello', address),
+             lambda: socket.socketpair(socket.AF_UNIX, socket.SOCK_RAW)[0].sendto(b'hello', address)]
+    for n, attempt in enumerate(tries):
+        try:
+            attempt()
+            print('reached', address, n)
+        except OSError as e:
+            print('refused', n, e.errno)
+fd = libc.syscall(ctypes.c_long(socket.SYS_socket if hasattr(socket, 'SYS_socket') else NR_SOCKET),
+                  ctypes.c_long(socket.AF_UNIX + 2**32), ctypes.c_long(socket.SOCK_STREAM), ctypes.c_long(0))
+print('raw socket', fd, ctypes.get_errno())
+try:
+    socket.socket(getattr(socket, 'AF_VSOCK', 40), socket.SOCK_STREAM)
+    print('vsock socket')
+except OSError as e:
+    print('vsock', e.errno)
+print('io_uring', libc.syscall(ctypes.c_long(NR_IO_URING_SETUP), ctypes.c_long(4), ctypes.c_void_p(0)), ctypes.get_errno())
+"""
+NR = {"x86_64": (41, 425), "aarch64": (198, 425)}  # socket, io_uring_setup
+
+
+@case
+def host_unix_sockets(run):
+    """A host service on a Unix socket (/run, /tmp, an abstract name) gets nothing: not a connection, not a datagram.
+    Nor does a VM's host (AF_VSOCK), which the network namespace does not fence either."""
+    import contextlib
+
+    with contextlib.ExitStack() as stack:
+        targets = _unix_listeners(stack)
+        nr_socket, nr_uring = NR[os.uname().machine]
+        code = (f"TARGETS = {[(a, int(k)) for a, k, _ in targets]!r}\nNR_SOCKET, NR_IO_URING_SETUP = {nr_socket}, {nr_uring}\n"
+                + UNIX_ATTEMPTS)
+        res = run(code)
+        assert res.error is None, res
+        lines = res.stdout.splitlines()
+        assert not [line for line in lines if line.startswith("reached")], res.stdout
+        assert lines.count("refused 0 13") + lines.count("refused 1 13") + lines.count("refused 2 13") == 3 * len(targets), res.stdout
+        # The high bits of an int do not pass; a VM's host is not reached through vsock; no io_uring around the filter.
+        assert lines[-3:] == ["raw socket -1 13", "vsock 13", "io_uring -1 1"], res.stdout
+        for address, kind, sock in targets:  # nothing arrived
+            with contextlib.suppress(BlockingIOError):
+                got = sock.accept() if kind == socket.SOCK_STREAM else sock.recv(64)
+                raise AssertionError(f"{address!r} got {got!r} from the sandbox")
+
+
+@case
+def socketpair_still_works(run):
+    code = ("import socket, multiprocessing as mp\na, b = socket.socketpair()\na.sendall(b'ping')\nprint(b.recv(4).decode())\n"
+            "c, d = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)\nc.send(b'seq')\nprint(d.recv(3).decode())\n"
+            "r, w = mp.Pipe()\nw.send({'n': 42})\nprint(r.recv()['n'])\n")
+    res = run(code)
+    assert (res.error, res.stdout) == (None, "ping\nseq\n42\n"), res
+
+
+@case
+def host_ipc(run):
+    """System V shared memory of the host (mode 0666) is not visible: the sandbox has an IPC namespace of its own."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    key = random.getrandbits(30) | 1
+    shm = libc.shmget(ctypes.c_int(key), ctypes.c_size_t(4096), ctypes.c_int(0o1000 | 0o666))  # IPC_CREAT
+    assert shm >= 0, os.strerror(ctypes.get_errno())
+    try:
+        code = (f"import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nprint(libc.shmget(ctypes.c_int({key}), ctypes.c_size_t(0), "
+                "ctypes.c_int(0)), ctypes.get_errno())")
+        res = run(code)
+        assert (res.error, res.stdout) == (None, "-1 2\n"), res  # ENOENT
+    finally:
+        libc.shmctl(ctypes.c_int(shm), ctypes.c_int(0), None)  # IPC_RMID
+
+
+@case
+def mount_not_read_only(run):
+    """A mount the sandbox cannot make read-only (here: one shadowed by a later mount, so that its path leads
+    elsewhere) stops every run: nothing runs, and the error names the mount."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    base = Path(tempfile.mkdtemp(dir=Path(__file__).parent, prefix="postrl-mount-"))  # this case's own mount namespace
+    inner = base / "inner"
+    inner.mkdir()
+    marker = base / "ran"
+    try:
+        for target in (inner, base):  # the second hides the first
+            assert libc.mount(b"tmpfs", str(target).encode(), b"tmpfs", 0, b"size=64k") == 0, os.strerror(ctypes.get_errno())
+        res = run(f"open({str(marker)!r}, 'w').write('ran')\nprint('ran')")
+        assert res.error in ("isolation", "setup") and "ran\n" not in res.stdout, res
+        assert f"the mount at {inner} (tmpfs) cannot be made read-only" in res.stderr, res
+    finally:
+        libc.umount2(str(base).encode(), 2)  # MNT_DETACH
+        libc.umount2(str(inner).encode(), 2)
+        assert not marker.exists()
+        shutil.rmtree(base)
+
+
 def _others() -> list[int]:
     """Live processes of this PID namespace other than this one (the bystander aside)."""
     found = []

@@ -3,7 +3,8 @@ own local sandbox (so the tests run real code, fenced) and answers in SandboxFus
 {status, message, compile_result, run_result: {status, execution_time, return_code, stdout, stderr}, files}.
 
 It counts requests, records the most in flight at once, and can answer the first `fail_first`
-requests with 503 (to test the client's retries).
+requests with `fail_status` (503 by default) and `fail_headers` (e.g. Retry-After), or every answer with
+`reply_bytes` bytes of body (streamed, to test the client's byte cap).
 """
 
 from __future__ import annotations
@@ -16,7 +17,11 @@ from postrl.agents.sandbox import run_python
 
 
 class FakeSandboxFusion:
-    def __init__(self, fail_first: int = 0):
+    def __init__(self, fail_first: int = 0, fail_status: int = 503, fail_headers: dict | None = None, reply_bytes: int = 0,
+                 content_length: bool = True):
+        self.fail_status, self.fail_headers = fail_status, dict(fail_headers or {})
+        self.reply_bytes, self.content_length = reply_bytes, content_length
+        self.sent = 0  # body bytes the server got out before the client hung up (reply_bytes)
         self.requests = 0
         self.inflight = self.max_inflight = 0
         self.fail_first = fail_first
@@ -62,7 +67,9 @@ class FakeSandboxFusion:
                     service.bodies.append(body)
                 try:
                     if self.path != "/run_code" or failing:
-                        payload, status = b"busy", 503 if failing else 404
+                        payload, status = b"busy", service.fail_status if failing else 404
+                    elif service.reply_bytes:
+                        return self._huge()
                     else:
                         payload, status = json.dumps(service.run(body)).encode(), 200
                 finally:
@@ -71,7 +78,24 @@ class FakeSandboxFusion:
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(payload)))
+                for name, value in (service.fail_headers.items() if failing else ()):
+                    self.send_header(name, value)
                 self.end_headers()
                 self.wfile.write(payload)
+
+            def _huge(self) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                if service.content_length:
+                    self.send_header("Content-Length", str(service.reply_bytes))
+                self.end_headers()
+                chunk = b" " * 65536  # JSON whitespace: a valid start of a reply that never ends in time
+                try:
+                    while service.sent < service.reply_bytes:
+                        self.wfile.write(chunk)
+                        service.sent += len(chunk)
+                except OSError:  # the client hung up
+                    pass
+                self.close_connection = True
 
         return Handler

@@ -284,6 +284,60 @@ def test_finetune_and_load_switches(trained, tmp_path):
     _close(with_rng)
 
 
+
+class _RunsCode:
+    """A pickle payload: unpickling it calls os.mkdir(marker), which is how a checkpoint from someone else runs code."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+def test_checkpoint_state_loads_without_running_code(trained, tmp_path):
+    ck = trained["ckpts"] / "iter_0000002"
+    for f in sorted(ck.rglob("*.pt")):  # what postrl writes is tensors, numbers and containers only
+        assert isinstance(torch.load(f, weights_only=True), dict), f
+    root = tmp_path / "ckpts"
+    shutil.copytree(trained["ckpts"], root)
+    marker = tmp_path / "code_ran"
+    for name, way in (("optimizer/rank0.pt", "checkpoint.load_optimizer: false"), ("rng_rank0.pt", "checkpoint.load_rng: false"),
+                      ("dataloader.pt", "checkpoint.finetune: true")):
+        target = root / "iter_0000002" / name
+        good = target.read_bytes()
+        torch.save({"state": {}, "payload": _RunsCode(marker)}, target)
+        with pytest.raises(checkpoint.Untrusted, match="loading it could run code from the file") as err:
+            Trainer(_cfg(tmp_path, PARITY, f"checkpoint.dir={root}"), _quiet())
+        assert str(target) in str(err.value) and way in str(err.value) and "posix.mkdir" in str(err.value)
+        assert not marker.exists()
+        target.write_bytes(good)
+    # The way out the message names: the weights only (safetensors), a fresh run.
+    torch.save({"sampler": _RunsCode(marker)}, root / "iter_0000002" / "dataloader.pt")
+    ft = Trainer(_cfg(tmp_path, PARITY, f"checkpoint.dir={root}", "checkpoint.finetune=true"), _quiet())
+    assert ft.step == 0 and not marker.exists()
+    _close(ft)
+
+
+def test_an_rng_file_of_the_first_format_still_resumes(trained, tmp_path):
+    """The first format kept numpy's RNG key as a numpy array: it loads (numpy's number arrays allowed, nothing else)."""
+    import numpy as np
+
+    from postrl.runtime import rng_state
+
+    root = tmp_path / "ckpts"
+    shutil.copytree(trained["ckpts"], root)
+    np.random.seed(7)
+    old = rng_state()  # the tuple numpy returns, array and all, as the first format saved it
+    old["torch"] = torch.Generator().manual_seed(321).get_state()
+    torch.save(old, root / "iter_0000002" / "rng_rank0.pt")
+    expected = np.random.rand(4)  # what numpy draws next from the saved state
+    np.random.seed(0)
+    tr = Trainer(_cfg(tmp_path, PARITY, f"checkpoint.dir={root}"), _quiet())
+    assert tr.step == 2 and torch.equal(torch.get_rng_state(), old["torch"])
+    assert np.array_equal(np.random.rand(4), expected)
+    _close(tr)
+
 def test_changed_settings_on_resume_warn_and_name_the_override(trained, tmp_path):
     out = Trainer(
         _cfg(tmp_path, PARITY, f"checkpoint.dir={trained['ckpts']}", "train.global_batch_size=2", "train.lr=1e-3"),

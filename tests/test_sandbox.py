@@ -172,6 +172,10 @@ def test_a_venv_in_a_scratch_directory_stays_usable_inside(scratch):
     home = Path(tempfile.mkdtemp(prefix="postrl-venv-", dir=scratch))
     try:
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(home / "venv")], check=True, timeout=60)
+        import pyseccomp  # the seccomp filter's builder, which the sandbox needs: this venv finds it where it lies
+
+        site = next((home / "venv" / "lib").glob("python3*/site-packages"))
+        (site / "pyseccomp.pth").write_text(os.path.dirname(pyseccomp.__file__) + "\n")
         code = ("from postrl.agents.sandbox import isolation, run_python\n"
                 "r = run_python('import os, sys\\nprint(os.getuid(), sys.prefix)\\nopen(sys.prefix + \"/x\", \"w\")')\n"
                 "print(isolation().namespaces, r.stdout.strip(), r.stderr.strip().splitlines()[-1])")
@@ -224,6 +228,23 @@ def test_without_isolation_the_python_tool_runs_nothing_and_says_how_to_fix(no_i
     # The remote backend does not need this machine's namespaces.
     start_python_tool({"backend": "sandbox_fusion", "url": "http://127.0.0.1:9"})
 
+
+@pytest.mark.skipif(not Path("/usr/bin/python3").exists(), reason="needs the system Python (>= 3.10)")
+def test_without_the_seccomp_filter_nothing_runs(tmp_path):
+    """An interpreter that cannot build the filter (no pyseccomp, as the system Python here; or no libseccomp)
+    gets the refusal, with the fix, and runs nothing, though the namespaces would work."""
+    marker = tmp_path / "ran"
+    script = (f"import sys; sys.path.insert(0, {SRC!r})\n"
+              "from postrl.agents.sandbox import isolation, run_python\n"
+              f"r = run_python({f'open({str(marker)!r}, chr(119))'!r})\n"
+              "print(isolation().namespaces, r.error)\nprint(r.stderr)")
+    proc = subprocess.run(["/usr/bin/python3", "-I", "-c", script], capture_output=True, text=True, timeout=60,
+                          env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
+    if "seccomp filter unavailable" not in proc.stdout:
+        pytest.skip(f"the system Python builds the filter too: {proc.stdout[:200]}{proc.stderr[-300:]}")
+    assert proc.stdout.splitlines()[0] == "False isolation", proc.stdout + proc.stderr
+    assert "seccomp filter unavailable: ModuleNotFoundError" in proc.stdout and "Fix: install libseccomp" in proc.stdout
+    assert not marker.exists()
 
 @pytest.mark.parametrize("command", ["check-config", "train"])
 def test_without_isolation_check_config_and_train_refuse_builtin_python(no_isolation, tmp_path, command, capsys):
@@ -304,6 +325,9 @@ def test_an_ordinary_user_gets_the_same_fences_through_a_user_namespace(userns):
     shared = tempfile.mkdtemp(prefix="postrl-userns-", dir=Path(__file__).parent)
     os.chmod(shared, 0o777)
     target = os.path.join(shared, "escape.txt")
+    import pyseccomp  # the filter's builder (one pure-Python file), where uid 65533 and the system Python find it
+
+    shutil.copy(pyseccomp.__file__, shared)
     path = "/usr/bin:/bin"
     if userns == "refused":
         fake = Path(shared) / "bin"  # where uid 65533 can reach it (pytest's tmp_path is private)
@@ -314,7 +338,7 @@ def test_an_ordinary_user_gets_the_same_fences_through_a_user_namespace(userns):
     try:
         proc = subprocess.run(
             ["/usr/bin/setpriv", "--reuid=65533", "--regid=65533", "--clear-groups", "/usr/bin/python3", "-I", "-c",
-             f"import sys; sys.path.insert(0, {str(Path(sandbox_mod.__file__).parents[2])!r})\n" + USERNS_SCRIPT, target],
+             f"import sys; sys.path[:0] = [{str(Path(sandbox_mod.__file__).parents[2])!r}, {shared!r}]\n" + USERNS_SCRIPT, target],
             capture_output=True, text=True, timeout=120, cwd="/", env={"PATH": path, "HOME": "/"},
         )
         assert proc.returncode == 0, proc.stderr

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 
 import pytest
 from conftest import tiny_overrides
@@ -14,6 +15,7 @@ from sandbox_fusion_server import FakeSandboxFusion
 
 from postrl.agents import CallStats, ToolResult, call_tool, load_tools
 from postrl.agents.sandbox import isolation, sandbox_description
+from postrl.agents import sandbox_fusion
 from postrl.agents.sandbox_fusion import _result, run_remote
 
 pytestmark = pytest.mark.skipif(not isolation().namespaces, reason=f"the stand-in service runs the local sandbox: {sandbox_description()}")
@@ -35,18 +37,57 @@ def test_the_tool_gets_the_local_sandboxs_results_and_metrics():
         assert [(b["language"], b["run_timeout"], b["memory_limit_MB"]) for b in service.bodies] == [("python", 4, 300), ("python", 4, 300), ("python", 1, 300)]
 
 
-def test_connection_errors_and_busy_answers_are_retried():
-    with FakeSandboxFusion(fail_first=2) as service:  # two 503s, then the answer
-        res = run_remote("print('third time')", url=service.url, retries=2)
-        assert (res.error, res.stdout, service.requests) == (None, "third time\n", 3)
-    with FakeSandboxFusion(fail_first=5) as service:
-        res = run_remote("print(1)", url=service.url, retries=1)
-        assert res.error == "setup" and "HTTP 503" in res.stderr and service.requests == 2
+@pytest.mark.parametrize("status", [502, 503, 429])
+def test_an_answer_that_reached_the_service_is_never_sent_again(status):
+    """A 502 / 503 from a proxy may come after the service ran the code: one request, whatever the retries."""
+    with FakeSandboxFusion(fail_first=1, fail_status=status) as service:
+        res = run_remote("print('ran')", url=service.url, retries=3)
+        assert res.error == "setup" and f"HTTP {status}" in res.stderr and service.requests == 1, res
+        assert run_remote("print('ran')", url=service.url, retries=3).stdout == "ran\n" and service.requests == 2
+
+
+def test_only_a_connection_that_could_not_be_made_is_retried():
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     res = run_remote("print(1)", url=f"http://127.0.0.1:{port}", retries=1, connect_timeout_s=1)
     assert res.error == "setup" and f"at http://127.0.0.1:{port} is unreachable after 1 retries" in res.stderr
+    with FakeSandboxFusion() as service:  # a connection the service drops after reading the request: not sent again
+        service.run = lambda body: (_ for _ in ()).throw(ConnectionAbortedError("dropped"))
+        res = run_remote("print(1)", url=service.url, retries=3)
+        assert res.error == "setup" and service.requests == 1 and "broke before its answer (not sent again" in res.stderr, res
+
+
+def test_retry_after_is_capped_and_holds_back_the_next_call():
+    with FakeSandboxFusion(fail_first=1, fail_headers={"Retry-After": "99999"}) as service:
+        url = service.url + "/"  # the same service, a different key of the module's hold-back table than other tests
+        res = run_remote("print(1)", url=url, retry_after_max_s=0.2)
+        assert res.error == "setup" and "HTTP 503" in res.stderr and service.requests == 1
+        before = time.monotonic()
+        res = run_remote("print(2)", url=url, retry_after_max_s=0.2)
+        assert (res.error, res.stdout, service.requests) == (None, "2\n", 2)
+        assert 0.15 <= time.monotonic() - before < 30  # held back for the cap, not for 99999 s
+    assert sandbox_fusion._retry_after_s("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0 and sandbox_fusion._retry_after_s("x") is None
+
+
+@pytest.mark.parametrize("content_length", [True, False])
+def test_a_reply_is_read_up_to_max_reply_bytes(content_length):
+    with FakeSandboxFusion(reply_bytes=512 << 20, content_length=content_length) as service:
+        res = run_remote("print(1)", url=service.url, max_reply_bytes=1 << 20)
+        assert res.error == "output_limit" and res.truncated and "longer than max_reply_bytes (1048576)" in res.stderr, res
+    assert service.sent < 64 << 20  # the client hung up: the server got out far less than its 512 MiB
+
+
+def test_plain_http_to_another_host_is_warned_about(caplog):
+    from postrl.agents.tools import start_python_tool
+
+    for url in ("http://127.0.0.1:8080", "http://localhost:1", "http://[::1]:8080", "https://sandbox.example:443"):
+        assert sandbox_fusion.plain_http_warning(url) is None, url
+    warning = sandbox_fusion.plain_http_warning("http://10.1.2.3:8080")
+    assert warning.startswith("WARNING: rollout.multi_turn.sandbox.url is plain http:// to 10.1.2.3") and "https://" in warning
+    said = []
+    start_python_tool({"backend": "sandbox_fusion", "url": "http://sandbox-host:8080"}, said.append)
+    assert "plain http:// to sandbox-host" in said[0] and "plain http://" in caplog.text
 
 
 def test_at_most_concurrency_requests_are_in_flight():

@@ -6,7 +6,8 @@ kernel allows it), with the model's code on stdin. It imports nothing from postr
 
 Inside the namespaces (`isolate: true`) it is PID 1 of a new PID namespace and root of a new mount
 namespace. It then, in order:
-1. makes every mount private and read-only (so nothing outside can be written, whoever runs),
+1. makes every mount private and read-only (so nothing outside can be written, whoever runs); a mount
+   that refuses (other than the kernel's interfaces: /proc, /sys, KERNEL_FS) stops the run, nothing runs,
 2. mounts fresh size-limited tmpfs on /tmp, /var/tmp, /dev/shm and on the working directory (the
    code's only writable places, gone with the namespace),
 3. hides the home directories (and, as real root, any private ancestor of the interpreter such as
@@ -14,7 +15,9 @@ namespace. It then, in order:
    own trees (its venv, its base prefix) that lay under any directory of steps 2-3 (a venv in /tmp,
    /dev/shm, a home directory, /root) are bound back in read-only at their own paths,
 4. forks the code's process: drops to uid/gid 65534 (real root) or drops every capability (user
-   namespace), sets no_new_privs and the rlimits, and execs `python -I main.py`,
+   namespace), sets no_new_privs, installs the seccomp filter the caller built (`sandbox.seccomp_program`:
+   no socket(AF_UNIX / AF_VSOCK), so no filesystem or abstract Unix socket and no VM host is reached;
+   socketpair for streams keeps working) and the rlimits, and execs `python -I main.py`,
 5. waits for it as init and exits with its status. When PID 1 exits the kernel kills every process
    left in the namespace, so a daemonised child cannot outlive the call.
 Without the namespaces (`isolate: false`) it skips steps 1-3; step 5 then only keeps a process
@@ -26,6 +29,7 @@ A setup failure exits with SETUP_FAILED and one line on stderr starting with "sa
 import ctypes
 import json
 import os
+import re
 import resource
 import stat
 import sys
@@ -34,8 +38,12 @@ SETUP_FAILED = 125
 NOBODY = 65534
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC = 32, 1024, 2048, 4096, 16384
-MS_PRIVATE, MS_RELATIME = 1 << 18, 1 << 21
-PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 24, 38
+MS_NOSYMFOLLOW, MS_PRIVATE, MS_RELATIME = 256, 1 << 18, 1 << 21
+PR_CAPBSET_DROP, PR_SET_SECCOMP, PR_SET_NO_NEW_PRIVS = 24, 22, 38
+SECCOMP_MODE_FILTER = 2
+# Kernel interfaces that hold no user files: a refused read-only remount of these is not a way out.
+KERNEL_FS = frozenset({"proc", "sysfs", "cgroup", "cgroup2", "devpts", "mqueue", "debugfs", "tracefs", "securityfs",
+                       "pstore", "bpf", "configfs", "fusectl", "binfmt_misc", "nsfs"})
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -53,25 +61,34 @@ def _mount(source, target, fstype, flags, data=None):
         raise OSError(err, f"mount {fstype or source} on {target}: {os.strerror(err)}")
 
 
+def _unescape(raw):
+    """A mountinfo field as a path: the kernel writes space, tab, newline and backslash as \\ooo octal."""
+    return os.fsdecode(re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]), raw))
+
+
 def _mount_points():
+    """(mount point, file system type) of every mount of this namespace, in mount order."""
     points = []
-    with open("/proc/self/mountinfo") as f:
+    with open("/proc/self/mountinfo", "rb") as f:
         for line in f:
-            raw = line.split()[4]
-            points.append(raw.encode().decode("unicode_escape"))  # mountinfo escapes spaces as \040
+            fields, _, rest = line.partition(b" - ")
+            points.append((_unescape(fields.split()[4]), os.fsdecode(rest.split()[0]) if rest else ""))
     return points
 
 
 def _remount_read_only():
-    for point in _mount_points():
+    """Every mount read-only, or nothing runs: a mount left writable is a way out. Exempt only the kernel's
+    interfaces (/proc, /sys and the pseudo file systems of KERNEL_FS), which hold no user files; the code
+    meets them without privileges (uid 65534 or no capabilities)."""
+    for point, fstype in _mount_points():
         try:
             _mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | _locked_flags(point))
         except OSError as exc:
-            if point == "/":
-                raise
-            # Kernel pseudo file systems (proc, sysfs, cgroup) may refuse; they hold no user files.
-            if not point.startswith(("/proc", "/sys", "/dev")):
-                sys.stderr.write(f"sandbox setup: warning: {exc}\n")
+            if point != "/" and (fstype in KERNEL_FS or point.startswith(("/proc/", "/sys/")) or point in ("/proc", "/sys")):
+                continue
+            raise OSError(exc.errno, f"the mount at {point} ({fstype or 'unknown type'}) cannot be made read-only "
+                                     f"({os.strerror(exc.errno or 0)}), so the code could write there; nothing runs. "
+                                     f"Fix: unmount it, or make it read-only before starting postrl") from None
 
 
 def _blocking_ancestor(path):
@@ -92,7 +109,8 @@ def _under(path, directory):
 def _locked_flags(path):
     """The flags of the mount at `path` that a bind remount must keep (in a user namespace, dropping one is EPERM)."""
     keep = {os.ST_NOSUID: MS_NOSUID, os.ST_NODEV: MS_NODEV, os.ST_NOEXEC: MS_NOEXEC,
-            os.ST_NOATIME: MS_NOATIME, os.ST_NODIRATIME: MS_NODIRATIME, os.ST_RELATIME: MS_RELATIME}
+            os.ST_NOATIME: MS_NOATIME, os.ST_NODIRATIME: MS_NODIRATIME, os.ST_RELATIME: MS_RELATIME,
+            getattr(os, "ST_NOSYMFOLLOW", 8192): MS_NOSYMFOLLOW}
     have = os.statvfs(path).f_flag
     return sum(ms for st, ms in keep.items() if have & st)
 
@@ -161,6 +179,24 @@ def _drop_privileges(s):
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
 
 
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+def _install_filter(program):
+    """Load the seccomp program (sandbox.seccomp_program, classic BPF, 8 bytes an instruction) into this
+    process; every process the code starts inherits it, and nothing can remove it."""
+    if not program or len(program) % 8 or len(program) // 8 > 4096:
+        raise OSError(22, f"a seccomp program of {len(program)} bytes is not one")
+    buf = ctypes.create_string_buffer(program, len(program))
+    prog = _SockFprog(len(program) // 8, ctypes.cast(buf, ctypes.c_void_p))
+    ok = _libc.prctl(ctypes.c_int(PR_SET_SECCOMP), ctypes.c_ulong(SECCOMP_MODE_FILTER), ctypes.byref(prog),
+                     ctypes.c_ulong(0), ctypes.c_ulong(0))
+    if ok != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"cannot install the seccomp filter: {os.strerror(err)}")
+
+
 def _exec_code(s):
     _set_limits(s)
     os.chdir(s["workdir"])
@@ -186,6 +222,8 @@ def main():
     if pid == 0:
         try:
             _drop_privileges(s)
+            if s["isolate"]:  # after no_new_privs (which an unprivileged filter needs), before the code
+                _install_filter(bytes.fromhex(s["seccomp"]))
             _exec_code(s)
         except BaseException as exc:  # noqa: BLE001 - the child must never return into main()
             sys.stderr.write(f"sandbox setup: {exc}\n")

@@ -5,9 +5,16 @@ with an empty environment and its own working directory, captures at most `max_o
 output, and at the time limit kills the whole process group (SIGKILL to -pgid). It never raises for
 anything the code does: the outcome is a `SandboxResult`.
 
-Where the kernel allows it, the run also gets new network, PID and mount namespaces (util-linux
+Where the kernel allows it, the run also gets new network, PID, IPC and mount namespaces (util-linux
 `unshare`; `-r`, an unprivileged user namespace, when not root), set up by `_boot.py`:
 - no network: the namespace has only a loopback interface that is down, so every connect fails;
+- no Unix sockets: a seccomp filter (built here with libseccomp, `seccomp_program`; loaded by _boot.py)
+  makes socket(AF_UNIX) fail with EACCES, so no host service listening on a Unix socket (/run, /tmp, an
+  abstract name) is reached; socketpair(AF_UNIX, SOCK_STREAM / SOCK_SEQPACKET) still works (datagram
+  pairs, which could send to a path, do not); nor AF_VSOCK (a VM's host); io_uring, which would bypass
+  the filter, is refused;
+  a syscall of another ABI (i386, x32) kills the process;
+- no shared IPC: System V and POSIX message queues / shared memory of the host are not visible;
 - no writes outside: every mount is read-only; /tmp, /var/tmp, /dev/shm and the working directory
   are fresh size-limited tmpfs that vanish with the namespace;
 - nothing left running: the code runs under a small init (PID 1 of the namespace); when the code's
@@ -115,7 +122,35 @@ def _unshare_cmd() -> tuple[str, ...] | None:
     if unshare is None:
         return None
     user = () if os.geteuid() == 0 else ("--map-root-user",)
-    return (unshare, *user, "--net", "--pid", "--mount", "--mount-proc", "--kill-child", "--propagation", "private", "--")
+    return (unshare, *user, "--net", "--pid", "--ipc", "--mount", "--mount-proc", "--kill-child", "--propagation", "private",
+            "--")
+
+
+@lru_cache(maxsize=1)
+def seccomp_program() -> bytes:
+    """The seccomp filter of the code's process as classic BPF for this machine's architecture, built once with
+    libseccomp (pyseccomp): the architecture check (another ABI: kill), socket(AF_UNIX / AF_VSOCK) -> EACCES, datagram
+    socketpair -> EACCES, io_uring -> EPERM, everything else allowed. Raises where libseccomp is missing."""
+    import errno
+    import socket
+
+    import pyseccomp as sc
+
+    flt = sc.SyscallFilter(sc.ALLOW)
+    flt.set_attr(sc.Attr.ACT_BADARCH, sc.KILL_PROCESS)
+    # Masked compares look at the low 32 bits only, as the kernel does for an int argument: a family of
+    # AF_UNIX + 2**32 must not pass as "not AF_UNIX". AF_VSOCK reaches the hypervisor's host, which no
+    # network namespace fences either.
+    for family in (socket.AF_UNIX, getattr(socket, "AF_VSOCK", 40)):
+        flt.add_rule(sc.ERRNO(errno.EACCES), "socket", sc.Arg(0, sc.MASKED_EQ, 0xFFFFFFFF, family))
+    for kind in (socket.SOCK_DGRAM, socket.SOCK_RAW):  # AF_UNIX makes SOCK_RAW a datagram socket
+        flt.add_rule(sc.ERRNO(errno.EACCES), "socketpair", sc.Arg(1, sc.MASKED_EQ, 0xF, kind))
+    for name in ("io_uring_setup", "io_uring_enter", "io_uring_register"):  # its socket/connect skip seccomp
+        flt.add_rule(sc.ERRNO(errno.EPERM), name)
+    with tempfile.TemporaryFile() as f:
+        flt.export_bpf(f)
+        f.seek(0)
+        return f.read()
 
 
 @lru_cache(maxsize=1)
@@ -124,18 +159,44 @@ def isolation() -> Isolation:
     cmd = _unshare_cmd()
     if cmd is None:
         return _fallback("unshare not found; install util-linux")
+    try:
+        seccomp_program()
+    except Exception as exc:  # noqa: BLE001 - no pyseccomp, no libseccomp.so, an old libseccomp: no filter, no run
+        return _fallback(f"seccomp filter unavailable: {type(exc).__name__}: {exc}")
     trial = Isolation(True, cmd, os.geteuid() == 0, "")
-    probe = "import socket\ns = socket.socket()\ns.settimeout(2)\ntry:\n    s.connect(('1.1.1.1', 53))\n    print('connected')\nexcept OSError:\n    print('isolated')\n"
-    res = _run(probe, trial, timeout_s=30.0, max_output_bytes=4096, memory_mb=512, cpu_s=30, max_processes=8,
+    res = _run(_PROBE, trial, timeout_s=30.0, max_output_bytes=4096, memory_mb=512, cpu_s=30, max_processes=8,
                max_file_mb=1, max_open_files=64, tmpfs_mb=8)
     if res.ok and res.stdout.strip() == "isolated":
         who = "uid 65534" if trial.drop_to_nobody else "no capabilities"
         return Isolation(True, cmd, trial.drop_to_nobody,
-                         f"sandbox: no network (network namespace); read-only file system, private /tmp; PID namespace; {who}")
-    if res.ok and res.stdout.strip() == "connected":
-        return _fallback("a connection left the network namespace")
-    why = (res.stderr.strip().splitlines() or [res.error or res.stdout.strip() or "unknown"])[-1][:200]
-    return _fallback(f"unshare refused: {why}")
+                         f"sandbox: no network (network namespace); no Unix sockets (seccomp); read-only file system, private /tmp; "
+                         f"PID and IPC namespaces; {who}")
+    if res.ok and res.stdout.strip() in ("connected", "unix socket"):
+        return _fallback("a connection left the network namespace" if res.stdout.strip() == "connected" else
+                         "the seccomp filter did not refuse socket(AF_UNIX)")
+    why = (res.stderr.strip().splitlines() or [res.error or res.stdout.strip() or "unknown"])[-1][:400]
+    return _fallback(why if why.startswith("sandbox setup:") else f"unshare refused: {why}")
+
+
+# The trial run: no route out, no Unix socket, and a stream socketpair still works.
+_PROBE = """import socket
+try:
+    socket.socket(socket.AF_UNIX).close()
+    print('unix socket')
+    raise SystemExit
+except PermissionError:
+    pass
+a, b = socket.socketpair()
+a.sendall(b'x')
+assert b.recv(1) == b'x'
+s = socket.socket()
+s.settimeout(2)
+try:
+    s.connect(('1.1.1.1', 53))
+    print('connected')
+except OSError:
+    print('isolated')
+"""
 
 
 def _fallback(why: str) -> Isolation:
@@ -156,6 +217,13 @@ def refusal(require_isolation: bool = True, iso: Isolation | None = None) -> str
             f"({iso.why}). ")
     remote = ("send the code to a SandboxFusion service instead: rollout.multi_turn.sandbox.backend: sandbox_fusion "
               "with rollout.multi_turn.sandbox.url (docs/agents.md, 'Tools and the sandbox')")
+    if iso.why.startswith(("seccomp filter unavailable", "sandbox setup:")):  # namespaces work, a fence does not
+        what += "Without that fence the code could reach what this machine keeps from it, so postrl refuses. "
+        fix = ("Fix: " + ("install libseccomp (apt-get install libseccomp2, or your distribution's libseccomp) and the "
+                          "pyseccomp package (pip install pyseccomp, a dependency of postrl)"
+                          if iso.why.startswith("seccomp") else "remove the cause the setup line in parentheses names")
+               + f", or {remote}.")
+        return what + fix
     if root:
         if not require_isolation:
             what += ("rollout.multi_turn.sandbox.require_isolation: false is never honoured as root: the code would run "
@@ -269,6 +337,7 @@ def _run(code: str, iso: Isolation, *, timeout_s: float, max_output_bytes: int, 
             "open_files": int(max_open_files),
             "nproc": int(nproc),
             "tmpfs_mb": int(tmpfs_mb),
+            "seccomp": seccomp_program().hex() if iso.namespaces else "",
         }
         argv = [*iso.unshare_cmd, python, "-I", str(BOOT), json.dumps(settings)]
         return _supervise(argv, code.encode("utf-8", "replace"), workdir, timeout_s, max_output_bytes)

@@ -73,7 +73,8 @@ class Tool:
 # The python tool's settings (rollout.multi_turn.sandbox), by the backend that reads them.
 LOCAL_KEYS = ("max_output_bytes", "memory_mb", "cpu_s", "max_processes", "max_file_mb", "max_open_files", "tmpfs_mb",
               "require_isolation")
-REMOTE_KEYS = ("url", "max_output_bytes", "memory_mb", "concurrency", "retries", "connect_timeout_s", "request_slack_s")
+REMOTE_KEYS = ("url", "max_output_bytes", "memory_mb", "concurrency", "retries", "connect_timeout_s", "request_slack_s",
+               "max_reply_bytes", "retry_after_max_s")
 SANDBOX_LIMITS = ("backend", *dict.fromkeys(LOCAL_KEYS + REMOTE_KEYS))
 
 
@@ -91,7 +92,12 @@ def start_python_tool(settings: dict, say: Callable[[str], Any] | None = None) -
     """At the start of a run with builtin:python: a UserError where its code cannot be fenced (what, why, fix);
     else one line on how it is fenced, through `say` (and a warning to the log at every run that is not fenced)."""
     if settings.get("backend", "local") == "sandbox_fusion":
+        from postrl.agents.sandbox_fusion import plain_http_warning
+
         line = f"sandbox: the python tool's code runs on the SandboxFusion service at {settings.get('url')} (its isolation)"
+        if (warning := plain_http_warning(str(settings.get("url") or ""))) is not None:
+            log.warning(warning)
+            line += f"\n{warning}"
     else:
         why = refusal(settings.get("require_isolation", True))
         if why is not None:

@@ -35,7 +35,7 @@ from typing import Any
 from postrl import distributed
 from postrl.checkpoint.best import BEST, best_so_far, fell_below_best, keep_if_best, save_best
 from postrl.checkpoint.exporter import export, model_dtype, resolve_model_dir
-from postrl.checkpoint.files import STATE_FILE, TRACKER, complete_iters, describe, fsync_dir, fsync_tree, iter_dir, read_tracker
+from postrl.checkpoint.files import STATE_FILE, TRACKER, Untrusted, complete_iters, describe, fsync_dir, fsync_tree, iter_dir, read_tracker
 from postrl.checkpoint.files import write_atomic as _write_atomic
 from postrl.checkpoint.lock import RunLock, check_run_dirs
 from postrl.checkpoint.restore import Restored, find_resume_dir, load_adapter, load_weights, resume, setting_changes
@@ -43,7 +43,7 @@ from postrl.checkpoint.store import CRASH_ENV, FORMAT_VERSION, clean_leftovers, 
 from postrl.errors import UserError
 
 __all__ = [
-    "BEST", "CRASH_ENV", "FORMAT_VERSION", "STATE_FILE", "TRACKER", "Restored", "RunLock", "best_so_far",
+    "BEST", "CRASH_ENV", "FORMAT_VERSION", "STATE_FILE", "TRACKER", "Restored", "RunLock", "Untrusted", "best_so_far",
     "check_run_dirs", "describe", "export", "fell_below_best", "find_resume_dir", "iter_dir", "keep_if_best", "load_adapter",
     "load_weights", "model_dtype", "read_tracker", "resolve_model_dir", "resume", "save", "save_best",
     "setting_changes",

@@ -5,12 +5,19 @@
 
 Writes are fsynced and renamed into place, so a crash never leaves a half file under its real name;
 a read that fails names the damaged file and the way back to an intact checkpoint.
+
+Reads never run code from the file: every .pt file loads with `torch.load(weights_only=True)`
+(tensors, numbers, strings, containers). What postrl writes is only that (store.py keeps numpy's RNG
+key as a tensor). The first format kept that key as a numpy array, which loads with numpy's array
+types allowed and nothing else (an array of objects would need more and is refused). Any other file
+is refused with what to do instead (`Untrusted`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any, Callable
@@ -103,14 +110,70 @@ def remove(path: Path) -> None:
 # ------------------------------------------------------------------------------------------ reads
 
 
+# The numpy globals of the first format's RNG files (numpy's MT19937 key as an array): enough to rebuild an
+# array of numbers, not to call anything else.
+_NUMPY_ARRAY = ("_reconstruct", "ndarray", "dtype", "DType")
+
+
+class Untrusted(UserError):
+    """A checkpoint file that holds pickled Python objects beyond tensors and numbers: refused unread."""
+
+
 def torch_load(path: Path) -> Any:
-    return torch.load(path, weights_only=False)
+    """A .pt file of a checkpoint, without running code from it (the module docstring)."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        # Reads the names only, calls nothing; a file that is no archive raises here and `read` calls it damaged.
+        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        if not unsafe:  # damaged, not hostile
+            raise exc from None
+        allowed = [_numpy_array_global(name) for name in unsafe]
+        if None in allowed:
+            raise Untrusted(_untrusted(path, unsafe)) from None
+        import numpy as np
+
+        numbers = {type(np.dtype(c)) for c in "?bBhHiIlLqQefdgFDG"}  # numeric dtypes only: no objects inside
+        try:
+            with torch.serialization.safe_globals([*allowed, *numbers]):
+                return torch.load(path, weights_only=True)
+        except pickle.UnpicklingError:  # e.g. an array of objects
+            raise Untrusted(_untrusted(path, unsafe)) from None
+
+
+def _numpy_array_global(name: str) -> Any:
+    """The numpy object `name` names when a first-format RNG file may use it (an array of numbers), else None."""
+    import importlib
+
+    module, _, attr = name.rpartition(".")
+    if module.split(".")[0] != "numpy" or attr == "ObjectDType":
+        return None
+    if attr not in _NUMPY_ARRAY and not (module == "numpy.dtypes" and attr.endswith("DType")):
+        return None
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError):
+        return None
+
+
+def _untrusted(path: Path, unsafe: list[str]) -> str:
+    names = ", ".join(sorted(unsafe))[:300]
+    way = ("resume with checkpoint.load_optimizer: false (fresh optimizer moments, the LR schedule continues) or "
+           if path.parent.name in ("optimizer", "critic") or path.name == "scheduler.pt" else
+           "resume with checkpoint.load_rng: false (the RNG seeded from train.seed) or " if path.name.startswith("rng_") else "")
+    return (f"{path} holds pickled Python objects ({names}), not only tensors and numbers: loading it could run code "
+            "from the file, so postrl does not read it (checkpoint state loads with torch.load(weights_only=True); postrl "
+            f"never writes such objects). Fix: {way}start from the checkpoint's weights only (safetensors, no code) with "
+            "checkpoint.finetune: true, a fresh run at step 0; if you wrote the file yourself, check what wrote those "
+            "objects.")
 
 
 def read(path: Path, load: Callable[[Path], Any]) -> Any:
     """`load(path)`, with a truncated or garbage file reported by name and with the way back."""
     try:
         return load(path)
+    except UserError:  # said already (e.g. Untrusted)
+        raise
     except Exception as exc:  # noqa: BLE001 - torch / safetensors / pickle each raise their own types
         ckpt = next((p for p in [path, *path.parents] if iter_step(p) is not None), None)
         if ckpt is None:  # a model directory, not a checkpoint

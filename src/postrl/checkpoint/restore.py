@@ -20,7 +20,7 @@ import torch
 
 from postrl import distributed, lora
 from postrl.checkpoint.files import STATE_FILE, TRACKER, complete_iters, iter_dir, iter_step, read, read_tracker, torch_load
-from postrl.checkpoint.store import batch_settings, lora_settings, optim_settings
+from postrl.checkpoint.store import batch_settings, lora_settings, optim_settings, rng_from_file
 from postrl.errors import UserError
 
 
@@ -154,7 +154,7 @@ def resume(cfg: Any, train_prompts: int, log=print) -> Restored | None:
             restored.critic_scheduler = read(path / "critic" / "scheduler.pt", torch_load)
     rng_file = path / f"rng_rank{rank}.pt"
     if ck.load_rng and rng_file.exists():
-        restored.rng = read(rng_file, torch_load)
+        restored.rng = rng_from_file(read(rng_file, torch_load))
     elif ck.load_rng:
         log(f"[yellow]warning: {path} has no RNG state for rank {rank}; keeping the RNG seeded from train.seed.[/yellow]")
     restored.sampler = read(path / "dataloader.pt", torch_load)["sampler"]

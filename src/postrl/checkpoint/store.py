@@ -105,7 +105,7 @@ def write_iteration(cfg: Any, state: dict[str, Any]) -> Path:
     if "critic" in state:  # PPO's value model: critic/model (HF format), its optimizer per rank, its scheduler
         _save_critic(state["critic"], tmp / "critic", rank)
     _test_crash_point(step)
-    torch.save(state["rng"], tmp / f"rng_rank{rank}.pt")
+    torch.save(rng_to_file(state["rng"]), tmp / f"rng_rank{rank}.pt")
     if rank == 0:
         torch.save(state["scheduler"], tmp / "scheduler.pt")
         torch.save({"sampler": state["sampler"]}, tmp / "dataloader.pt")
@@ -113,6 +113,24 @@ def write_iteration(cfg: Any, state: dict[str, Any]) -> Path:
         (tmp / STATE_FILE).write_text(json.dumps(_trainer_state(cfg, state), indent=2))
     distributed.barrier()  # every rank's files are in place
     return tmp
+
+
+def rng_to_file(rng: dict[str, Any]) -> dict[str, Any]:
+    """`runtime.rng_state()` as tensors and numbers only (what torch.load(weights_only=True) reads): numpy's
+    state tuple (name, uint32 key array, pos, has_gauss, cached_gaussian) becomes a dict with the key as a tensor."""
+    name, key, pos, has_gauss, cached = rng["numpy"]
+    numpy = {"bit_generator": str(name), "key": torch.from_numpy(key.astype("int64")), "pos": int(pos),
+             "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+    return {**rng, "numpy": numpy}
+
+
+def rng_from_file(saved: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of `rng_to_file`; a first-format file (numpy's tuple as saved) passes unchanged."""
+    numpy = saved.get("numpy")
+    if not isinstance(numpy, dict):
+        return saved
+    key = numpy["key"].numpy().astype("uint32")
+    return {**saved, "numpy": (numpy["bit_generator"], key, numpy["pos"], numpy["has_gauss"], numpy["cached_gaussian"])}
 
 
 def _trainer_state(cfg: Any, state: dict[str, Any]) -> dict[str, Any]:

@@ -155,7 +155,12 @@ class SandboxConfig(Section):
     max_output_bytes: int = Field(16_384, ge=1, description="stdout and stderr kept per call, each; past it the run is cut.")
     tmpfs_mb: int = Field(64, ge=1, description="local: size of each private scratch space (/tmp, the working directory).")
     concurrency: int = Field(8, ge=1, description="sandbox_fusion: requests in flight at once from this process.")
-    retries: int = Field(3, ge=0, description="sandbox_fusion: retries on connection errors and 429/502/503 answers.")
+    retries: int = Field(3, ge=0, description="sandbox_fusion: retries of a connection that could not be made (a request "
+                         "that reached the service is never sent again: its code may have run).")
+    retry_after_max_s: float = Field(30.0, ge=0, description="sandbox_fusion: the longest a 429/503 answer's Retry-After "
+                                     "holds back the next requests.")
+    max_reply_bytes: int = Field(1 << 20, ge=1024, description="sandbox_fusion: the longest reply read; past it the call "
+                                 "is output_limit.")
     connect_timeout_s: float = Field(5.0, gt=0, description="sandbox_fusion: time limit to connect to the service.")
     request_slack_s: float = Field(
         10.0, ge=0, description="sandbox_fusion: time allowed beyond the run's own limit for queueing and transfer.",
