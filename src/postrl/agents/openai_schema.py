@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError, ValidationInfo, field_validator, model_validator
 
 Number = StrictFloat | StrictInt
 
@@ -38,13 +38,14 @@ class ContentPart(_Open):
     """A part of a message's content; only text parts are rendered (their `text` must be a string)."""
 
     type: StrictStr = "text"
-    text: StrictStr | None = None
+    text: StrictStr | None = Field(None, validate_default=True)
 
-    @model_validator(mode="after")
-    def _text_part_has_text(self) -> "ContentPart":
-        if self.type == "text" and self.text is None:
+    @field_validator("text")
+    @classmethod
+    def _text_part_has_text(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is None and info.data.get("type") == "text":
             raise ValueError("a text part needs 'text', a string")
-        return self
+        return v
 
 
 class FunctionCall(_Open):

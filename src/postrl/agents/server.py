@@ -294,7 +294,7 @@ class Server:
         # client's delayed ACK, ~40 ms per request on a kept-alive connection (measured 45 ms -> 1 ms)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock.bind((host, port))
-        self.host, self.port = host, self.sock.getsockname()[1]
+        self.host, self.port, self.gate = host, self.sock.getsockname()[1], gate
         extra = {"http": gate.protocol} if gate is not None else {}
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=60, **extra)
         self.server = uvicorn.Server(config)
