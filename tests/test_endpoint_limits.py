@@ -58,10 +58,13 @@ def test_malformed_bodies_are_400_with_the_field_named_and_counted_and_the_next_
         ok = b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "x": ' + b"[" * 62 + b"]" * 62 + b"}"  # depth 64
         r = _post(lv.url, ok)
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
+        for method, route in (("GET", "/chat/completions"), ("POST", "/embeddings"), ("DELETE", "/models"), ("GET", "/../../x")):
+            r = httpx.request(method, lv.url + route, timeout=30)  # not a route of the endpoint: its error shape all the same
+            assert r.status_code in (404, 405) and _error(r)["type"] == "invalid_request_error", (method, route, r.text)
         m = lv.gateway.pop_metrics()
         assert lv.thread.is_alive()
     assert lv.last["status"] == 200
-    assert m["agent/bad_requests"] == len(BAD_BODIES) + 2 and m["agent/internal_errors"] == 0
+    assert m["agent/bad_requests"] == len(BAD_BODIES) + 2 + 4 and m["agent/internal_errors"] == 0
 
 
 def test_the_body_size_is_checked_before_reading_the_body_and_the_session_before_that():

@@ -92,7 +92,20 @@ def make_app(hub: Any, limits: Limits, http: HttpLimits, refused: Tally, gate: "
     from fastapi import FastAPI, Request as HttpRequest
     from fastapi.responses import JSONResponse
 
+    from starlette.exceptions import HTTPException
+
     app = FastAPI(title="postrl rollout endpoint", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: HttpRequest, exc: HTTPException) -> JSONResponse:  # an unknown path, a wrong method
+        refused.add()
+        message = f"{request.method} {request.url.path}: {exc.detail} (the endpoint serves /v1/chat/completions, /v1/completions, /v1/models)"
+        return JSONResponse(error_body(message), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: HttpRequest, exc: Exception) -> JSONResponse:
+        refused.add()
+        return JSONResponse(error_body(f"the endpoint failed on this request: {type(exc).__name__}"[:500], kind="server_error"), status_code=500)
 
     def session_of(key: str | None, auth: str) -> Session:
         if key is None:
@@ -170,6 +183,8 @@ def make_app(hub: Any, limits: Limits, http: HttpLimits, refused: Tally, gate: "
         try:
             session_of(key, request.headers.get("authorization", ""))
         except BadRequest as exc:
+            if exc.status != 410:
+                refused.add()
             return JSONResponse(error_body(exc.message), status_code=exc.status)
         return JSONResponse({"object": "list", "data": [{"id": hub.model_name, "object": "model", "created": 0, "owned_by": "postrl"}]})
 
