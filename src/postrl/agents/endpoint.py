@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from postrl.agents.openai_schema import BadRequest, error_body  # noqa: F401 - the endpoint's error shape, re-exported
+from postrl.agents.openai_schema import BadRequest
 from postrl.agents.server import Pending
 from postrl.agents.session import Session, norm_content, norm_tool_calls, same_message
 
@@ -64,7 +64,7 @@ def prepare(p: Pending, renderer: Any, tokenizer: Any, cache: dict | None = None
         prompt = prompt[0] if isinstance(prompt, list) and not isinstance(prompt[0], int) else prompt
         if isinstance(prompt, str):
             ids = list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
-        elif all(0 <= t < len(tokenizer) for t in prompt):
+        elif min(prompt) >= 0 and max(prompt) < len(tokenizer):
             ids = list(prompt)
         else:
             raise BadRequest(f"'prompt' has token ids outside the vocabulary (0 to {len(tokenizer) - 1})", "prompt")
