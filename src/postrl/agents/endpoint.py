@@ -58,7 +58,7 @@ def prepare(p: Pending, renderer: Any, tokenizer: Any, cache: dict | None = None
     `cache` (the template's ids of whole chats, by their messages and tools) spares rendering the same first
     request again: the n samples of a prompt all start with it (~1 ms each for a chat with tools)."""
     r, s = p.request, p.session
-    n, max_tokens, stop, logprobs = r.model.n, r.max_tokens, r.stop, r.logprobs
+    n, max_tokens, stop, logprobs = r.n, r.max_tokens, r.stop, r.logprobs
     if r.kind == "completions":
         prompt = r.model.prompt
         prompt = prompt[0] if isinstance(prompt, list) and not isinstance(prompt[0], int) else prompt

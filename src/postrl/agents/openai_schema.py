@@ -87,7 +87,7 @@ class Tool(_Open):
 
 class _Sampling(_Open):
     model: StrictStr | None = None
-    n: StrictInt = Field(1, ge=1)
+    n: StrictInt | None = Field(None, ge=1)  # None (sent as null by some clients): 1
     max_tokens: StrictInt | None = Field(None, ge=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     stop: StrictStr | list[StrictStr] | None = None
@@ -136,6 +136,10 @@ class Request:
         return [s] if isinstance(s, str) else list(s or [])
 
     @property
+    def n(self) -> int:
+        return self.model.n or 1
+
+    @property
     def logprobs(self) -> bool:
         return bool(self.model.logprobs)
 
@@ -168,7 +172,7 @@ def parse(kind: str, raw: bytes, limits: Limits) -> Request:
 
 def check(model: _Sampling, limits: Limits) -> None:
     """The run's limits on what one request may ask."""
-    if model.n > limits.max_n:
+    if (model.n or 1) > limits.max_n:
         raise BadRequest(f"'n' is {model.n}; this run samples at most {limits.max_n} (rollout.n_samples_per_prompt)", "n")
     stop = [model.stop] if isinstance(model.stop, str) else model.stop or []
     if len(stop) > limits.max_stop:
