@@ -160,9 +160,23 @@ def test_an_unexpected_failure_on_the_engine_thread_is_that_requests_500_and_the
         r = _post(lv.url, {"messages": QUESTION, "max_tokens": 2})
         assert r.status_code == 500 and _error(r)["type"] == "server_error" and "KeyError" in _error(r)["message"]
         assert _post(lv.url, {"messages": QUESTION, "max_tokens": 2}).status_code == 200
+        engine = sched.engine
+
+        class Failing:  # the engine raises on one call: that call's requests are answered 500
+            def __getattr__(self, name):
+                return getattr(engine, name)
+
+            def generate(self, *a, **kw):
+                sched.engine = engine
+                raise RuntimeError("device lost")
+
+        sched.engine = Failing()
+        r = _post(lv.url, {"messages": QUESTION, "max_tokens": 2})
+        assert r.status_code == 500 and "device lost" in _error(r)["message"]
+        assert _post(lv.url, {"messages": QUESTION, "max_tokens": 2}).status_code == 200
         m = lv.gateway.pop_metrics()
         assert lv.thread.is_alive()
-    assert (m["agent/internal_errors"], m["agent/bad_requests"]) == (1, 1) and lv.last["status"] == 200
+    assert (m["agent/internal_errors"], m["agent/bad_requests"]) == (2, 2) and lv.last["status"] == 200
 
 
 def test_a_non_loopback_host_needs_the_opt_in_and_then_warns_at_every_start(caplog):

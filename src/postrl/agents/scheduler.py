@@ -10,8 +10,8 @@ request joins as it arrives (`Stream`), so the programs' HTTP work overlaps the 
 
 Every request gets an answer: sampled ids (agents/answers.py), an OpenAI-shaped 400 (a prompt over the
 run's context, a template that refuses the messages), 410 (its sample ended), or, should anything else
-fail while handling that one request, a 500 for it alone (counted, `agent/internal_errors`); the loop
-goes on. Each trajectory has one token budget, `params.max_tokens`, across all its requests and segments.
+fail while handling that one request, a 500 for it alone (counted, `agent/internal_errors`); an engine
+call that raises is a 500 for each of its requests. The loop goes on. Each trajectory has one token budget, `params.max_tokens`, across all its requests and segments.
 """
 
 from __future__ import annotations
@@ -190,6 +190,15 @@ class Scheduler:
                 self.log(f"[yellow]the rollout endpoint failed on a request (answered 500): {type(exc).__name__}: {exc}[/yellow]")
             p.reply(500, error_body(f"the endpoint failed on this request: {type(exc).__name__}: {exc}"[:500], kind="server_error"))
 
+    def engine_failed(self, exc: Exception, jobs: list[Job]) -> None:
+        """The engine raised on a call: each of its requests is answered 500 (counted); the programs decide what
+        next (a run whose programs all fail stops on that rule, with the error)."""
+        if self.log is not None and self.stats["agent/internal_errors"] < 3:
+            self.log(f"[yellow]the rollout engine failed on {len(jobs)} endpoint request(s) (answered 500): {type(exc).__name__}: {exc}[/yellow]")
+        for job in jobs:
+            with self.contained(job.pending):
+                raise RuntimeError(f"the rollout engine failed: {type(exc).__name__}: {exc}")
+
     def answer(self, job: Job, room: int, outs: list[Completion], stops: set[int]) -> None:
         with self.contained(job.pending):
             self.shaper.answer(job, room, outs, stops)
@@ -204,7 +213,11 @@ class Scheduler:
             self.stats["agent/engine_calls"] += 1
             self.stats["agent/requests"] += len(group)
             start = time.perf_counter()
-            outs = self.engine.generate([j.prompt for j, _ in group], call)
+            try:
+                outs = self.engine.generate([j.prompt for j, _ in group], call)
+            except Exception as exc:  # the engine failed on these requests: theirs to answer, not the loop's end
+                self.engine_failed(exc, [job for job, _ in group])
+                continue
             seconds = time.perf_counter() - start
             self.call_s = 0.5 * self.call_s + 0.5 * seconds
             self.stats["timing/agent_engine"] += seconds
@@ -236,7 +249,11 @@ class Stream:
         first += self.tick()
         self.s.stats["agent/engine_calls"] += 1
         start = time.perf_counter()
-        self.s.engine.generate_continuing(first, self.on_finish, seed=seed)
+        try:
+            self.s.engine.generate_continuing(first, self.on_finish, seed=seed)
+        except Exception as exc:  # the requests still in the batch are answered 500; the loop goes on
+            self.s.engine_failed(exc, [job for job, *_ in self.live.values()])
+            self.live.clear()
         self.s.stats["timing/agent_engine"] += time.perf_counter() - start - self.polled_s
         return 1
 
