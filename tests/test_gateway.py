@@ -279,7 +279,7 @@ def test_programs_that_raise_hang_or_send_malformed_requests_score_zero_and_are_
         gw.close()
     assert [c.env_reward for c in out] == [0.0, 0.0, 1.0, 1.0]
     assert [sum(c.loss_mask) > 0 for c in out] == [False, False, True, True]  # the failed ones train nothing
-    assert (m["agent/errors"], m["agent/timeouts"], m["agent/bad_requests"]) == (2, 0, 5)
+    assert (m["agent/errors"], m["agent/timeouts"], m["agent/bad_requests"]) == (2, 0, 6)  # 5 malformed, 1 unknown session
     assert hung.env_reward == 0.0 and sum(hung.loss_mask) == 0 and len(hung.token_ids) > 1  # it sampled, then hung
     assert (m_hang["agent/timeouts"], m_hang["agent/stuck_threads"]) == (1, 1)
 

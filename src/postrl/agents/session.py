@@ -91,7 +91,6 @@ class Session:
     requests: int = 0
     asked: bool = False  # a request of this session has reached the engine thread
     tool_calls: int = 0  # tool calls the endpoint returned
-    bad_requests: int = 0
     closed: bool = False  # the program ended (or timed out): later requests are refused
     outcome: str = "running"  # running | ok | error | timeout
     reward: float | None = None

@@ -302,6 +302,24 @@ class RolloutConfig(Section):
     )
     agent_host: str = Field("127.0.0.1", description="rollout.agent: the endpoint's address (loopback unless set).")
     agent_port: int = Field(0, ge=0, le=65535, description="rollout.agent: the endpoint's port (0: a free one).")
+    agent_allow_remote: bool = Field(
+        False, description="rollout.agent: let agent_host be an address other machines can reach (the endpoint has no "
+        "authentication beyond its session keys); a warning is printed at every start.",
+    )
+    agent_max_body_bytes: int = Field(
+        8 * 2**20, ge=1024, description="rollout.agent: the largest request body; checked from Content-Length before reading.",
+    )
+    agent_max_json_depth: int = Field(64, ge=4, description="rollout.agent: the deepest nesting of a request body's JSON.")
+    agent_max_stop: int = Field(16, ge=1, description="rollout.agent: the most `stop` strings one request may send.")
+    agent_max_stop_chars: int = Field(256, ge=1, description="rollout.agent: the longest `stop` string.")
+    agent_max_connections: int = Field(
+        1024, ge=1, description="rollout.agent: open HTTP connections at once; one more is answered 503 and closed.",
+    )
+    agent_header_timeout_s: float = Field(
+        30.0, gt=0, description="rollout.agent: a connection must complete a request's headers within this (from its "
+        "first byte); else it is closed.",
+    )
+    agent_body_timeout_s: float = Field(60.0, gt=0, description="rollout.agent: a request's body must arrive within this.")
     mode: Literal["sync", "async"] = Field(
         "sync",
         description="sync: generate, score, update, sync weights, in lock-step with the engine colocated. async: a "
@@ -372,6 +390,18 @@ class RolloutConfig(Section):
                 "is set: the agent loop would have nothing to call or talk to, and run as single-turn rollout. Fix: list "
                 "the tools (e.g. [builtin:calculator]) or name an environment, or set rollout.multi_turn.enable: false."
             )
+        if (self.agent or self.environment) and not self.agent_allow_remote and not _is_loopback(self.agent_host):
+            raise ValueError(
+                f"rollout.agent_host is {self.agent_host}, an address other machines can reach, but the endpoint trusts "
+                "whoever knows a session key and samples with the policy being trained. Fix: leave rollout.agent_host at "
+                "127.0.0.1, or set rollout.agent_allow_remote: true to serve on it anyway (a warning at every start)."
+            )
+        if self.agent_max_connections < self.agent_concurrency:
+            raise ValueError(
+                f"rollout.agent_max_connections ({self.agent_max_connections}) is below rollout.agent_concurrency "
+                f"({self.agent_concurrency}): running programs would be refused connections. Fix: raise "
+                "rollout.agent_max_connections or lower rollout.agent_concurrency."
+            )
         if self.agent and self.multi_turn.enable:
             raise ValueError(
                 "rollout.agent and rollout.multi_turn.enable both say how to roll out: the user's program through the "
@@ -398,6 +428,18 @@ class RolloutConfig(Section):
                 "still runs the agent loop, each trajectory under one version)."
             )
         return self
+
+
+def _is_loopback(host: str) -> bool:
+    """`host` names this machine only: localhost or a loopback address (127.0.0.0/8, ::1)."""
+    import ipaddress
+
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 # ----------------------------------------------------------------------------------------- algorithm
