@@ -53,11 +53,20 @@ def diagnose_mismatch(cfg: Any, *, full_distribution: bool = False, top_k: int =
                                     cfg.rollout.temperature, run.runtime.autocast, k)  # fmt: skip
             how = f"the {engine.name} engine's computation replayed (eval mode, KV cache, {run.runtime.dtype})"
         probe = probe_gap(engine, run, batch)
+        dist = None
+        if k and engine_topk is not None:
+            dist = compare_distributions(trainer, batch, engine_topk, positions)
+        elif k and not cfg.rollout.takes_rows:  # an engine that reports log-probs: a few samples with its top-k
+            dist = engine_distributions(engine, run.actor, batch, cfg, k, positions)
+        elif k:
+            dist = {"available": False, "why": "the agent loop's engine samples from rows, not prompts; compare with rollout.engine: hf"}
     finally:
         if source is not None:
             source.close()
         run.close()
-    report = analyse(cfg, run.policy.tokenizer, batch, trainer, q, probe, guard, engine_topk, positions)
+    report = analyse(cfg, run.policy.tokenizer, batch, trainer, q, probe, guard)
+    if dist is not None:
+        report["full_distribution"] = dist
     report["engine"] = {"name": engine.name, "logprobs": how, "placement": cfg.rollout.placement, "dtype": cfg.model.dtype}
     report["verdict"] = verdict(report)
     return report
@@ -119,7 +128,7 @@ def probe_gap(engine: Any, run: Any, batch: Any) -> dict[str, float] | None:
     return {"tokens": int(d.numel()), "mean": float(d.mean()), "max": float(d.max())}
 
 
-def analyse(cfg, tokenizer, batch, trainer: dict, q_rows: list[list[float]], probe, guard, engine_topk, positions: int) -> dict:
+def analyse(cfg, tokenizer, batch, trainer: dict, q_rows: list[list[float]], probe, guard) -> dict:
     """Every statistic of the report from the two sides' log-probs (flat over the tokens the policy sampled)."""
     B, T = trainer["logp"].shape
     mask_BT, q_BT, pos_BT, tok_BT = (torch.zeros((B, T)) for _ in range(4))
@@ -154,11 +163,6 @@ def analyse(cfg, tokenizer, batch, trainer: dict, q_rows: list[list[float]], pro
     best_t, best_gap = stats.fit_temperature(z_y, lse, grid, q) if p.numel() else (trainer["temperature"], 0.0)
     report["temperature_fit"] = {"best": best_t, "gap_at_best": best_gap, "gap_at_configured": report["gap"]["mean"]}
     report["worst"] = worst_tokens(tokenizer, batch, p_BT, q_BT, mask_BT)
-    if engine_topk is not None and trainer["top_v"].shape[-1]:
-        report["full_distribution"] = full_distribution(trainer, lse[:, at_t], sel, engine_topk, batch, positions)
-    elif trainer["top_v"].shape[-1]:
-        report["full_distribution"] = {"available": False, "why": "the engine reports the sampled token's log-prob only "
-                                       "(rollout.engine: hf replays the whole distribution)"}  # fmt: skip
     return report
 
 
@@ -176,14 +180,46 @@ def worst_tokens(tokenizer, batch, p_BT, q_BT, mask_BT, n: int = WORST, context:
     return out
 
 
-def full_distribution(trainer, lse_N, sel, engine_topk, batch, positions: int) -> dict:
-    """The trainer's and the engine's top-k next-token distributions at up to `positions` sampled token positions."""
-    T = trainer["temperature"]
-    top_v, top_i = trainer["top_v"][sel], trainer["top_i"][sel]  # [N, k]
-    p_lp = top_v / T - lse_N[:, None]
-    e_lp = torch.cat([engine_topk[i][0][[t for t, m in enumerate(batch.loss_masks[i]) if m]] for i in range(len(engine_topk))])
-    e_id = torch.cat([engine_topk[i][1][[t for t, m in enumerate(batch.loss_masks[i]) if m]] for i in range(len(engine_topk))])
-    g = torch.Generator().manual_seed(0)
-    pick = torch.randperm(p_lp.shape[0], generator=g)[:positions].sort().values
-    out = stats.topk_compare((p_lp[pick], top_i[pick]), (e_lp[pick], e_id[pick]))
-    return {"available": True, **out}
+def compare_distributions(trainer: dict, batch, engine_topk: list, positions: int) -> dict:
+    """The trainer's and the engine's top-k next-token distributions at up to `positions` sampled token positions
+    (engine_topk: per row, (log-probs [T, k], ids [T, k]) of its response positions)."""
+    T, grid = trainer["temperature"], trainer["grid"]
+    at_t = int((grid - T).abs().argmin())
+    p_lp, p_id, e_lp, e_id = [], [], [], []
+    for i, (lp, ids) in enumerate(engine_topk):
+        keep = [t for t, m in enumerate(batch.loss_masks[i]) if m and t < lp.shape[0]]
+        p_lp.append(trainer["top_v"][i, keep] / T - trainer["lse"][i, keep, at_t, None])
+        p_id.append(trainer["top_i"][i, keep])
+        e_lp.append(lp[keep])
+        e_id.append(ids[keep])
+    p_lp, p_id, e_lp, e_id = (torch.cat(x) for x in (p_lp, p_id, e_lp, e_id))
+    pick = torch.randperm(p_lp.shape[0], generator=torch.Generator().manual_seed(0))[:positions].sort().values
+    return {"available": True, **stats.topk_compare((p_lp[pick], p_id[pick]), (e_lp[pick], e_id[pick]))}
+
+
+def engine_distributions(engine, actor, batch, cfg, k: int, positions: int, prompts: int = 8) -> dict:
+    """For an engine that reports sampling log-probs: one sample of each of the batch's first `prompts` prompts with
+    the engine's top-k log-probs at every position (SamplingParams.top_logprobs), and the trainer's of the same."""
+    import dataclasses
+
+    from postrl.rollout import SamplingParams
+
+    r, G = cfg.rollout, cfg.rollout.n_samples_per_prompt
+    chosen = batch.prompt_ids[::G][:prompts]
+    params = SamplingParams(r.temperature, r.top_p, r.top_k, r.max_tokens, 1, cfg.train.seed, top_logprobs=k)
+    done = [c for c in engine.generate(chosen, params) if c.token_ids]
+    if not done or done[0].top_logprobs is None:
+        return {"available": False, "why": f"the {engine.name} engine reports no top-k log-probs"}
+    n = len(done)
+    sub = dataclasses.replace(
+        batch, prompt_ids=[chosen[c.prompt_index] for c in done], response_ids=[c.token_ids for c in done],
+        loss_masks=[[1] * len(c.token_ids) for c in done], turns=[1] * n, finished=[c.finished for c in done],
+        scores=[0.0] * n, rewards=[0.0] * n, verifier_metrics=[{}] * n, engine_logprobs=[c.logprobs for c in done],
+        multi_modal=[None] * n, versions=[], token_versions=[], segments=[], owners=[],
+    )  # fmt: skip
+    trainer = trainer_pass(actor, sub, r.temperature, k)
+    width = min(min(len(ids) for ids, _ in c.top_logprobs) for c in done)
+    engine_topk = [(torch.tensor([lp[:width] for _, lp in c.top_logprobs]), torch.tensor([ids[:width] for ids, _ in c.top_logprobs]))
+                   for c in done]  # fmt: skip
+    trainer["top_v"], trainer["top_i"] = trainer["top_v"][..., :width], trainer["top_i"][..., :width]
+    return compare_distributions(trainer, sub, engine_topk, positions)

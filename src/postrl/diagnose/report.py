@@ -11,8 +11,8 @@ from rich.table import Table
 
 def _gap_table(title: str, rows: list[dict], first: str) -> Table:
     table = Table(title=title, title_justify="left")
-    for col in (first, "tokens", "mean |Δ|", "p50", "p99", "max", "k1 KL", "k3 KL"):
-        table.add_column(col, justify="right" if col != first else "left")
+    for col in (first, "tokens", "mean", "p50", "p99", "max", "k1 KL", "k3 KL"):
+        table.add_column(col, justify="right" if col != first else "left", no_wrap=True)
     for r in rows:
         table.add_row(str(r["bucket"]), str(r["tokens"]), *(f"{r[k]:.2e}" for k in ("mean", "p50", "p99", "max", "k1", "k3")))
     return table
@@ -24,10 +24,10 @@ def print_mismatch(report: dict[str, Any], console: Any) -> None:
         f"{report['sequences']} sequences, {report['tokens']} sampled tokens at temperature {report['temperature']:g}; "
         f"engine: {e['logprobs']}; trainer: the old-log-prob pass (model.dtype {e['dtype']})", highlight=False,
     )  # fmt: skip
-    console.print(_gap_table("per-token |Δ log p| = |trainer - engine|", [{"bucket": "all", **g}], ""))
+    console.print(_gap_table("per-token |Δ log p| = |trainer - engine| (k1, k3: KL(engine || trainer))", [{"bucket": "all", **g}], ""))
     console.print(_gap_table("by response position", report["by_position"], "position"))
-    console.print(_gap_table("by token frequency in the batch", report["by_frequency"], "occurrences"))
-    console.print(_gap_table("by the trainer's probability of the token", report["by_probability"], "probability"))
+    console.print(_gap_table("by how often the token occurs in the batch", report["by_frequency"], "times"))
+    console.print(_gap_table("by the trainer's probability of the token", report["by_probability"], "p"))
     c = report["corrections"]
     table = Table(title=f"what rollout correction would do at cap {c['cap']:g} (configured: {c['configured'] or 'off'})", title_justify="left")
     for col in ("correction", "level", "does", "tokens", "sequences"):

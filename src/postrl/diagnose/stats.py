@@ -134,11 +134,11 @@ def by_position(p, q, pos) -> list[dict]:
 
 def by_frequency(p, q, token_ids) -> list[dict]:
     _, inverse, counts = torch.unique(token_ids, return_inverse=True, return_counts=True)
-    return bucketed(p, q, counts[inverse].float(), FREQUENCY_EDGES, lambda lo, hi: f"{_span(lo, hi)} times")
+    return bucketed(p, q, counts[inverse].float(), FREQUENCY_EDGES, _span)
 
 
 def by_probability(p, q) -> list[dict]:
-    return bucketed(p, q, torch.exp(p), PROB_EDGES, lambda lo, hi: f"p in [{lo:g}, {min(hi, 1.0):g}]")
+    return bucketed(p, q, torch.exp(p), PROB_EDGES, lambda lo, hi: f"[{lo:g}, {min(hi, 1.0):g}" + ("]" if hi > 1 else ")"))
 
 
 def correction_shares(p_BT: torch.Tensor, q_BT: torch.Tensor, mask_BT: torch.Tensor, cap: float) -> dict[str, dict[str, float]]:
