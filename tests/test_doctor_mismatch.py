@@ -178,3 +178,22 @@ def test_the_update_logs_them_from_the_old_logprobs_without_another_pass(tmp_pat
     assert m["rollout_corr/rollout_ppl"] == pytest.approx(m["rollout_corr/training_ppl"] * math.exp(0.1), rel=1e-3)
     assert m["training/rollout_actor_probs_pearson_corr"] > 0.99
     assert 0 < m["training/rollout_probs_diff_mean"] <= m["training/rollout_probs_diff_max"]
+
+
+@pytest.mark.slow
+def test_vllm_float32_agrees_with_the_trainer_token_by_token_and_over_the_top_k(tmp_path):
+    """vLLM's sampling log-probs (and, with --full-distribution, its top-k at each position: logprobs=k) against the
+    trainer's old-log-prob pass, both float32 on CPU: rounding, within the guards' float32 tolerance."""
+    import postrl.rollout.vllm_platform as vllm_platform
+
+    try:
+        vllm_platform.import_vllm()
+    except vllm_platform.VLLMUnavailable as exc:  # pragma: no cover - machines without a working vLLM
+        pytest.skip(f"vLLM is unavailable here: {exc}")
+    cfg = config(tmp_path, "rollout.engine=vllm")
+    r = diagnose_mismatch(cfg, full_distribution=True, top_k=10, log=lambda m: None)
+    assert r["engine"]["name"] == "vllm" and r["verdict"]["kind"] == "rounding", r["verdict"]
+    assert r["gap"]["max"] < 1e-3 and r["probe"]["max"] < 1e-3
+    fd = r["full_distribution"]
+    assert fd["available"] and fd["topk"] == 10 and fd["overlap"] >= 0.9 and fd["kl_mean"] < 1e-3
+    assert r["step_metrics"]["training/rollout_actor_probs_pearson_corr"] > 0.99
