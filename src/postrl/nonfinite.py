@@ -118,12 +118,14 @@ class Trace:
 
 def nonfinite_params(model: torch.nn.Module) -> list[str]:
     """Names of the parameters whose gradient holds a non-finite value (this rank's shard under FSDP2)."""
+    from torch.distributed.tensor import DTensor
+
     out = []
     for name, p in model.named_parameters():
         g = p.grad
         if g is None:
             continue
-        local = g.to_local() if isinstance(g, torch.distributed.tensor.DTensor) else g
+        local = g.to_local() if isinstance(g, DTensor) else g
         if not finite(local):
             out.append(name)
     return out
