@@ -33,9 +33,11 @@ from postrl import algorithms as algo
 from postrl import distributed, moe
 from postrl.distill import TEACHER_KEYS, Distiller
 from postrl import sequence_parallel as sp
+from postrl.diagnose.stats import MismatchAccumulator
 from postrl.errors import UserError
 from postrl.experience import Batch
 from postrl.models import Policy, build_sequences, response_logprobs
+from postrl.nonfinite import NonFiniteWatch, bad_rows
 from postrl.partition import rank_rows, token_budget_micro_batches
 from postrl.runtime import Runtime
 from postrl.schedule import lr_lambda
@@ -107,6 +109,7 @@ class Actor:
         self.router = moe.RouterTrace(model) if moe.is_moe(model) else None
         self.router_aux_coef = moe.aux_loss_coef(cfg.model.router_aux_loss_coef, model)
         self.distill = Distiller(cfg) if cfg.distill.enable else None  # on-policy distillation (distill.py)
+        self.nonfinite = NonFiniteWatch(cfg, policy.tokenizer, log)  # NaN / inf: skip, trace, count (nonfinite.py)
 
     # --------------------------------------------------------------------------------- tensors
     def pack(self, batch: Batch, adv_B: torch.Tensor) -> Packed:
@@ -198,13 +201,22 @@ class Actor:
         mini = t.mini_batch_size * self.G // distributed.data_parallel_size()  # this rank's rows of a mini-batch
         sums = _WeightedSums(self.dp_group)
         grad_norms = []
+        x = packed.tensors
+        if "old_logp" in x and "engine_logp" in x:  # engine vs trainer, every row (on-policy: in the first micro-batches)
+            sums.mismatch.add(x["old_logp"], x["engine_logp"], x["response_mask"])
+        step = self.scheduler.last_epoch + 1  # the scheduler steps once per training step (resumes included)
+        self.nonfinite.start_step()
+        self._skipped = False
         # Ulysses attention through forward and backward: gradient checkpointing recomputes inside the backward.
         ulysses = sp.ulysses(self.train_model, self.sp_group) if self.sp_group is not None else contextlib.nullcontext()
         with ulysses:
             self._epochs(packed, mini, use_ref, sums, grad_norms)
         lr = self.optimizer.param_groups[0]["lr"]
-        self.scheduler.step()
-        out = sums.means()
+        nonfinite = self.nonfinite.end_step(step, lr, self.runtime.dtype, self._skipped)  # stops after K in a row
+        with warnings.catch_warnings():  # a skipped first step: "scheduler.step() before optimizer.step()" is intended
+            warnings.simplefilter("ignore")
+            self.scheduler.step()
+        out = sums.means() | nonfinite
         out["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
         out["actor/lr"] = lr
         if self.scaler.is_enabled():
@@ -221,24 +233,52 @@ class Actor:
                 self.optimizer.zero_grad(set_to_none=True)
                 pg_total = kl_total = 0.0
                 first = epoch == 0 and start == 0  # before any optimizer step: the ratio must be 1
-                for _idx, mb in self.micro_batches(rows, packed):
-                    pg, kl = self._micro_step(mb, norms, use_ref, sums, first=first)
+                bad = []  # micro-batches whose loss was not finite
+                for j, (_idx, mb) in enumerate(self.micro_batches(rows, packed)):
+                    pg, kl, loss_finite, _ = self._micro_step(mb, norms, use_ref, sums, first=first)
                     pg_total += pg
                     kl_total += kl
+                    bad += [] if loss_finite else [j]
                 self.scaler.unscale_(self.optimizer)  # fp16: the gradients at their true size before clipping
                 grad_norm = distributed.clip_grad_norm_(self.params, t.grad_clip)
-                if torch.isfinite(grad_norm):
+                overflow = not bool(torch.isfinite(grad_norm))  # fp16: an overflow is the scaler's cue to halve the scale
+                if distributed.all_reduce_max(int(bool(bad))) or overflow and not self.scaler.is_enabled():
+                    self._trace_nonfinite(rows, packed, norms, use_ref, first, bad, dict(epoch=epoch, mini_batch_start=start))
+                else:
                     self.scaler.step(self.optimizer)
-                elif not self.scaler.is_enabled():  # fp16: an overflow is the scaler's cue to halve the scale
-                    self.log("[yellow]non-finite grad norm: this optimizer step is skipped[/yellow]")
+                    self.nonfinite.note_grad_norm(float(grad_norm))
                 self.scaler.update()
                 grad_norms.append(float(grad_norm))
                 pg_total, kl_total = distributed.all_reduce_sum([pg_total, kl_total], self.dp_group)
                 sums.add("actor/pg_loss", pg_total)
                 sums.add("actor/kl_loss", kl_total)
 
-    def _micro_step(self, mb: dict, norms: dict, use_ref: bool, sums: "_WeightedSums", first: bool) -> tuple[float, float]:
-        """Forward, loss and backward of one micro-batch; returns its (pg, kl) loss shares."""
+    def _trace_nonfinite(self, rows: range, packed: Packed, norms: dict, use_ref: bool, first: bool, bad: list[int], where: dict) -> None:
+        """A non-finite loss or gradient: the optimizer step is skipped; the micro-batch whose loss was not finite (or,
+        for a gradient alone, each until one shows it) runs again, padded, under the hooks of nonfinite.py."""
+        self._skipped = True
+        mbs = list(self.micro_batches(rows, packed))
+        order = bad[:1] or list(range(len(mbs)))
+        options = dict(self._logprob_options)
+        self._logprob_options["remove_padding"] = False  # one row per batch row, so the hooks can name rows
+
+        def run_pass(mb: dict) -> torch.Tensor:
+            self.optimizer.zero_grad(set_to_none=True)
+            return self._micro_step(mb, norms, use_ref, _WeightedSums(), first=first)[3]
+
+        try:
+            for j in order + [0] * (len(mbs) - len(order)):  # every rank runs as many passes (FSDP2 / DDP collectives)
+                before = len(self.nonfinite.records)
+                self.nonfinite.trace(self.model, mbs[j][1], run_pass, {**where, "micro_batch": j, **_input_rows(mbs[j][1])})
+                if distributed.all_reduce_max(int(self.nonfinite.found(before))):
+                    break
+        finally:
+            self._logprob_options = options
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def _micro_step(self, mb: dict, norms: dict, use_ref: bool, sums: "_WeightedSums", first: bool) -> tuple:
+        """Forward, loss and backward of one micro-batch; returns its (pg, kl) loss shares, whether its loss was finite,
+        and its log-probs [B, T] (detached)."""
         a, mask = self.cfg.algorithm, mb["response_mask"]
         distill_fn = self.distill.logits_fn(mb) if self.distill is not None else None
         logp, entropy, *topk = self._forward(mb, distill_fn)
@@ -274,7 +314,9 @@ class Actor:
         # a group compute the same loss, and each one's gradient is its slice's share (sequence_parallel.py).
         self.scaler.scale(loss * distributed.world_size()).backward()
         sums.add_micro_batch(stats, mask, entropy, logp, old_logp, mb.get("engine_logp"), first=first, on_policy=self.on_policy)
-        return float(pg.detach()), kl_value
+        if first and "engine_logp" in mb and "old_logp" not in mb:  # on-policy: the update pass's own log-probs
+            sums.mismatch.add(old_logp, mb["engine_logp"], mask)
+        return float(pg.detach()), kl_value, bool(torch.isfinite(loss.detach())), logp.detach()
 
     def _loss_mask(self, packed: Packed, rows: range) -> torch.Tensor:
         """The response mask of `rows` without the tokens rollout correction rejects (for the normalisers)."""
@@ -353,6 +395,7 @@ class _WeightedSums:
         self.group = group  # the data-parallel group: one rank per set of rows (sequence parallelism)
         self.sums: dict[str, list[float]] = {}  # key -> [sum of value x weight, sum of weights]
         self.maxima: dict[str, float] = {}
+        self.mismatch = MismatchAccumulator()  # engine vs trainer under verl's names (diagnose/stats.py)
 
     def add(self, key: str, value: float, weight: float = 1.0) -> None:
         acc = self.sums.setdefault(key, [0.0, 0.0])
@@ -380,7 +423,14 @@ class _WeightedSums:
         flat = {f"{k}\0{i}": v[i] for k, v in self.sums.items() for i in (0, 1)}
         total = distributed.all_reduce_sum_dict(flat, self.group)
         out = {k: total[f"{k}\0{0}"] / max(total[f"{k}\0{1}"], 1e-12) for k in self.sums}
+        if self.mismatch.seen:  # the same on every rank: the batch has engine log-probs or not
+            out |= self.mismatch.metrics(lambda s: distributed.all_reduce_sum_dict(s, self.group), distributed.all_reduce_max)
         return out | {k: distributed.all_reduce_max(self.maxima[k]) for k in sorted(self.maxima)}
+
+
+def _input_rows(mb: dict) -> dict[str, list[int]]:
+    """Rows of a micro-batch whose old / reference log-probs (no-grad passes) are not finite."""
+    return {f"{k}_nonfinite_rows": bad_rows(mb[k], mb["response_mask"]) for k in ("old_logp", "ref_logp") if k in mb}
 
 
 def _check_sequence_parallel(model: torch.nn.Module, size: int) -> None:

@@ -106,9 +106,25 @@ def cmd_doctor(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     _quiet_console(cfg)  # before torch is imported (postrl.console)
+    if args.mismatch:
+        return _doctor_mismatch(cfg, args)
     from postrl.doctor import diagnose, print_report
 
     print_report(diagnose(cfg, args.prompts, console.print), console)
+    return 0
+
+
+def _doctor_mismatch(cfg, args) -> int:
+    """postrl doctor --mismatch: the engine's log-probs vs the trainer's on one rollout batch (docs/debugging.md)."""
+    from pathlib import Path
+
+    from postrl.diagnose.mismatch import diagnose_mismatch
+    from postrl.diagnose.report import print_mismatch, write_json
+
+    report = diagnose_mismatch(cfg, full_distribution=args.full_distribution, top_k=args.top_k, log=console.print)
+    print_mismatch(report, console)
+    path = write_json(report, Path(args.json or Path(cfg.logging.dir) / "doctor_mismatch.json"))
+    console.print(f"JSON: {path}", highlight=False)
     return 0
 
 
@@ -240,6 +256,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("doctor", help="greedy vs sampled accuracy and pass@k: does RL have headroom here?")
     _config_args(p)
     p.add_argument("--prompts", type=int, default=48, help="held-out prompts to measure on")
+    p.add_argument("--mismatch", action="store_true", help="the rollout engine's log-probs vs the trainer's on one rollout batch")
+    p.add_argument("--full-distribution", action="store_true", help="with --mismatch: compare the whole next-token distributions")
+    p.add_argument("--top-k", type=int, default=20, help="with --full-distribution: the top-k compared")
+    p.add_argument("--json", default=None, help="with --mismatch: the JSON report (default <logging.dir>/doctor_mismatch.json)")
     p.set_defaults(fn=cmd_doctor)
     p = sub.add_parser("export", help="checkpoint -> plain Hugging Face model directory")
     p.add_argument("checkpoint")

@@ -813,6 +813,11 @@ class TrainConfig(Section):
     weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
+    max_nonfinite_steps: int = Field(
+        3, ge=0, description="Stop the run after this many training steps in a row with a non-finite loss, log-prob or "
+        "gradient (each is skipped, and its rows and layers written to <logging.dir>/nonfinite/step_N.jsonl: "
+        "docs/debugging.md); 0 = never stop.",
+    )
     total_steps: int = Field(100, ge=1, description="Training steps (one batch of global_batch_size groups each).")
     total_epochs: int | None = Field(
         None, ge=1, description="Passes over the training prompts (verl's trainer.total_epochs): when set, it replaces "

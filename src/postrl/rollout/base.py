@@ -26,6 +26,7 @@ class SamplingParams:
     seed: int | None = None  # seeds the whole call; the same seed gives the same completions
     greedy: bool = False  # temperature 0: argmax decoding, n must be 1
     stop_token_ids: tuple[int, ...] = ()  # extra ids that end a completion like EOS, kept in it (agents: </tool_call>)
+    top_logprobs: int = 0  # engines that report log-probs: also the top-k of each sampled position (postrl doctor)
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,8 @@ class Completion:
     # as samples of their own with this one's reward and advantage
     prompt_ids: list[int] | None = None
     segments: list["Completion"] | None = None
+    # SamplingParams.top_logprobs k > 0: per token, the ids and log-probs of the k most likely tokens there
+    top_logprobs: list[tuple[list[int], list[float]]] | None = None
 
 
 @runtime_checkable

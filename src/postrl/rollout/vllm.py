@@ -155,7 +155,8 @@ class VLLMEngine:
                         prompt_index=i,
                         token_ids=tokens,
                         finished=c.finish_reason == "stop",
-                        logprobs=_sampled_logprobs(c.logprobs, tokens),
+                        logprobs=_sampled_logprobs(c.logprobs, tokens, params.top_logprobs),
+                        top_logprobs=_top_logprobs(c.logprobs, params.top_logprobs) if params.top_logprobs else None,
                     )
                 )
         return completions
@@ -223,7 +224,7 @@ class VLLMEngine:
             max_tokens=params.max_tokens,
             seed=seed,
             stop_token_ids=self.eos_ids + [t for t in params.stop_token_ids if t not in self.eos_ids],  # the stop token is kept
-            logprobs=0,  # only the sampled token's log-prob
+            logprobs=params.top_logprobs,  # the sampled token's log-prob (and the top-k's, for the doctor)
             flat_logprobs=True,  # a few flat lists per request instead of a dict per token
             detokenize=False,  # the trainer wants ids; skips per-token decoding
             **sampling,
@@ -345,14 +346,26 @@ def _hf_weights(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[st
         yield "lm_head.weight", (embedding.full_tensor() if hasattr(embedding, "full_tensor") else embedding).detach().to(dtype)
 
 
-def _sampled_logprobs(logprobs: Any, tokens: list[int]) -> list[float] | None:
+def _sampled_logprobs(logprobs: Any, tokens: list[int], top: int = 0) -> list[float] | None:
     if logprobs is None:
         return None
+    if top and hasattr(logprobs, "start_indices"):  # each position: the sampled token first, then the top-k
+        assert [logprobs.token_ids[i] for i in logprobs.start_indices] == tokens, "vLLM lists the sampled token first"
+        return [float(logprobs.logprobs[i]) for i in logprobs.start_indices]
     if hasattr(logprobs, "start_indices"):  # FlatLogprobs; with logprobs=0 one entry per position
         assert list(logprobs.token_ids) == tokens, "vLLM returned log-probs of the sampled tokens only"
         return [float(x) for x in logprobs.logprobs]
     assert len(logprobs) == len(tokens), "vLLM returned one log-prob entry per sampled token"
     return [float(step[tok].logprob) for step, tok in zip(logprobs, tokens)]
+
+
+def _top_logprobs(logprobs: Any, k: int) -> list[tuple[list[int], list[float]]]:
+    """The k most likely (ids, log-probs) of each position (ranks 1..k), from vLLM's logprobs=k output."""
+    out = []
+    for position in logprobs:  # {token id: Logprob} per position, the sampled token among them
+        ranked = sorted((lp.rank, tok, lp.logprob) for tok, lp in position.items() if lp.rank is not None and lp.rank <= k)
+        out.append(([tok for _, tok, _ in ranked], [float(lp) for _, _, lp in ranked]))
+    return out
 
 
 def _request_seeds(seed: int | None, n_prompts: int) -> list[int] | None:
