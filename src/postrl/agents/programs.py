@@ -159,7 +159,10 @@ def check_outcomes(sessions: list[Session], cfg: Any) -> None:
     timeouts = len(failed) - len(errors)
     what = f"rollout.environment '{cfg.environment}'" if getattr(cfg, "environment", None) else f"the agent program (rollout.agent '{cfg.agent}')"
     counts = f"{len(errors)} raised or returned no reward, {timeouts} ran past rollout.agent_timeout_s ({cfg.agent_timeout_s:g} s)"
+    refused = next((s for s in failed if s.outcome == "error" and s.bad_requests), None)
     example = f"the first error: {errors[0][:600]}" if errors else "none raised"
+    if refused is not None:  # e.g. "never called the model": the endpoint answered its every request 400
+        example += f" (the endpoint refused {refused.bad_requests} of its requests with a 400 that says why, counted in agent/bad_requests)"
     if errors:
         fix = ("Fix the program so it runs on one row (the error above is its own; a 400 from the endpoint names what the "
                "request lacked, e.g. a prompt past the run's context: shorten the system prompt or raise "
