@@ -155,7 +155,7 @@ def check_outcomes(sessions: list[Session], cfg: Any) -> None:
     failed = [s for s in sessions if s.outcome in ("error", "timeout")]
     if not fails_nearly_always(len(sessions), len(failed)):
         return
-    errors = [s.error for s in failed if s.outcome == "error"]
+    errors = [" ".join(s.error.split()) for s in failed if s.outcome == "error"]  # one paragraph
     timeouts = len(failed) - len(errors)
     what = f"rollout.environment '{cfg.environment}'" if getattr(cfg, "environment", None) else f"the agent program (rollout.agent '{cfg.agent}')"
     counts = f"{len(errors)} raised or returned no reward, {timeouts} ran past rollout.agent_timeout_s ({cfg.agent_timeout_s:g} s)"

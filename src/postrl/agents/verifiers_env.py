@@ -363,7 +363,7 @@ class VerifiersAgent:
         if fails_nearly_always(n, errored):
             raise UserError(
                 f"rollout.environment 'verifiers:{self.settings['spec']}': verifiers recorded an error in {errored} of the "
-                f"{n} rollouts of this batch (counted in rubric/rollout_errors); the first: {first[:600]}. The rubric "
+                f"{n} rollouts of this batch (counted in rubric/rollout_errors); the first: {' '.join(first[:600].split())}. The rubric "
                 "scored them, but a rollout that ended in an error carries no signal, so training would learn nothing. "
                 "Fix the environment or its settings by that error (a request the endpoint refused says why, e.g. a "
                 "prompt past the run's context: raise data.max_prompt_length / rollout.max_tokens).",
