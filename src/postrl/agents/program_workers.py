@@ -8,9 +8,12 @@ and the user's module by its spec (`load_agent`), and runs many programs at once
 in-process path does (agents/programs.py: a thread per sync program, one event loop for async ones,
 an `openai` client per program pointed at its session's URL).
 
-The parent sends (session key, session URL, model name, row) over a socket pair and a reader thread
-per worker turns each reply (key, "ok" | "error", value) into the gateway's ("done", session, ...)
-event, so time limits, counting and recording are the in-process path's. A worker that dies
+The parent sends [session key, session URL, model name, row] over a socket pair, as length-prefixed
+JSON frames, and a reader thread per worker turns each reply [key, "ok" | "error", value] into the
+gateway's ("done", session, ...) event, so time limits, counting and recording are the in-process
+path's. Nothing a worker sends is unpickled: its frames are capped (MAX_REPLY_BYTES) and checked
+(`parse_reply`), and a bad one ends that worker as a death does. The worker starts from a scrubbed
+environment (agents/child_env.py). A worker that dies
 (`os._exit`, a segfault, the OOM killer) ends its running programs as errors and is started again;
 a worker holding a program past `agent_timeout_s` is killed and started again at the end of the
 `generate` call (a thread cannot be killed; a process can).
