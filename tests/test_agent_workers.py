@@ -6,11 +6,16 @@ its spec (only a spec can go to a worker process)."""
 from __future__ import annotations
 
 import json
+import os
+import pickle
+import struct
 
 import pytest
 
+from postrl.agents.child_env import ALLOWED
 from postrl.agents.gateway import AgentGateway
 from postrl.agents.loop import AgentLoop
+from postrl.agents.program_workers import MAX_REPLY_BYTES
 from postrl.config import MultiTurnConfig, RolloutConfig
 from postrl.rollout.base import SamplingParams
 from tests.test_agents import TOOLS, ScriptEngine, _call, _prompt, tokenizer  # noqa: F401 - the module's fixture
@@ -108,3 +113,97 @@ def test_worker_programs_that_raise_exit_or_hang_are_counted_and_their_workers_r
         "hang": (0, 1, 0.0, False, 2),  # past its time limit: its worker killed at the rollout's end
         "ok": (0, 0, 1.0, True, 2),
     }
+
+
+
+HOSTILE = '''
+import json, os, socket, sys, time
+
+
+def run(client, row):
+    """Code in a worker writes straight onto the worker's channel to the trainer, then waits."""
+    client.chat.completions.create(model=client.model, messages=row["prompt"])
+    if "frame" in row:
+        sock = socket.socket(fileno=os.dup(int(sys.argv[1])))  # the worker's end of the channel
+        sock.sendall(bytes.fromhex(row["frame"]))
+        time.sleep(600)
+    if "env_out" in row:
+        with open(row["env_out"], "w") as f:
+            json.dump(dict(os.environ), f)
+    return 1.0
+'''
+
+
+def _frame(payload: bytes, length: int | None = None) -> str:
+    return (struct.pack(">I", len(payload) if length is None else length) + payload).hex()
+
+
+class _Touch:
+    """Unpickling it creates a file."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+@pytest.mark.slow  # seven workers killed and started again (~60 s on 2 cores)
+def test_a_bad_frame_from_a_worker_ends_that_worker_its_program_counted_as_an_error_never_unpickled(tokenizer, tmp_path):
+    marker = tmp_path / "unpickled"
+    frames = {
+        "garbage": _frame(b"\x80\x04not json at all"),
+        "pickle": _frame(pickle.dumps(_Touch(str(marker)))),
+        "oversize": _frame(b"{}", length=MAX_REPLY_BYTES + 1),
+        "shape": _frame(json.dumps({"key": "x", "outcome": "ok"}).encode()),
+        "huge_reward": _frame(b'["' + b"k" * 32 + b'", "ok", ' + b"1" * 400 + b"]"),  # no float holds it
+        "deep": _frame(b"[" * 30_000 + b"]" * 30_000),
+        "cut": _frame(b'["abc", "ok"', length=100),  # then the worker sleeps: the reader waits mid-frame
+    }
+    path = tmp_path / "hostile.py"
+    path.write_text(HOSTILE)
+    logs: list[str] = []
+    rollout = RolloutConfig(agent=f"{path}:run", agent_timeout_s=30, agent_workers=1, agent_batch_wait_ms=5)
+    gw = AgentGateway(ScriptEngine(tokenizer, ["done<|im_end|>"] * 40), tokenizer, rollout, log=logs.append)
+    params = SamplingParams(max_tokens=20, greedy=True)
+    seen = {}
+    try:
+        for name, frame in frames.items():
+            gw.cfg.agent_timeout_s = 3.0 if name == "cut" else 30.0  # a frame cut short: the program's time runs out
+            (c,) = gw.generate([_prompt(tokenizer)], params, rows=[{"prompt": QUESTION, "frame": frame}])
+            m = gw.pop_metrics()
+            seen[name] = (m["agent/errors"], m["agent/timeouts"], c.env_reward, gw.programs.restarts)
+            gw.cfg.agent_timeout_s = 30.0
+            (ok,) = gw.generate([_prompt(tokenizer)], params, rows=[{"prompt": QUESTION}])  # the next program runs
+            assert ok.env_reward == 1.0 and gw.pop_metrics()["agent/errors"] == 0, name
+        bad_frames = gw.programs.bad_frames
+    finally:
+        gw.close()
+    assert not marker.exists()
+    assert seen == {  # errors, timeouts, reward, workers restarted so far
+        "garbage": (1, 0, 0.0, 1), "pickle": (1, 0, 0.0, 2), "oversize": (1, 0, 0.0, 3), "shape": (1, 0, 0.0, 4),
+        "huge_reward": (1, 0, 0.0, 5), "deep": (1, 0, 0.0, 6), "cut": (0, 1, 0.0, 7),
+    }  # fmt: skip
+    assert bad_frames == 6  # "cut" ran out of time: its worker was killed as a stuck one
+    said = [line for line in logs if "worker process sent" in line]
+    assert len(said) == 6 and all(why in line for why, line in zip(["not JSON", "not JSON", "at most", "not [key", "too large", "not JSON"], said))
+
+
+def test_workers_start_from_a_scrubbed_environment_plus_the_listed_names(tokenizer, tmp_path, monkeypatch):
+    for name, value in {"HF_TOKEN": "hf_x", "WANDB_API_KEY": "wb_x", "AWS_SECRET_ACCESS_KEY": "aws_x", "MY_SERVICE_KEY": "listed",
+                        "LC_ALL": "C.UTF-8", "PYTHONHASHSEED": "7"}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    path = tmp_path / "hostile.py"
+    path.write_text(HOSTILE)
+    rollout = RolloutConfig(agent=f"{path}:run", agent_timeout_s=30, agent_workers=1, agent_env_passthrough=["MY_SERVICE_KEY"])
+    gw = AgentGateway(ScriptEngine(tokenizer, ["done<|im_end|>"] * 4), tokenizer, rollout)
+    out = tmp_path / "env.json"
+    try:
+        (c,) = gw.generate([_prompt(tokenizer)], SamplingParams(max_tokens=20, greedy=True), rows=[{"prompt": QUESTION, "env_out": str(out)}])
+    finally:
+        gw.close()
+    env = json.loads(out.read_text())
+    assert c.env_reward == 1.0
+    assert not {"HF_TOKEN", "WANDB_API_KEY", "AWS_SECRET_ACCESS_KEY"} & set(env)
+    assert (env["MY_SERVICE_KEY"], env["LC_ALL"], env["PYTHONHASHSEED"], env["PATH"]) == ("listed", "C.UTF-8", "7", os.environ["PATH"])
+    assert set(env) <= ALLOWED | {"MY_SERVICE_KEY", "PYTHONPATH"} | {k for k in env if k.startswith(("LC_", "PYTHON"))}

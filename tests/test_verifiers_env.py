@@ -198,3 +198,107 @@ def test_a_failing_environment_is_contained_and_counted_and_a_broken_one_stops_w
     )  # fmt: skip
     said = " ".join((cli.stdout + cli.stderr).split())  # the console wraps lines
     assert cli.returncode == 2 and "1 problem(s)" in said and "rollout.environment_python" in said and "Traceback" not in said
+
+
+HOSTILE_ENV = """
+import gc, io, json, os
+import verifiers as vf
+from datasets import Dataset
+
+
+class Env(vf.SingleTurnEnv):
+    async def setup_state(self, state):
+        if state["info"].get("mode") == "bad_line":  # code in the environment writes onto postrl's channel
+            (out,) = [f for f in gc.get_objects() if isinstance(f, io.TextIOWrapper) and f.writable() and f.fileno() > 2]
+            out.write("this is not JSON\\n")
+            out.flush()
+
+
+def load_environment(env_out=None):
+    if env_out:
+        with open(env_out, "w") as f:
+            json.dump(dict(os.environ), f)
+    return Env(dataset=Dataset.from_list([{"question": "q", "answer": "1"}]), rubric=vf.Rubric(funcs=[lambda completion: 1.0]))
+"""
+
+
+@needs_vf
+@pytest.mark.slow  # two environment processes start (~70 s on 2 loaded cores)
+def test_the_environment_process_starts_scrubbed_and_a_bad_line_from_it_is_counted_and_restarts_it(tmp_path, tokenizer, monkeypatch):
+    """The environment's process gets the allowlist plus rollout.agent_env_passthrough, not the trainer's secrets;
+    a line that breaks the protocol kills it: its sample scores 0 (counted), the next sample starts a new one."""
+    import json
+
+    from postrl.rollout.base import SamplingParams
+
+    monkeypatch.setenv("HF_TOKEN", "hf_x")
+    monkeypatch.setenv("WANDB_API_KEY", "wb_x")
+    monkeypatch.setenv("MY_SERVICE_KEY", "listed")
+    env, seen = tmp_path / "hostile_env.py", tmp_path / "env.json"
+    env.write_text(HOSTILE_ENV)
+    gw = _engine(tokenizer, ["\\boxed{1}<|im_end|>"] * 4, env, environment_args={"env_out": str(seen)}, agent_env_passthrough=["MY_SERVICE_KEY"])
+    rows = [{"prompt": QUESTION, "extra_info": {"verifiers": {"prompt": QUESTION, "answer": "1", "info": {"mode": mode}, "example_id": 0}}}
+            for mode in ("bad_line", "ok")]  # fmt: skip
+    try:
+        environ = json.loads(seen.read_text())
+        first = gw.agent.worker
+        (bad,) = gw.generate([[1, 2, 3]], SamplingParams(max_tokens=50, n=1, seed=0), rows=rows[:1])
+        m = gw.pop_metrics()
+        assert bad.env_reward == 0.0 and (m["agent/errors"], m["rubric/failed"]) == (1, 1)
+        assert "not JSON" in first.bad_line and first.proc.poll() is not None
+        (ok,) = gw.generate([[1, 2, 3]], SamplingParams(max_tokens=50, n=1, seed=0), rows=rows[1:])
+        m = gw.pop_metrics()
+        assert ok.env_reward == 1.0 and (m["rubric/worker_restarts"], m["rubric/scored"], m["agent/errors"]) == (1, 1, 0)
+    finally:
+        gw.close()
+    assert "HF_TOKEN" not in environ and "WANDB_API_KEY" not in environ
+    assert environ["MY_SERVICE_KEY"] == "listed" and environ["PATH"] == os.environ["PATH"]
+
+
+def test_the_environment_channel_refuses_long_lines_other_shapes_and_unfloatable_numbers():
+    import io
+    import json
+
+    from postrl.agents.verifiers_env import MAX_LINE_BYTES, BadLine, check_reply, read_line
+
+    assert read_line(io.BytesIO(b'{"id": 1}\n')) == ({"id": 1}, 10) and read_line(io.BytesIO(b"")) == (None, 0)
+    for data in (b"x" * (MAX_LINE_BYTES + 2), b"\xff\xfe\n", b"[" * 100_000 + b"\n", b"not json\n"):
+        with pytest.raises(BadLine):
+            read_line(io.BytesIO(data))
+    good = {"id": 2, "reward": 1.0, "metrics": {"m": 0.5}, "error": None, "rubric_errors": 0}
+    check_reply("rollout", good)
+    check_reply("rollout", {"id": 2, "exception": "ValueError: x"})
+    check_reply("dataset", {"id": 1, "rows": [{"prompt": "q"}], "more": False})
+    for op, bad in (
+        ("rollout", [1, 2]), ("rollout", {**good, "id": "2"}), ("rollout", {**good, "reward": "1"}), ("rollout", {**good, "reward": True}),
+        ("rollout", {**good, "reward": 10**400}), ("rollout", {**good, "metrics": {"m": [1]}}), ("rollout", {**good, "error": 3}),
+        ("rollout", {"id": 2, "exception": {"a": 1}}), ("dataset", {"id": 1, "rows": "abc"}), ("dataset", {"id": 1, "rows": [1]}),
+    ):  # fmt: skip
+        with pytest.raises(BadLine):
+            check_reply(op, json.loads(json.dumps(bad)))
+
+
+@needs_vf
+def test_an_environment_whose_every_rollout_errors_stops_after_that_batch_with_the_first_error(tokenizer, tmp_path):
+    """Every model request refused (the prompt past a 4-token context): verifiers records the error in each rollout
+    and its rubric still scores them; the batch stops the run with the first error and the fix."""
+    from postrl.agents.verifiers_env import make_verifiers_engine
+    from postrl.config import RolloutConfig
+    from postrl.errors import UserError
+    from postrl.rollout.base import SamplingParams
+    from tests.test_agents import ScriptEngine
+
+    env = tmp_path / "hostile_env.py"
+    env.write_text(HOSTILE_ENV)
+    rollout = RolloutConfig(environment=f"verifiers:{env}", environment_python=VF_PYTHON, agent_timeout_s=60)
+    gw = make_verifiers_engine(ScriptEngine(tokenizer, ["\\boxed{1}<|im_end|>"] * 4), tokenizer, rollout, max_model_len=4)
+    rows = [{"prompt": QUESTION, "extra_info": {"verifiers": {"prompt": QUESTION, "answer": "1", "info": {}, "example_id": 0}}}]
+    try:
+        with pytest.raises(UserError) as err:
+            gw.generate([[1, 2, 3]], SamplingParams(max_tokens=50, n=4, seed=0), rows=rows)
+        m = gw.pop_metrics()
+    finally:
+        gw.close()
+    said = str(err.value)
+    assert "in 4 of the 4 rollouts of this batch" in said and "context is 4" in said and "Fix" in said and "\n" not in said, said
+    assert (m["rubric/rollout_errors"], m["rubric/scored"], m["agent/errors"]) == (4, 4, 4)  # never called the model: errors

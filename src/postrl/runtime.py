@@ -40,7 +40,8 @@ loaded and hands the result to whoever builds models or tensors, as nanochat's `
   load 6). The start line says which rule decided and why. Rollout engines run with the same count:
   the process decides once, the engines do not.
 - RNG: `seed_everything`, and `rng_state` / `set_rng_state` for exact resume.
-- Signals: `StopOnSignal` turns SIGTERM / SIGINT into a flag the loop reads after each step.
+- Signals: `StopOnSignal` turns SIGTERM / SIGINT into a flag the loop reads after each step, or, while the
+  step only collects its batch (`abandonable`), abandons the step at once (`StepAbandoned`).
 """
 
 from __future__ import annotations
@@ -372,15 +373,28 @@ def set_rng_state(state: dict) -> None:
 # -------------------------------------------------------------------------------------- signals
 
 
+class StepAbandoned(BaseException):
+    """A stop signal came while the step was collecting its batch (`StopOnSignal.abandonable`). A BaseException,
+    as KeyboardInterrupt is: no `except Exception` on the way (a user's program, the rollout) holds it up."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped on signal {signum} while collecting the step's batch")
+        self.signum = signum
+
+
 class StopOnSignal:
     """SIGTERM / SIGINT set a flag that the loop reads after each step; a second one stops at once.
 
     A scheduler sends SIGTERM before it preempts a job: the step in flight finishes (its length
-    bounds the wait), a checkpoint is written, and the run exits cleanly. Only the main thread can
-    install handlers; elsewhere (a Ray worker thread) signals keep their default meaning.
+    bounds the wait), a checkpoint is written, and the run exits cleanly. While the step is still
+    collecting its batch (inside `abandonable()`: a rollout can wait on an agent program for as long as
+    rollout.agent_timeout_s) the signal abandons the step at once instead, by raising `StepAbandoned`
+    in the main thread: nothing a checkpoint holds has changed yet. Only the main thread can install
+    handlers; elsewhere (a Ray worker thread) signals keep their default meaning.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    abandon = False  # inside `abandonable()`
 
     def __enter__(self) -> "StopOnSignal":
         self.signum = 0
@@ -394,6 +408,18 @@ class StopOnSignal:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
         self.signum = signum
+        if self.abandon:
+            self.abandon = False
+            raise StepAbandoned(signum)
+
+    @contextlib.contextmanager
+    def abandonable(self, enabled: bool = True) -> Any:
+        """A stop signal inside abandons the step (`StepAbandoned`); one that came before is left to the loop."""
+        self.abandon = enabled
+        try:
+            yield
+        finally:
+            self.abandon = False
 
     def __exit__(self, *exc: Any) -> None:
         for s, handler in self.previous.items():

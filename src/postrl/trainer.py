@@ -28,7 +28,7 @@ from postrl.errors import Stopped, UserError
 from postrl.evaluate import ValidationHistory, evaluate
 from postrl.experience import Batch, batch_metrics, staleness_metrics
 from postrl.metrics import MetricsLogger, Timer, plot_logged, progress_bar, read_jsonl, step_line, throughput, val_line
-from postrl.runtime import StopOnSignal, init_runtime, rng_state, set_rng_state
+from postrl.runtime import StepAbandoned, StopOnSignal, init_runtime, rng_state, set_rng_state
 from postrl.samples import SampleWriter
 
 
@@ -67,6 +67,7 @@ class Trainer:
         self.step = 0
         self.timer = Timer()
         self._closed = False
+        self.signals = StopOnSignal()
         self.guards = guards.Guards(cfg, self.log)
         self.history = ValidationHistory(cfg.checkpoint.keep_best)  # the headline validation metric
         self.samples = SampleWriter(cfg, self.tokenizer, self.log, enabled=rt.is_main)  # <logging.dir>/samples/*.jsonl
@@ -98,7 +99,7 @@ class Trainer:
             last.update(self.validate())
             self.logger.log(0, last)
             self.log(val_line("before RL", last))
-        with progress_bar(self.console, cfg.logging.progress) as progress, StopOnSignal() as stop:
+        with progress_bar(self.console, cfg.logging.progress) as progress, self.signals as stop:
             task = progress.add_task(f"{self.algo_name} training", total=cfg.train.total_steps, completed=self.step)
             while self.step < cfg.train.total_steps:
                 metrics = self.train_step()
@@ -162,19 +163,37 @@ class Trainer:
         return self._step_metrics(batch, gen_stats, update_stats)
 
     def _collect(self):
-        """The step's batch; when the data stops the run (dynamic sampling exhausted, every reward failing),
-        the steps trained so far are checkpointed first, as they were before this step began."""
+        """The step's batch; when the data stops the run (dynamic sampling exhausted, every reward failing) or a
+        stop signal comes meanwhile (a rollout stuck on an agent program: the step is abandoned; one process
+        only, where no other rank waits in a collective), the steps trained so far are checkpointed first, as they
+        were before this step began."""
         before = {"rng": rng_state(), "sampler": self.sampler.state_dict()}
         try:
-            return self.batches.next_batch(self.step, self.timer)
+            with self.signals.abandonable(not distributed.is_distributed()):
+                return self.batches.next_batch(self.step, self.timer)
         except UserError as exc:
-            if self.step == 0 or self.cfg.checkpoint.save_freq and self.step % self.cfg.checkpoint.save_freq == 0:
+            if (path := self._save_trained(before)) is None:
                 raise  # nothing trained yet, or this step's checkpoint exists
-            path = checkpoint.save(self.cfg, {**self.state_dict(), **before})
             raise UserError(
                 *exc.problems, f"The {self.step} step(s) trained so far are saved in {path}; after the fix, the same "
                 "command continues from there (checkpoint.resume: auto).", title=exc.title,
             ) from None
+        except StepAbandoned as exc:
+            self._save_trained(before)
+            self.close()
+            done = f"stopped after step {self.step} with a checkpoint in {self.cfg.checkpoint.dir}" if self.step else "stopped before any step"
+            self.log(
+                f"[yellow]{signal.Signals(exc.signum).name} received: {done}; step {self.step + 1}, which was collecting "
+                "its batch, was abandoned; run the same command again to continue (checkpoint.resume: auto).[/yellow]"
+            )
+            raise Stopped(exc.signum) from None
+
+    def _save_trained(self, before: dict) -> Path | None:
+        """Checkpoint the steps trained so far with the sampler and RNG of `before` (the step's start), unless
+        nothing was trained or this step's checkpoint exists."""
+        if self.step == 0 or self.cfg.checkpoint.save_freq and self.step % self.cfg.checkpoint.save_freq == 0:
+            return None
+        return checkpoint.save(self.cfg, {**self.state_dict(), **before})
 
     def _stop_for_signal(self, signum: int) -> None:
         """Preemption (SIGTERM) or Ctrl-C: checkpoint the finished step, release everything, exit cleanly."""

@@ -8,9 +8,12 @@ and the user's module by its spec (`load_agent`), and runs many programs at once
 in-process path does (agents/programs.py: a thread per sync program, one event loop for async ones,
 an `openai` client per program pointed at its session's URL).
 
-The parent sends (session key, session URL, model name, row) over a socket pair and a reader thread
-per worker turns each reply (key, "ok" | "error", value) into the gateway's ("done", session, ...)
-event, so time limits, counting and recording are the in-process path's. A worker that dies
+The parent sends [session key, session URL, model name, row] over a socket pair, as length-prefixed
+JSON frames, and a reader thread per worker turns each reply [key, "ok" | "error", value] into the
+gateway's ("done", session, ...) event, so time limits, counting and recording are the in-process
+path's. Nothing a worker sends is unpickled: its frames are capped (MAX_REPLY_BYTES) and checked
+(`parse_reply`), and a bad one ends that worker as a death does. The worker starts from a scrubbed
+environment (agents/child_env.py). A worker that dies
 (`os._exit`, a segfault, the OOM killer) ends its running programs as errors and is started again;
 a worker holding a program past `agent_timeout_s` is killed and started again at the end of the
 `generate` call (a thread cannot be killed; a process can).
@@ -20,89 +23,175 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 import os
 import queue
 import socket
+import struct
 import subprocess
 import sys
 import threading
-from multiprocessing.connection import Connection
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from postrl.agents.programs import Programs, load_agent
+from postrl.agents.child_env import child_env
+from postrl.agents.programs import Programs, check_outcomes, load_agent
 from postrl.agents.session import Session
+
+HEADER = struct.Struct(">I")  # a frame: its length (4 bytes, big-endian), then that many bytes of UTF-8 JSON
+MAX_REPLY_BYTES = 64 * 1024  # a worker's frame: (key, outcome, a number or a short error) needs far less
+MAX_ERROR_CHARS = 2000  # a worker cuts the user's exception message to this before sending it
+
+
+class BadFrame(Exception):
+    """A frame that is not what the protocol allows: too long, not JSON, or not of the expected shape."""
+
+
+def encode_frame(obj: Any) -> bytes:
+    """One frame: `obj` as JSON (TypeError / ValueError when it is not JSON-able)."""
+    data = json.dumps(obj).encode()
+    return HEADER.pack(len(data)) + data
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(min(n - len(buf), 1 << 16))
+        if not chunk:
+            raise EOFError("the connection ended")
+        buf += chunk
+    return bytes(buf)
+
+
+def recv_frame(sock: socket.socket, max_bytes: int) -> Any:
+    """The next frame's value; EOFError when the connection ends between frames, BadFrame when the frame is
+    longer than `max_bytes` (refused before reading it) or is not JSON."""
+    header = sock.recv(HEADER.size, socket.MSG_WAITALL)
+    if not header:
+        raise EOFError("the connection ended")
+    if len(header) < HEADER.size:
+        raise BadFrame(f"a frame header of {len(header)} bytes")
+    (n,) = HEADER.unpack(header)
+    if n > max_bytes:
+        raise BadFrame(f"a frame of {n} bytes (at most {max_bytes})")
+    try:
+        return json.loads(_recv_exact(sock, n))
+    except EOFError:
+        raise BadFrame("a frame cut short") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise BadFrame(f"a frame that is not JSON ({type(exc).__name__})") from None
+
+
+def parse_reply(msg: Any) -> tuple[str, str, Any]:
+    """(key, "ok", number | None) or (key, "error", exception) from a worker's frame; BadFrame for any other shape."""
+    if not (isinstance(msg, list) and len(msg) == 3 and isinstance(msg[0], str) and len(msg[0]) <= 64):
+        raise BadFrame(f"a frame that is not [key, outcome, value]: {str(msg)[:100]!r}")
+    key, outcome, value = msg
+    if outcome == "ok" and value is None:
+        return key, outcome, None
+    if outcome == "ok" and isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            return key, outcome, float(value)
+        except OverflowError:
+            raise BadFrame(f"a reward too large for a float ({str(value)[:40]}...)") from None
+    if outcome == "error" and isinstance(value, list) and len(value) == 2 and all(isinstance(v, str) for v in value):
+        return key, outcome, _remote_error(value[0][:100], value[1][:MAX_ERROR_CHARS])
+    raise BadFrame(f"a frame whose outcome is not ok with a number or error with [type, message]: {str(msg)[:100]!r}")
 
 
 def _remote_error(name: str, message: str) -> Exception:
-    """The user's exception as the gateway reports it ("ValueError: the user's bug"), without unpickling user types."""
-    return type(name, (Exception,), {})(message)
+    """The user's exception as the gateway reports it ("ValueError: the user's bug"), a plain Exception of that name."""
+    return type(name if name.isidentifier() else "Exception", (Exception,), {})(message)
 
 
 class _Worker:
-    """One worker process, its connection, and the programs it runs (key -> session)."""
+    """One worker process, its socket, and the programs it runs (key -> session). Programs go out through a
+    writer thread (a worker that stops reading holds its own programs up, never the engine thread); a reader
+    thread turns each reply frame into the gateway's "done" event. A bad frame (too long, not JSON, of another
+    shape) or anything else the reader meets ends that worker: its process is killed, its running programs are
+    reported as errors, and the pool starts a new one."""
 
-    def __init__(self, spec: str, timeout_s: float, events: queue.Queue):
+    def __init__(self, spec: str, timeout_s: float, events: queue.Queue, passthrough: list[str] = ()):
         parent, child = socket.socketpair()
         src = str(Path(__file__).resolve().parents[2])  # postrl's own source root, whatever sys.path the worker gets
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([src] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+        pythonpath = os.pathsep.join([src] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "postrl.agents.program_workers", str(child.fileno())], pass_fds=(child.fileno(),), env=env,
-            stdin=subprocess.DEVNULL,
+            [sys.executable, "-m", "postrl.agents.program_workers", str(child.fileno())], pass_fds=(child.fileno(),),
+            env=child_env(passthrough, {"PYTHONPATH": pythonpath}), stdin=subprocess.DEVNULL,
         )  # fmt: skip
         child.close()
-        self.conn = Connection(parent.detach())
-        self.conn.send({"sys_path": list(sys.path), "spec": spec, "timeout_s": timeout_s})
+        self.sock = parent
         self.running: dict[str, Session] = {}
         self.stuck = False  # holds a program past its time limit: killed at the end of the rollout
         self.dead = False
+        self.bad_frame: str | None = None  # why the reader ended the worker, when a frame was bad
         self._events, self._lock = events, threading.Lock()
+        self._out: queue.Queue = queue.Queue()
+        self._out.put(encode_frame({"sys_path": list(sys.path), "spec": spec, "timeout_s": timeout_s}))
+        threading.Thread(target=self._write, name=f"postrl-agent-worker-w{self.proc.pid}", daemon=True).start()
         threading.Thread(target=self._read, name=f"postrl-agent-worker-{self.proc.pid}", daemon=True).start()
 
     def launch(self, s: Session, url: str, model_name: str) -> bool:
         """Send the program to the worker; False if the worker has ended (its reader has reported its programs)."""
+        try:
+            frame = encode_frame([s.key, url, model_name, s.row])
+        except (TypeError, ValueError) as exc:  # the row cannot go to a worker: this program fails, not the rollout
+            self._events.put(("done", s, "error", TypeError(f"the dataset row does not convert to JSON for a worker process ({exc})")))
+            return True
         with self._lock:
             if self.dead:
                 return False
             self.running[s.key] = s
-        try:
-            self.conn.send((s.key, url, model_name, s.row))
-        except (OSError, ValueError):  # the worker is gone: its reader reports this program with the others
-            self.proc.kill()
-        except Exception as exc:  # noqa: BLE001 - the row does not pickle: this program fails, not the rollout
-            with self._lock:
-                self.running.pop(s.key, None)
-            self._events.put(("done", s, "error", exc))
+        self._out.put(frame)
         return True
 
-    def _read(self) -> None:
-        while True:
+    def _write(self) -> None:
+        while (frame := self._out.get()) is not None:
             try:
-                key, outcome, value = self.conn.recv()
-            except (EOFError, OSError):
-                break
-            with self._lock:
-                s = self.running.pop(key, None)
-            if s is not None:
-                self._events.put(("done", s, outcome, _remote_error(*value) if outcome == "error" else value))
+                self.sock.sendall(frame)
+            except OSError:  # the worker is gone: its reader reports its programs
+                self.proc.kill()
+                return
+
+    def _read(self) -> None:
+        why = None
+        try:
+            while True:
+                try:
+                    key, outcome, value = parse_reply(recv_frame(self.sock, MAX_REPLY_BYTES))
+                except (EOFError, OSError):
+                    break
+                with self._lock:
+                    s = self.running.pop(key, None)
+                if s is not None:  # else: a program the gateway already ended (its time ran out)
+                    self._events.put(("done", s, outcome, value))
+        except BadFrame as exc:  # unless the pool killed the worker mid-frame (it held a program past its time)
+            why = None if self.stuck else f"the agent's worker process sent {exc}; it was killed and started again"
+        except BaseException as exc:  # noqa: BLE001 - the reader must report the worker's programs, whatever happened
+            why = f"reading the agent's worker process failed ({type(exc).__name__}: {exc}); it was killed and started again"
+        self.bad_frame = why
+        if why is not None:
+            self.proc.kill()
         code = self.proc.wait()
+        self._out.put(None)
         with self._lock:
             self.dead, lost, self.running = True, list(self.running.values()), {}
         for s in lost:
-            message = f"the agent's worker process ended (exit code {code}) while this program ran"
+            message = why or f"the agent's worker process ended (exit code {code}) while this program ran"
             self._events.put(("done", s, "error", RuntimeError(message)))
 
     def close(self) -> None:
         self.dead = True
-        with contextlib.suppress(OSError), socket.socket(fileno=os.dup(self.conn.fileno())) as sock:
-            sock.shutdown(socket.SHUT_RDWR)  # the worker exits when its connection ends (close alone would wait for the
-        self.conn.close()  # reader thread's recv to return)
+        self._out.put(None)
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)  # the worker exits when its connection ends; the reader's recv returns
         try:
             self.proc.wait(timeout=2)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        self.sock.close()
 
 
 class _Handle:
@@ -119,21 +208,24 @@ class _Handle:
 
 class WorkerPool:
     """`Programs` (agents/programs.py) across `n` worker processes: `launch` sends a program to the worker
-    running the fewest; `reap` (end of a rollout) replaces the workers that hold stuck programs or died."""
+    running the fewest; `reap` (end of a rollout) replaces the workers that hold stuck programs or died, and
+    stops the run when (nearly) every program of the rollout failed (`check_outcomes`)."""
 
     def __init__(self, spec: str, n: int, cfg: Any, events: queue.Queue):
         self.agent = load_agent(spec)  # the user's errors are raised here, in the trainer, once
         self.is_async = inspect.iscoroutinefunction(self.agent)
         self.spec, self.cfg, self._events = spec, cfg, events
         self.workers: list[_Worker | None] = [None] * n
-        self.restarts = 0
+        self.restarts = self.bad_frames = 0
+        self.launched: list[Session] = []  # this rollout's programs, for `check_outcomes`
         self.start()  # a worker takes ~1 s to import openai: started now, they are ready by the first rollout
 
     def _worker(self, i: int) -> _Worker:
         w = self.workers[i]
         if w is None or w.dead:
             self.restarts += w is not None
-            w = self.workers[i] = _Worker(self.spec, self.cfg.agent_timeout_s, self._events)
+            self.bad_frames += w is not None and w.bad_frame is not None
+            w = self.workers[i] = _Worker(self.spec, self.cfg.agent_timeout_s, self._events, self.cfg.agent_env_passthrough)
         return w
 
     def start(self) -> None:
@@ -141,6 +233,7 @@ class WorkerPool:
             self._worker(i)
 
     def launch(self, s: Session, url: str, model_name: str) -> _Handle:
+        self.launched.append(s)
         while True:
             self.start()
             w = min(self.workers, key=lambda w: len(w.running))
@@ -149,7 +242,7 @@ class WorkerPool:
 
     def reap(self) -> None:
         """Kill the workers that hold a program past its time limit (the rollout is over: nothing else of theirs
-        runs) and start them and any that died again."""
+        runs) and start them and any that died again; then the rule of `check_outcomes` on this rollout."""
         for i, w in enumerate(self.workers):
             if w is not None and w.stuck and not w.dead:
                 w.proc.kill()
@@ -157,6 +250,8 @@ class WorkerPool:
                 w.dead = True
             if w is not None and w.dead:
                 self._worker(i)
+        launched, self.launched = self.launched, []
+        check_outcomes(launched, self.cfg)
 
     def close(self) -> None:
         for w in self.workers:
@@ -165,16 +260,16 @@ class WorkerPool:
         self.workers = [None] * len(self.workers)
 
 
-def _serve(conn: Connection) -> None:
+def _serve(sock: socket.socket) -> None:
     """A worker: run the programs the parent sends, report each one's end; exit when the connection ends."""
     import httpx  # noqa: F401 - imported before the first program comes, not by it
     import openai  # noqa: F401
 
-    init = conn.recv()
+    init = recv_frame(sock, 1 << 30)  # the trainer's frames: trusted, as large as its dataset rows
     sys.path[:] = init["sys_path"]
     events: queue.Queue = queue.Queue()
     try:
-        programs = Programs(load_agent(init["spec"]), SimpleNamespace(agent_timeout_s=init["timeout_s"]), events)
+        programs = Programs(load_agent(init["spec"]), SimpleNamespace(agent_timeout_s=init["timeout_s"]), events, check=False)
     except BaseException as exc:  # noqa: BLE001 - cannot happen after the parent loaded it, unless the module differs here
         print(f"postrl agent worker: loading {init['spec']} failed: {exc}", file=sys.stderr)
         os._exit(3)
@@ -188,23 +283,23 @@ def _serve(conn: Connection) -> None:
         while True:
             _, s, outcome, value = events.get()
             if outcome == "error":
-                value = (type(value).__name__, str(value))
+                value = [type(value).__name__, str(value)[:MAX_ERROR_CHARS]]
             elif value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
                 text = f"the agent returned {type(value).__name__} {value!r:.60}; it must return a number or None"
-                outcome, value = "error", ("TypeError", text)  # what the gateway says of it in-process, not pickled
+                outcome, value = "error", ["TypeError", text]  # what the gateway says of it in-process
             try:
-                conn.send((s.key, outcome, value))
+                sock.sendall(encode_frame([s.key, outcome, value]))
             except OSError:  # the parent is gone
                 os._exit(0)
 
     threading.Thread(target=send, name="postrl-agent-worker-send", daemon=True).start()
     while True:
         try:
-            key, url, model_name, row = conn.recv()
+            key, url, model_name, row = recv_frame(sock, 1 << 30)
         except (EOFError, OSError):
             os._exit(0)  # the parent closed the pool or died: the programs' threads end with the process
         programs.launch(SimpleNamespace(key=key, row=row), url, model_name)
 
 
 if __name__ == "__main__":
-    _serve(Connection(int(sys.argv[1])))
+    _serve(socket.socket(fileno=int(sys.argv[1])))

@@ -18,6 +18,7 @@ from typing import Any
 
 from postrl.agents.session import Session
 from postrl.errors import UserError
+from postrl.rewards.verdict import fails_nearly_always
 
 
 def load_agent(spec: str) -> Any:
@@ -54,8 +55,9 @@ def load_agent(spec: str) -> Any:
 class Programs:
     """Runs the agent function `agent` (sync or async) once per session."""
 
-    def __init__(self, agent: Any, cfg: Any, events: queue.Queue):
+    def __init__(self, agent: Any, cfg: Any, events: queue.Queue, check: bool = True):
         self.agent, self.cfg, self._events = agent, cfg, events
+        self.launched: list[Session] | None = [] if check else None  # this rollout's programs, for `check_outcomes`
         self.is_async = inspect.iscoroutinefunction(agent)
         self._loop: asyncio.AbstractEventLoop | None = None  # async programs run here
         self._free: dict[bool, list] = {False: [], True: []}  # idle httpx clients (sync, async)
@@ -71,6 +73,8 @@ class Programs:
 
         timeout = self.cfg.agent_timeout_s
         row, events, agent = s.row, self._events, self.agent
+        if self.launched is not None:
+            self.launched.append(s)
         if self.is_async:
 
             async def run_async() -> None:
@@ -120,7 +124,10 @@ class Programs:
         return kind(timeout=self.cfg.agent_timeout_s, verify=self._ssl, limits=httpx.Limits(max_connections=4, max_keepalive_connections=1))
 
     def reap(self) -> None:
-        """The end of a rollout: nothing to do in-process (a stuck thread cannot be killed; the gateway counts it)."""
+        """The end of a rollout: `check_outcomes` (a stuck thread cannot be killed; the gateway counts it)."""
+        if self.launched is not None:
+            launched, self.launched = self.launched, []
+            check_outcomes(launched, self.cfg)
 
     def close(self) -> None:
         if self._loop is not None:
@@ -136,3 +143,35 @@ class Programs:
             self._loop = None
         while self._free[False]:
             self._free[False].pop().close()
+
+
+def check_outcomes(sessions: list[Session], cfg: Any) -> None:
+    """Stop the run when (nearly) every program of one rollout failed: raised, ran past its time limit, returned
+    no number, or never called the model (the gateway's outcomes, agents/gateway.py `_finish`). Each such sample
+    scores 0 and trains nothing, so the batch carries no signal. The share is the reward sources' rule
+    (rewards/verdict.py); a rollout cut short (some program still "running") is not judged."""
+    if any(s.outcome == "running" for s in sessions):
+        return
+    failed = [s for s in sessions if s.outcome in ("error", "timeout")]
+    if not fails_nearly_always(len(sessions), len(failed)):
+        return
+    errors = [" ".join(s.error.split()) for s in failed if s.outcome == "error"]  # one paragraph
+    timeouts = len(failed) - len(errors)
+    what = f"rollout.environment '{cfg.environment}'" if getattr(cfg, "environment", None) else f"the agent program (rollout.agent '{cfg.agent}')"
+    counts = f"{len(errors)} raised or returned no reward, {timeouts} ran past rollout.agent_timeout_s ({cfg.agent_timeout_s:g} s)"
+    refused = next((s for s in failed if s.outcome == "error" and s.bad_requests), None)
+    example = f"the first error: {errors[0][:600]}" if errors else "none raised"
+    if refused is not None:  # e.g. "never called the model": the endpoint answered its every request 400
+        example += f" (the endpoint refused {refused.bad_requests} of its requests with a 400 that says why, counted in agent/bad_requests)"
+    if errors:
+        fix = ("Fix the program so it runs on one row (the error above is its own; a 400 from the endpoint names what the "
+               "request lacked, e.g. a prompt past the run's context: shorten the system prompt or raise "
+               "data.max_prompt_length / rollout.max_tokens)")  # fmt: skip
+    else:
+        fix = "Raise rollout.agent_timeout_s if the program is slow but correct, or find where it waits"
+    raise UserError(
+        f"{what} failed on {len(failed)} of the {len(sessions)} samples of this batch ({counts}); {example}. A failed "
+        "sample scores 0 and trains nothing, so the batch carries no signal and training would learn nothing. "
+        f"{fix}; the counts are the agent/errors and agent/timeouts metrics.",
+        title="the agent program fails on (nearly) every sample",
+    )

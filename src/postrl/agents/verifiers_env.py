@@ -36,30 +36,83 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from postrl.agents.child_env import child_env
 from postrl.agents.verifiers_python import interpreter_problems
 from postrl.errors import UserError
+from postrl.rewards.verdict import fails_nearly_always
 from postrl.rollout.base import EngineWrapper
 
 if TYPE_CHECKING:
     from postrl.config import RolloutConfig
 
 WORKER = Path(__file__).with_name("verifiers_worker.py")
+MAX_LINE_BYTES = 16 * 1024 * 1024  # one line from the environment's process (the dataset comes in chunks below it)
+MAX_DATASET_BYTES = 4 * 1024**3  # a dataset's chunks together
+
+
+class BadLine(Exception):
+    """A line from the environment's process that the protocol does not allow (too long, not JSON, another shape)."""
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _fits_float(v: Any) -> bool:
+    try:
+        float(v)
+        return True
+    except OverflowError:  # an integer past float's range
+        return False
+
+
+def check_reply(op: str, msg: Any) -> None:
+    """BadLine unless `msg` is a reply to `op` of the shape verifiers_worker.py documents."""
+    ok = isinstance(msg, dict) and isinstance(msg.get("id"), int)
+    if ok and "exception" in msg:
+        ok = isinstance(msg["exception"], str)
+    elif ok and op == "dataset":
+        ok = isinstance(msg.get("rows"), list) and all(isinstance(r, dict) for r in msg["rows"]) and isinstance(msg.get("more", False), bool)
+    elif ok and op == "rollout":
+        metrics, error = msg.get("metrics"), msg.get("error")
+        ok = (_number(msg.get("reward")) and isinstance(metrics, dict) and all(isinstance(k, str) and _number(v) for k, v in metrics.items())
+              and (error is None or isinstance(error, str)) and isinstance(msg.get("rubric_errors", 0), int))  # fmt: skip
+        ok = ok and all(_fits_float(v) for v in [msg["reward"], *metrics.values()])
+    if not ok:
+        raise BadLine(f"a reply that is not of the protocol's shape: {str(msg)[:200]!r}")
+
+
+def read_line(stream: Any) -> tuple[Any, int]:
+    """The next JSON line of `stream` (binary) and its length; (None, 0) at its end; BadLine past MAX_LINE_BYTES or
+    not JSON."""
+    line = stream.readline(MAX_LINE_BYTES + 1)
+    if not line:
+        return None, 0
+    if len(line) > MAX_LINE_BYTES:
+        raise BadLine(f"a line longer than {MAX_LINE_BYTES} bytes")
+    try:
+        return json.loads(line), len(line)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise BadLine(f"a line that is not JSON ({type(exc).__name__}: {line[:100]!r})") from None
 
 
 class Worker:
-    """The environment's process (verifiers_worker.py): requests by id over its stdin, replies read by a thread."""
+    """The environment's process (verifiers_worker.py): requests by id over its stdin, replies read by a thread.
+    A bad line (too long, not JSON, of another shape) ends the process: its pending requests fail with the
+    reason, and the next sample starts a new one (`VerifiersAgent`)."""
 
     def __init__(self, settings: dict, start_timeout_s: float = 600.0):
         problems = interpreter_problems(settings.get("python"))
         if problems:
             raise UserError(*problems)
         spec = settings["spec"]
-        env = {**os.environ, "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "PYTHONUNBUFFERED": "1"}
+        env = child_env(settings.get("passthrough") or (), {"HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "PYTHONUNBUFFERED": "1"})
         python = str(Path(settings.get("python") or sys.executable).expanduser())
         self.proc = subprocess.Popen(
             [python, str(WORKER), spec, json.dumps(settings.get("args") or {})], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, text=True, bufsize=1, env=env,
+            stdout=subprocess.PIPE, env=env,
         )  # fmt: skip
+        self.bad_line: str | None = None
         first: dict = {}
         reader = threading.Thread(target=lambda: first.update(self._read_first()), daemon=True)
         reader.start()
@@ -83,53 +136,75 @@ class Worker:
                 "group of rollouts together; postrl runs and scores each rollout on its own. "
                 "Fix: use per-rollout reward functions in the rubric."
             )
-        self.env_id = first["env_id"]
+        self.env_id = str(first.get("env_id"))[:200]
         self._ids = itertools.count(1)
-        self._pending: dict[int, concurrent.futures.Future] = {}
+        self._pending: dict[int, tuple[str, concurrent.futures.Future]] = {}
+        self._rows: dict[int, list] = {}  # a dataset reply's chunks so far
         self._lock = threading.Lock()
         threading.Thread(target=self._read, name="postrl-verifiers-reader", daemon=True).start()
 
     def _read_first(self) -> dict:
-        line = self.proc.stdout.readline()
         try:
-            return json.loads(line) if line else {}
-        except json.JSONDecodeError:
-            return {"error": f"it wrote {line[:200]!r} instead of its ready line"}
+            msg, _ = read_line(self.proc.stdout)
+        except BadLine as exc:
+            return {"error": f"it wrote {exc} instead of its ready line"}
+        if msg is not None and not isinstance(msg, dict):
+            return {"error": f"it wrote {str(msg)[:200]!r} instead of its ready line"}
+        return msg or {}
 
     def _read(self) -> None:
-        for line in self.proc.stdout:
-            try:
-                msg = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            with self._lock:
-                fut = self._pending.pop(msg.get("id"), None)
-            if fut is not None and not fut.cancelled():
-                try:
-                    fut.set_result(msg)
-                except concurrent.futures.InvalidStateError:  # cancelled meanwhile (the sample's time ran out)
-                    pass
+        why, chunks = None, 0
+        try:
+            while (got := read_line(self.proc.stdout))[0] is not None:
+                msg = got[0]
+                with self._lock:
+                    op, fut = self._pending.get(msg.get("id"), (None, None)) if isinstance(msg, dict) else (None, None)
+                if fut is None:
+                    raise BadLine(f"a reply to no request: {str(msg)[:200]!r}")
+                check_reply(op, msg)
+                if msg.get("more"):  # a dataset chunk: the rest follows under the same id
+                    chunks += got[1]
+                    if chunks > MAX_DATASET_BYTES:
+                        raise BadLine(f"a dataset of more than {MAX_DATASET_BYTES} bytes")
+                    self._rows.setdefault(msg["id"], []).extend(msg["rows"])
+                    continue
+                if "rows" in msg:
+                    msg["rows"] = self._rows.pop(msg["id"], []) + msg["rows"]
+                with self._lock:
+                    self._pending.pop(msg["id"], None)
+                if not fut.cancelled():
+                    try:
+                        fut.set_result(msg)
+                    except concurrent.futures.InvalidStateError:  # cancelled meanwhile (the sample's time ran out)
+                        pass
+        except BadLine as exc:
+            why = f"the verifiers environment's process sent {exc}; it was killed (the next sample starts a new one)"
+        except BaseException as exc:  # noqa: BLE001 - the pending requests must hear of the end, whatever happened
+            why = f"reading the verifiers environment's process failed ({type(exc).__name__}: {exc}); it was killed"
+        self.bad_line = why
+        if why is not None:
+            self.proc.kill()
         code = self.proc.wait()
         with self._lock:
             pending, self._pending = self._pending, {}
-        for fut in pending.values():
+        for _, fut in pending.values():
             if not fut.done():
-                fut.set_exception(RuntimeError(f"the verifiers environment's process exited (code {code})"))
+                fut.set_exception(RuntimeError(why or f"the verifiers environment's process exited (code {code})"))
 
     @property
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        return self.proc.poll() is None and self.bad_line is None
 
     def request(self, msg: dict) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             if not self.alive:
-                fut.set_exception(RuntimeError(f"the verifiers environment's process exited (code {self.proc.returncode})"))
+                fut.set_exception(RuntimeError(self.bad_line or f"the verifiers environment's process exited (code {self.proc.returncode})"))
                 return fut
             msg = {"id": next(self._ids), **msg}
-            self._pending[msg["id"]] = fut
+            self._pending[msg["id"]] = (msg["op"], fut)
             try:
-                self.proc.stdin.write(json.dumps(msg) + "\n")
+                self.proc.stdin.write(json.dumps(msg).encode() + b"\n")
                 self.proc.stdin.flush()
             except (BrokenPipeError, OSError) as exc:
                 self._pending.pop(msg["id"], None)
@@ -138,7 +213,7 @@ class Worker:
 
     def close(self) -> None:
         """End the process: its stdin closes (it exits when its rollouts are done), killed after 2 s."""
-        if self.alive:
+        if self.proc.poll() is None:
             try:
                 self.proc.stdin.close()
                 self.proc.wait(2)
@@ -221,13 +296,14 @@ class VerifiersAgent:
 
     def __init__(self, cfg: "RolloutConfig", log: Any = None):
         self.settings = {"spec": cfg.environment.removeprefix("verifiers:").strip(), "args": dict(cfg.environment_args),
-                         "python": cfg.environment_python}  # fmt: skip
+                         "python": cfg.environment_python, "passthrough": list(cfg.agent_env_passthrough)}  # fmt: skip
         self.timeout_s, self.log = cfg.agent_timeout_s, log
         self.worker = shared_worker(self.settings)  # a bad environment stops the run here, before any rollout
         self._restart_lock = threading.Lock()
         self._lock = threading.Lock()
         self.restarts = self._function_errors = 0  # in the run so far
         self._reported: dict[int, int] = {}  # worker pid -> the rubric errors it reported (a running total)
+        self._batch: list = [0, 0, ""]  # this generate call's rollouts scored, those verifiers recorded an error in, the first
         self._reset()
 
     def _reset(self) -> None:
@@ -267,12 +343,32 @@ class VerifiersAgent:
             for name, value in reply["metrics"].items():
                 self._sums[f"rubric/{name}"] = self._sums.get(f"rubric/{name}", 0.0) + value
             self._rollout_errors += reply.get("error") is not None
+            self._batch[0] += 1
+            if reply.get("error") is not None:
+                self._batch[1] += 1
+                self._batch[2] = self._batch[2] or reply["error"]
             pid, total = worker.proc.pid, reply.get("rubric_errors", 0)
             self._function_errors += max(total - self._reported.get(pid, 0), 0)
             self._reported[pid] = max(total, self._reported.get(pid, 0))
         if reply.get("error") is not None and self.log is not None and self._rollout_errors <= 3:
             self.log(f"[yellow]verifiers recorded an error in a rollout (the rubric scored it): {reply['error'][:300]}[/yellow]")
         return reply["reward"]
+
+    def check_batch(self) -> None:
+        """Stop the run when verifiers recorded an error in (nearly) every rollout of one batch (the rule of
+        rewards/verdict.py): the rubric scored them, but an errored rollout (e.g. every model request refused)
+        carries no signal. Rollouts that raised are the gateway's rule (agents/programs.py `check_outcomes`)."""
+        with self._lock:
+            (n, errored, first), self._batch = self._batch, [0, 0, ""]
+        if fails_nearly_always(n, errored):
+            raise UserError(
+                f"rollout.environment 'verifiers:{self.settings['spec']}': verifiers recorded an error in {errored} of the "
+                f"{n} rollouts of this batch (counted in rubric/rollout_errors); the first: {' '.join(first[:600].split())}. The rubric "
+                "scored them, but a rollout that ended in an error carries no signal, so training would learn nothing. "
+                "Fix the environment or its settings by that error (a request the endpoint refused says why, e.g. a "
+                "prompt past the run's context: raise data.max_prompt_length / rollout.max_tokens).",
+                title="the environment fails on (nearly) every rollout",
+            )
 
     def _count_failure(self) -> None:
         with self._lock:
@@ -303,6 +399,15 @@ class VerifiersEngine(EngineWrapper):
     def __init__(self, gateway: Any, agent: VerifiersAgent):
         super().__init__(gateway)
         self.agent = agent
+
+    def generate(self, prompts, params, multi_modal=None, **kw) -> list:
+        try:
+            out = self.engine.generate(prompts, params, multi_modal=multi_modal, **kw)
+        except UserError:  # the gateway's rule (every program failed): verifiers' own record says why, when it has one
+            self.agent.check_batch()
+            raise
+        self.agent.check_batch()
+        return out
 
     def pop_metrics(self) -> dict[str, float]:
         return {**self.engine.pop_metrics(), **self.agent.pop_metrics()}

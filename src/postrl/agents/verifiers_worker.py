@@ -10,7 +10,8 @@ to stderr):
 
     <- {"op": "ready", "env_id": ..., "group_rubric": bool}  (or {"op": "fatal", "error": ...})
     -> {"id": 1, "op": "dataset", "split": "train" | "eval"}
-    <- {"id": 1, "rows": [{"prompt", "answer", "info", "task", "example_id"}, ...]}
+    <- {"id": 1, "rows": [{"prompt", "answer", "info", "task", "example_id"}, ...], "more": bool}
+       (a line of at most ~1 MiB of rows each; "more": false on the last; postrl refuses lines past 16 MiB)
     -> {"id": 2, "op": "rollout", "url": <session base URL>, "key": <session key>, "model": ..., "input": {...}}
     <- {"id": 2, "reward": float, "metrics": {name: float}, "error": str | null, "rubric_errors": int}
        (or {"id": 2, "exception": "Type: message"} when the rollout itself raised)
@@ -31,6 +32,9 @@ import logging
 import os
 import sys
 from pathlib import Path
+
+
+CHUNK_BYTES = 1 << 20
 
 
 class _ErrorCounter(logging.Handler):
@@ -104,7 +108,14 @@ async def serve(env, out, errors: _ErrorCounter) -> None:
     async def handle(msg: dict) -> None:
         try:
             if msg["op"] == "dataset":
-                reply = {"rows": dataset_rows(env, msg["split"])}
+                rows, size, chunk = dataset_rows(env, msg["split"]), 0, []
+                for row in rows:  # chunks of ~1 MiB: postrl caps a line's length
+                    chunk.append(row)
+                    size += len(json.dumps(row))
+                    if size > CHUNK_BYTES:
+                        send({"id": msg["id"], "rows": chunk, "more": True})
+                        size, chunk = 0, []
+                reply = {"rows": chunk, "more": False}
             elif msg["op"] == "rollout":
                 reply = await rollout(env, msg, errors)
             else:

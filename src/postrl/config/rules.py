@@ -99,7 +99,7 @@ def derive_environment(cfg: Any) -> None:
     and DAPO's filter reads the score."""
     r = cfg.rollout
     cfg.data._environment = {"spec": r.environment.removeprefix("verifiers:").strip(), "args": dict(r.environment_args),
-                             "python": r.environment_python}  # fmt: skip
+                             "python": r.environment_python, "passthrough": list(r.agent_env_passthrough)}  # fmt: skip
     if "train_files" not in cfg.data.model_fields_set:
         cfg.data.train_files = ["verifiers:train"]
     if "val_files" not in cfg.data.model_fields_set:

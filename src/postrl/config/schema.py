@@ -296,6 +296,12 @@ class RolloutConfig(Section):
         description="rollout.agent: 0 runs the programs in the trainer's process; N >= 1 runs them in N worker processes, so their "
         "own CPU (the openai client, tools) does not share the trainer's GIL, and a stuck or crashing program is contained.",
     )  # fmt: skip
+    agent_env_passthrough: list[str] = Field(
+        default_factory=list, description="rollout.agent / rollout.environment: environment variables the worker and "
+        "environment processes get beside the allowlist (PATH, HOME, locale, TZ, TMPDIR, PYTHON*, the HF cache paths), "
+        "e.g. [OPENAI_API_KEY] for a program that calls another service; the rest of the trainer's (HF_TOKEN, "
+        "WANDB_API_KEY, cloud keys) stays behind (docs/agents.md).",
+    )
     agent_batch_wait_ms: float = Field(
         20.0, ge=0, description="rollout.agent: the endpoint samples the requests it holds once every running program "
         "waits on one, or when none arrived for this long (at most 10x this after the first).",
