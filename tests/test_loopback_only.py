@@ -1,0 +1,169 @@
+"""A local run listens on loopback only, whatever its placement (issue 46; docs/reliability.md).
+
+Each test runs `postrl train` as a command of its own and, while it runs, reads the sockets of every process
+of the run with psutil: the command's process tree, every process of its session (Ray's servers and workers
+stay in it) and every process that inherited the run's marker variable (a process that left the session).
+A socket counts as listening when it is a TCP socket in LISTEN or an unconnected UDP socket; every one must
+be bound to 127.0.0.1 or ::1."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from conftest import tiny_overrides
+
+ROOT = Path(__file__).resolve().parents[1]
+LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
+
+
+def _run_and_watch(args: list[str], cwd: Path, timeout: float) -> tuple[int, str, set[tuple[str, int, str]]]:
+    """Run `postrl train ARGS` to its end; (exit code, output, every (address, port, process name) that listened)."""
+    import psutil
+
+    marker = uuid.uuid4().hex
+    env = dict(os.environ, OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0", POSTRL_TEST_RUN=marker,
+               PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))  # fmt: skip
+    for name in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        env.pop(name, None)  # postrl itself must keep the run on loopback
+    proc = subprocess.Popen([sys.executable, "-m", "postrl.cli", "train", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True, env=env, cwd=cwd)  # fmt: skip
+    ours: dict[tuple[int, float], bool] = {}  # (pid, start time) -> whether it belongs to the run
+
+    def belongs(p: psutil.Process) -> bool:
+        key = (p.pid, p.create_time())
+        if key not in ours:
+            try:
+                ours[key] = os.getsid(p.pid) == proc.pid or p.environ().get("POSTRL_TEST_RUN") == marker
+            except (psutil.Error, OSError):
+                ours[key] = False
+        return ours[key]
+
+    listening: set[tuple[str, int, str]] = set()
+    deadline = time.monotonic() + timeout
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                family = {proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))}
+            except psutil.Error:
+                family = set()
+            for p in psutil.process_iter():
+                try:
+                    if p.pid not in family and not belongs(p):
+                        continue
+                    name = p.name() if p.name() != "python" else " ".join(p.cmdline()[1:4])[:80]  # which python
+                    for c in p.net_connections(kind="inet"):
+                        if c.status == psutil.CONN_LISTEN or (c.type == socket.SOCK_DGRAM and not c.raddr):
+                            listening.add((c.laddr[0], c.laddr[1], name))
+                except (psutil.Error, OSError):  # it ended between the listing and the read
+                    pass
+            time.sleep(0.2)  # a poll of what runs now, not a wait for something to happen
+        out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        out = "timed out"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever of the run's session is left (Ray's servers)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    return proc.returncode, out, listening
+
+
+def _outside(listening: set[tuple[str, int, str]]) -> str:
+    """The listeners beyond loopback, one a line ('' when none)."""
+    return "\n".join(f"{host} port {port} ({name})" for host, port, name in sorted(listening) if host not in LOOPBACK)
+
+
+@pytest.mark.slow
+def test_a_pool_run_listens_on_loopback_only(tmp_path):
+    """`postrl train configs/tiny_dapo.yaml rollout.placement=pool rollout.pool.replicas=2`, 2 tiny steps: Ray
+    (GCS, raylet, agents, the replicas' core workers), the trainer's store and the trainer-replica groups all
+    bind loopback. ~60-120 s: Ray and two replicas start on a loaded 2-core machine."""
+    args = [str(ROOT / "configs/tiny_dapo.yaml"), *tiny_overrides(tmp_path, "rollout.placement=pool", "rollout.pool.replicas=2",
+            "rollout.max_staleness=1", "train.total_steps=2", "train.gen_batch_size=4", "algorithm.filter_groups.enable=false")]  # fmt: skip
+    rc, out, listening = _run_and_watch(args, tmp_path, timeout=400)
+    assert rc == 0, out[-4000:]
+    assert "a pool of 2 replica(s)" in out, out[-3000:]
+    names = {name for *_, name in listening}
+    assert {"gcs_server", "raylet", "ray::Replica"} <= names, listening  # the scan saw Ray's servers and workers ...
+    assert any("postrl.cli train" in name for name in names), listening  # ... and the trainer's store
+    assert not _outside(listening), f"listening beyond loopback:\n{_outside(listening)}"
+
+
+@pytest.mark.slow
+def test_an_endpoint_run_listens_on_loopback_only(tmp_path):
+    """examples/openai_agent (a plain openai-client program against postrl's endpoint), 2 tiny steps: the
+    endpoint and everything else of the run bind loopback."""
+    example = ROOT / "examples/openai_agent"
+    args = [str(example / "tiny_tool_dapo_agent.yaml"), "model.path=builtin:tiny-qwen2-tools", "rollout.engine=hf",
+            "rollout.n_samples_per_prompt=2", "rollout.max_tokens=16", f"rollout.agent={example}/calculator_agent.py:run",
+            "rollout.agent_concurrency=4", "algorithm.filter_groups.enable=false", "algorithm.overlong_buffer.len=4",
+            "train.global_batch_size=2", "train.gen_batch_size=2", "train.micro_batch_size=4", "train.total_steps=2",
+            "train.warmup_steps=0", "eval.before_train=false", "eval.freq=0", "eval.after_train=false",
+            "data.tool_arithmetic.train_size=64", "data.tool_arithmetic.val_size=8", f"logging.dir={tmp_path / 'run'}",
+            "logging.progress=false", "checkpoint.keep_best=null", "checkpoint.save_final=false"]  # fmt: skip
+    rc, out, listening = _run_and_watch(args, tmp_path, timeout=300)
+    assert rc == 0, out[-4000:]
+    assert listening, "the endpoint listens: the scan should have seen it"
+    assert not _outside(listening), f"listening beyond loopback:\n{_outside(listening)}"
+
+
+def _listening_here() -> set[tuple[str, int]]:
+    import psutil
+
+    return {c.laddr[:2] for c in psutil.Process().net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+
+
+def test_the_pools_store_listens_on_loopback_only_where_torchs_own_listens_everywhere(monkeypatch):
+    """local_cluster.loopback_store (the pool's store on a local cluster) binds 127.0.0.1, and a two-member
+    gloo group formed on it (the trainer-replica pair) listens and works over lo; torch's own TCPStore, for
+    contrast, listens on every interface: the check sees the difference."""
+    import datetime
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    from postrl.local_cluster import join_store, loopback_store
+    from postrl.runtime import pair_group
+
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        monkeypatch.delenv(name, raising=False)  # join_store sets them for this process (restored afterwards)
+    timeout = datetime.timedelta(seconds=60)
+    before = _listening_here()
+    store = loopback_store(timeout)
+    got = torch.zeros(3)
+
+    def replica():
+        group = pair_group("gloo", dist.PrefixStore("t", join_store("127.0.0.1", store.port, timeout)), 1, 2, timeout)
+        group.broadcast(got, 0).wait()
+
+    thread = threading.Thread(target=replica, daemon=True)
+    thread.start()
+    group = pair_group("gloo", dist.PrefixStore("t", store), 0, 2, timeout)
+    group.broadcast(torch.arange(3.0), 0).wait()
+    thread.join(60)
+    assert got.tolist() == [0.0, 1.0, 2.0]
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "lo"
+    ours = _listening_here() - before  # the store and gloo's listener
+    assert ("127.0.0.1", store.port) in ours and {host for host, _ in ours} == {"127.0.0.1"}, ours
+    everywhere = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    assert ("::", everywhere.port) in _listening_here(), "torch's own store binds every interface"
+    del everywhere, group, store
+
+
+def test_loopback_names_and_the_local_environment():
+    from postrl.local_cluster import is_loopback, loopback_env
+
+    assert [is_loopback(h) for h in ("127.0.0.1", "::1", "localhost", "127.0.1.1", "192.0.2.2", "node-1", "")] == [
+        True, True, True, True, False, False, False]  # fmt: skip
+    env = loopback_env({"GLOO_SOCKET_IFNAME": "eth0", "PATH": "/bin"})  # a local run's peers are all on this machine
+    assert env == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", "PATH": "/bin"}
