@@ -167,3 +167,22 @@ def test_loopback_names_and_the_local_environment():
         True, True, True, True, False, False, False]  # fmt: skip
     env = loopback_env({"GLOO_SOCKET_IFNAME": "eth0", "PATH": "/bin"})  # a local run's peers are all on this machine
     assert env == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", "PATH": "/bin"}
+
+
+def test_the_cluster_script_refuses_token_authentication_on_a_ray_without_it(tmp_path):
+    """scripts/ray_cluster.sh sets RAY_AUTH_MODE=token, which Ray has from 2.52: an older `ray` is refused
+    with a message saying how to go on; the installed one (the `ray` extra: >= 2.52) passes the check."""
+    (tmp_path / "ray").write_text('#!/bin/sh\necho "ray, version 2.51.1"\n')
+    (tmp_path / "ray").chmod(0o755)
+    base = dict(os.environ, MASTER_ADDR="10.0.0.1", CURRENT_IP="10.0.0.1", DEVICE="cpu", DRY_RUN="1")
+    base.pop("RAY_AUTH_MODE", None)
+
+    def script(path: str, **env: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(ROOT / "scripts/ray_cluster.sh")], env={**base, "PATH": path, **env},
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+
+    old = script(f"{tmp_path}:{os.environ['PATH']}")
+    assert old.returncode == 2 and "needs Ray 2.52 or newer" in old.stderr and "found 2.51.1" in old.stderr, old
+    assert script(f"{tmp_path}:{os.environ['PATH']}", RAY_AUTH_MODE="disabled").returncode == 0  # the opt-out
+    new = script(f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    assert new.returncode == 0 and new.stdout.startswith("ray start --head"), new
