@@ -9,7 +9,6 @@ be bound to 127.0.0.1 or ::1."""
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -69,11 +68,15 @@ def _run_and_watch(args: list[str], cwd: Path, timeout: float) -> tuple[int, str
     except subprocess.TimeoutExpired:
         out = "timed out"
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # whatever of the run's session is left (Ray's servers)
-        except ProcessLookupError:
-            pass
+        if proc.poll() is None:
+            proc.kill()
         proc.wait()
+        for p in psutil.process_iter():  # whatever of the run is left (Ray's servers), by process id
+            try:
+                if belongs(p):
+                    p.kill()
+            except psutil.Error:
+                pass
     return proc.returncode, out, listening
 
 
@@ -186,3 +189,34 @@ def test_the_cluster_script_refuses_token_authentication_on_a_ray_without_it(tmp
     assert script(f"{tmp_path}:{os.environ['PATH']}", RAY_AUTH_MODE="disabled").returncode == 0  # the opt-out
     new = script(f"{Path(sys.executable).parent}:{os.environ['PATH']}")
     assert new.returncode == 0 and new.stdout.startswith("ray start --head"), new
+
+
+REFUSED = """
+import os
+os.environ.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
+import ray  # imported before postrl could set Ray's one-machine switch
+from postrl.errors import UserError
+from postrl.local_cluster import start_ray
+try:
+    start_ray(None, num_cpus=1, object_store_memory=100 * 2**20)
+except UserError as exc:
+    print("refused:", exc, "| ray still up:", ray.is_initialized())
+else:
+    print("started at", ray.util.get_node_ip_address())
+"""
+
+
+@pytest.mark.slow
+def test_a_local_cluster_that_ray_puts_on_the_lan_address_is_refused(tmp_path):
+    """Ray reads its one-machine switch when it is imported: a program that imported ray first would get a
+    'local' cluster on the LAN address. start_ray checks the address Ray gave the node, stops that cluster
+    and says how to go on. ~20-40 s: one Ray start."""
+    from ray._private.services import node_ip_address_from_perspective
+
+    if node_ip_address_from_perspective() in LOOPBACK:
+        pytest.skip("this machine has no address beyond loopback: Ray would pick 127.0.0.1 anyway")
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("RAY_ADDRESS", None)
+    out = subprocess.run([sys.executable, "-c", REFUSED], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert "refused:" in out.stdout and "imported ray before postrl" in out.stdout, out.stdout + out.stderr[-3000:]
+    assert "ray still up: False" in out.stdout, out.stdout
