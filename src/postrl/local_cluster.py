@@ -64,7 +64,8 @@ def import_ray(address: str | None) -> Any:
 
 
 def start_ray(address: str | None, env_vars: dict[str, str] | None = None, **options: Any) -> bool:
-    """Connect this process to Ray; True when this call did (the caller shuts Ray down at its end).
+    """Connect this process to Ray; True when this call did (launch.py shuts Ray down at the end of its job;
+    the pool leaves it to the process's exit, when Ray stops the cluster it started).
 
     Without an address: a new single-node cluster of this run's own (`address="local"`, never `None`, which
     would join any cluster already running on this machine, another user's too), node address 127.0.0.1 so
