@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
 
 
-def _run_and_watch(args: list[str], cwd: Path, timeout: float) -> tuple[int, str, set[tuple[str, int, str]]]:
+def _run_and_watch(args: list[str], cwd: Path, timeout: float, **extra_env: str) -> tuple[int, str, set[tuple[str, int, str]]]:
     """Run `postrl train ARGS` to its end; (exit code, output, every (address, port, process name) that listened)."""
     import psutil
 
@@ -32,6 +32,7 @@ def _run_and_watch(args: list[str], cwd: Path, timeout: float) -> tuple[int, str
                PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))  # fmt: skip
     for name in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         env.pop(name, None)  # postrl itself must keep the run on loopback
+    env.update(extra_env)
     proc = subprocess.Popen([sys.executable, "-m", "postrl.cli", "train", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True, env=env, cwd=cwd)  # fmt: skip
     ours: dict[tuple[int, float], bool] = {}  # (pid, start time) -> whether it belongs to the run
@@ -66,7 +67,7 @@ def _run_and_watch(args: list[str], cwd: Path, timeout: float) -> tuple[int, str
             time.sleep(0.2)  # a poll of what runs now, not a wait for something to happen
         out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
-        out = "timed out"
+        out = f"the run did not finish within {timeout} s"
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -89,15 +90,19 @@ def _outside(listening: set[tuple[str, int, str]]) -> str:
 def test_a_pool_run_listens_on_loopback_only(tmp_path):
     """`postrl train configs/tiny_dapo.yaml rollout.placement=pool rollout.pool.replicas=2`, 2 tiny steps: Ray
     (GCS, raylet, agents, the replicas' core workers), the trainer's store and the trainer-replica groups all
-    bind loopback. ~60-120 s: Ray and two replicas start on a loaded 2-core machine."""
+    bind loopback; the run starts a cluster of its own rather than join the one RAY_ADDRESS names (only
+    cluster.ray_address joins). ~60-150 s: Ray and two replicas start on a loaded 2-core machine."""
     args = [str(ROOT / "configs/tiny_dapo.yaml"), *tiny_overrides(tmp_path, "rollout.placement=pool", "rollout.pool.replicas=2",
             "rollout.max_staleness=1", "train.total_steps=2", "train.gen_batch_size=4", "algorithm.filter_groups.enable=false")]  # fmt: skip
-    rc, out, listening = _run_and_watch(args, tmp_path, timeout=400)
+    # Where Ray would find a cluster to join by itself (ray.init(address=None)): a decoy with nothing behind it.
+    rc, out, listening = _run_and_watch(args, tmp_path, timeout=400, RAY_ADDRESS="127.0.0.1:9")
     assert rc == 0, out[-4000:]
     assert "a pool of 2 replica(s)" in out, out[-3000:]
     names = {name for *_, name in listening}
-    assert {"gcs_server", "raylet", "ray::Replica"} <= names, listening  # the scan saw Ray's servers and workers ...
-    assert any("postrl.cli train" in name for name in names), listening  # ... and the trainer's store
+    # The scan saw Ray's servers, a replica (its process title names the task it runs) and the trainer's store.
+    assert {"gcs_server", "raylet"} <= names, listening
+    assert any(name.startswith("ray::Replica") for name in names), listening
+    assert any("postrl.cli train" in name for name in names), listening
     assert not _outside(listening), f"listening beyond loopback:\n{_outside(listening)}"
 
 
