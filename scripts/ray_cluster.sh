@@ -45,6 +45,17 @@ JOB=("$@")
 # must then use it too. The token is ~/.ray/auth_token of the head: copy it to the other nodes (or set
 # RAY_AUTH_TOKEN there). RAY_AUTH_MODE=disabled turns authentication off on a trusted network.
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}
+# Token authentication exists from Ray 2.52 (the `ray` extra of pyproject.toml asks for it); an older Ray
+# ignores RAY_AUTH_MODE and starts a cluster that anyone who reaches its ports can use.
+if [ "$RAY_AUTH_MODE" = token ]; then
+  RAY_VERSION=$(ray --version 2>/dev/null | grep -oE '[0-9]+\.[0-9]+(\.[0-9]+)?' | head -n 1 || true)
+  if [ -z "$RAY_VERSION" ] || ! printf '2.52\n%s\n' "$RAY_VERSION" | sort -V -C; then
+    echo "RAY_AUTH_MODE=token needs Ray 2.52 or newer (token authentication), found ${RAY_VERSION:-no \`ray\` command}:" \
+      "an older Ray would start the cluster without authentication. Fix: pip install 'postrl[ray]' (ray[train]>=2.52)," \
+      "or set RAY_AUTH_MODE=disabled to run without authentication on a trusted network." >&2
+    exit 2
+  fi
+fi
 
 if [ -n "${SOCKET_IFNAME:-}" ]; then
   export GLOO_SOCKET_IFNAME=$SOCKET_IFNAME NCCL_SOCKET_IFNAME=$SOCKET_IFNAME

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from postrl import lora
+from postrl.local_cluster import loopback_env
 from postrl.rollout.base import EngineWrapper
 from postrl.runtime import accelerator
 
@@ -71,13 +72,9 @@ def init_process_group(timeout_s: float = 1800.0) -> bool:
 
 def one_machine_env(env: dict[str, str], rendezvous_file: str) -> dict[str, str]:
     """`env` for a rank of a job whose ranks all run on this machine (`--nproc`, a one-node Ray cluster):
-    the ranks meet through `rendezvous_file` (a FileStore, no TCP store) and their collectives talk over
-    the loopback interface, unless the user chose an interface."""
-    out = {**env, RENDEZVOUS_FILE_ENV: rendezvous_file}
-    if Path("/sys/class/net/lo").exists():
-        out.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        out.setdefault("NCCL_SOCKET_IFNAME", "lo")
-    return out
+    the ranks meet through `rendezvous_file` (a FileStore in a directory of the job's own, no TCP store)
+    and their collectives talk over the loopback interface (local_cluster.loopback_env)."""
+    return loopback_env({**env, RENDEZVOUS_FILE_ENV: rendezvous_file})
 
 
 def backend() -> str:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from postrl import distributed
 from postrl.errors import UserError
+from postrl.local_cluster import RAY_ONE_MACHINE_ENV, start_ray
 from postrl.runtime import Accelerator, accelerator, cpu_threads
 from postrl.storage import unshared_dir_problem
 from postrl.trainer import train
@@ -178,14 +179,7 @@ def launch_ray(cfg: "Config", address: str | None) -> int:
     ray = _import_ray(one_node=address is None)
     check_world(cfg, cfg.world_size)
     env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
-    started_here = not ray.is_initialized()
-    if started_here:
-        if address is None:  # a one-node cluster for this job: every Ray server on loopback only
-            ray.init(
-                runtime_env={"env_vars": env}, include_dashboard=False, _node_ip_address="127.0.0.1", address="local"
-            )  # fmt: skip
-        else:
-            ray.init(address=address, runtime_env={"env_vars": env})
+    started_here = start_ray(address, env)  # without an address: a cluster of this job's own, on loopback only
     try:
         acc = worker_accelerator(cfg.train.device, ray.cluster_resources())
         trainer = _torch_trainer(cfg, env, acc, file_rendezvous=started_here and address is None)
@@ -204,10 +198,8 @@ def launch_ray(cfg: "Config", address: str | None) -> int:
 
 def _import_ray(one_node: bool):
     """Ray (with Ray Train), or a UserError saying how to install it."""
-    if one_node:
-        # Ray's single-node switch (its name is historical; read when ray is imported): the node takes
-        # 127.0.0.1 as its address and its GCS, raylet and worker servers bind that, not every interface.
-        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    if one_node:  # read when ray is imported (local_cluster.RAY_ONE_MACHINE_ENV): this driver's node is 127.0.0.1
+        os.environ[RAY_ONE_MACHINE_ENV] = "0"
     try:
         import ray
         import ray.train.torch  # noqa: F401

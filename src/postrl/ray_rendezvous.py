@@ -54,5 +54,5 @@ class _FileRendezvousBackend(Backend):
 
 
 def _prepare_worker(rendezvous_file: str) -> None:
-    """Runs in each Ray Train worker before the training loop starts (a socket setting of the user stays)."""
+    """Runs in each Ray Train worker before the training loop starts: its rendezvous file, collectives over lo."""
     os.environ.update(distributed.one_machine_env(dict(os.environ), rendezvous_file))

@@ -38,6 +38,7 @@ import torch
 from postrl.async_rollout import WorkerDied, partial_metrics, split_stale
 from postrl.errors import UserError
 from postrl.experience import Batch, concat, select, select_groups
+from postrl.local_cluster import import_ray, serving_store, start_ray
 from postrl.rollout_replica import _TIMEOUT, Replica, make_group
 from postrl.transport import SharedWeights
 
@@ -97,17 +98,13 @@ class RolloutPool:
         self.k, self.G = cfg.rollout.max_staleness, cfg.rollout.n_samples_per_prompt
         self.pool = cfg.rollout.pool
         self.max_restarts = self.pool.max_restarts if self.pool.max_restarts is not None else cfg.rollout.max_worker_restarts
-        self.ray = ray = _import_ray()
-        if not ray.is_initialized():  # a local instance, or the cluster cluster.ray_address names ('auto' finds it)
-            ray.init(address=cfg.cluster.ray_address, include_dashboard=False, log_to_driver=False)
-        import torch.distributed as dist
-
+        self.ray = ray = _import_ray(cfg.cluster.ray_address)
+        start_ray(cfg.cluster.ray_address, log_to_driver=False)  # a cluster of the run's own on loopback, or the one named
         from postrl.runtime import accelerator
 
         self.acc = accelerator()
         self.backend = self.acc.backend
-        self.host = ray.util.get_node_ip_address()
-        self.store = dist.TCPStore(self.host, 0, None, True, timeout=_TIMEOUT, wait_for_workers=False)
+        self.host, self.store = serving_store(_TIMEOUT)  # on 127.0.0.1 for a local cluster (local_cluster.py)
         self.packer = SharedWeights(model, torch.multiprocessing.get_context("spawn"))
         self.sums: dict[int, set[float]] = {}
         self.version, self.header = -1, (0, 0.0)  # newest published; its publication number and checksum
@@ -400,9 +397,9 @@ class RolloutPool:
         self.members = []
 
 
-def _import_ray():
+def _import_ray(address: str | None):
     try:
-        import ray
+        ray = import_ray(address)  # without an address: Ray's servers on 127.0.0.1 (local_cluster.py)
     except ImportError as exc:
         raise UserError(
             f"rollout.placement is 'pool' but Ray cannot be imported ({exc}): the pool's replicas are Ray actors. Fix: "

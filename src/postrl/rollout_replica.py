@@ -139,8 +139,10 @@ class Replica:
         """Join the trainer's group (in a thread: the trainer sends to it from now on)."""
         import torch.distributed as dist
 
+        from postrl.local_cluster import join_store
+
         def serve():
-            store = dist.PrefixStore(prefix, dist.TCPStore(host, port, None, False, timeout=_TIMEOUT))
+            store = dist.PrefixStore(prefix, join_store(host, port, _TIMEOUT))  # a store on loopback: groups over lo
             self.weights.receive_forever(make_group(backend, store, 1))
 
         threading.Thread(target=serve, daemon=True, name="postrl-weights").start()
