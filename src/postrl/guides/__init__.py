@@ -177,6 +177,16 @@ def _verl_combinations(conv: Conversion, given: dict[str, Any]) -> None:
         for m in conv.mapped:
             if m.source == "trainer.total_epochs":
                 m.targets, m.note = {}, "ignored: trainer.total_training_steps is given and wins, as in verl"
+    path = given.get("custom_reward_function.path")
+    if path not in (None, "", "null", "None"):  # the user's reward file, called as verl calls it
+        name = given.get("custom_reward_function.name") or "compute_score"
+        verifiers = [{"name": f"verl:{path}:{name}", "weight": 1.0}]
+        _unmapped_to_mapped(conv, "custom_reward_function.path", {"reward.verifiers": verifiers},
+                            "the file's function with verl's signature, in the verifier worker pool (a relative path is read from the directory postrl runs in)")  # fmt: skip
+        _unmapped_to_mapped(conv, "custom_reward_function.name", {}, "in reward.verifiers (verl:<path>:<name>)")
+        for m in conv.mapped:
+            if m.source in ("reward_model.reward_manager", "reward_model.reward_manager.name"):
+                m.targets, m.note = {"reward.verifiers": verifiers}, "the manager scores with custom_reward_function, as in verl"
     ratio = given.get("actor_rollout_ref.actor.optim.lr_warmup_steps_ratio")
     if ratio is not None and "train.total_steps" in flat and int(given.get("actor_rollout_ref.actor.optim.lr_warmup_steps", -1)) < 0:
         _unmapped_to_mapped(conv, "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio",

@@ -58,7 +58,8 @@ class Scope:
         return f"{MARK}{len(self.unknowns) - 1}{MARK}"
 
     def mark_of(self, unknown: Unknown) -> str:
-        return f"{MARK}{self.unknowns.index(unknown)}{MARK}"
+        i = next((i for i, u in enumerate(self.unknowns) if u is unknown), None)
+        return self.mark(unknown) if i is None else f"{MARK}{i}{MARK}"
 
     def unset(self, name: str, line: int) -> str:
         """The mark of a variable that is not set (one record per variable)."""
@@ -232,6 +233,8 @@ def _parameter(body: str, scope: Scope, line: int, depth: int) -> str:
     if value is not None and (value != "" or not colon):
         return value
     result = expand(word, scope, line, depth + 1)
+    for u in scope.unknowns_in(result):
+        u.var = u.var or (None if name.isdigit() else name)  # `--env NAME=...` settles a default computed by a command
     if op == "=":
         scope.values[name] = result
     return result

@@ -176,7 +176,7 @@ VERL: dict[str, Rule] = {
     "reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor": to("algorithm.overlong_buffer.penalty_factor"),
     "reward_model.reward_kwargs.overlong_buffer_cfg.log": drop("the overlong penalty is in <algo>/rewards vs <algo>/score"),
     "reward_model.reward_kwargs.max_resp_len": drop("the buffer counts back from rollout.max_tokens (data.max_response_length), which verl's recipes pass here"),
-    "custom_reward_function.path": drop("a file path: postrl names a user verifier as package.module:function in reward.verifiers"),
+    "custom_reward_function.path": drop("with custom_reward_function.name (default compute_score): reward.verifiers [verl:<path>:<name>], the file called unchanged with verl's signature (docs/rewards.md)"),
     "custom_reward_function.name": drop("see custom_reward_function.path"),
     "trainer.total_epochs": to("train.total_epochs"),
     "trainer.total_training_steps": to("train.total_steps"),
@@ -226,6 +226,7 @@ VERL_PREFIXES: dict[str, str] = {
     "algorithm.kl_ctrl.": "the adaptive KL controller: postrl's KL-in-reward coefficient is fixed (algorithm.kl_ctrl.kl_coef)",
     "reward_model.model.": "the reward model's other settings: postrl's reward.reward_model (path, micro_batch_size, max_length, dtype)",
     "async_training.checkpoint_engine.": "weights travel from the trainer to the replicas by one torch.distributed broadcast per version, with a checksum (rollout.placement pool; docs/async.md)",
+    "custom_reward_function.reward_kwargs.": "extra keyword arguments of the reward function are not passed: give them defaults in the function",
     "ray_init.": PLACEMENT,
     "ray_kwargs.": PLACEMENT,
 }
