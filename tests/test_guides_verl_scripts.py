@@ -164,3 +164,27 @@ def test_unset_variable_in_a_branch_postrl_cannot_choose(tmp_path):
                    'actor_rollout_ref.actor.optim.lr=$lr\n')  # fmt: skip
     with pytest.raises(UserError, match=r"line 6: actor_rollout_ref.actor.optim.lr takes a value that comes from the condition `\[ -d /some/dir \]`"):
         convert_file(src)
+
+
+def test_orchestration_lines_do_not_block_the_keys(tmp_path):
+    """SLURM / Ray lines around the trainer's command (arrays, loops, echo of unset variables) decide nothing
+    postrl converts; a parameter edit `${VAR//a/b}` is evaluated (a literal pattern)."""
+    src = tmp_path / "run.sh"
+    src.write_text("""nodes=$(scontrol show hostnames "$SLURM_JOB_NODELIST")
+nodes_array=($nodes)
+head_node=${nodes_array[0]}
+echo "Using $SLURM_NNODES nodes"
+for ((i = 1; i <= 3; i++)); do
+  srun -w "${nodes_array[$i]}" ray start --address "$head_node" &
+done
+ACTOR="actor_rollout_ref.actor.clip_ratio_low=0.2 actor_rollout_ref.actor.clip_ratio_high=0.28"
+REF="${ACTOR//clip_ratio/ppo_epochs_not}"
+python3 -m verl.trainer.main_ppo actor_rollout_ref.model.path=m $ACTOR trainer.experiment_name=${#ACTOR}
+""")
+    conv = convert_file(src)
+    flat = conv.flat()
+    length = len("actor_rollout_ref.actor.clip_ratio_low=0.2 actor_rollout_ref.actor.clip_ratio_high=0.28")
+    assert (flat["algorithm.clip_ratio_low"], flat["algorithm.clip_ratio_high"], flat["logging.dir"]) == (0.2, 0.28, f"runs/{length}")
+    src.write_text(src.read_text() + "python3 -m verl.trainer.main_ppo actor_rollout_ref.model.path=$head_node\n")
+    with pytest.raises(UserError, match=r"line 11: actor_rollout_ref.model.path takes a value that comes from `\$\{nodes_array\[0\]\}`"):
+        convert_file(src)

@@ -22,6 +22,7 @@ from postrl.guides.shell import Scope, ShellError, Unknown, case_matches, expand
 _ASSIGN = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.S)
 _FUNCTION = re.compile(r"(?:function\s+)?[A-Za-z_][A-Za-z0-9_.-]*\s*\(\)\s*\{?$|function\s+[A-Za-z_][A-Za-z0-9_.-]*\s*\{?$")
 _LOOPS = ("for", "while", "until", "select")
+_KEY = re.compile(r"~?[A-Za-z_][A-Za-z0-9_.\-/@]*")  # a Hydra key (after its + / ++ prefix)
 
 
 @dataclass
@@ -88,6 +89,14 @@ class _Reader:
         self.frames: list[_Frame] = []
         self.unset_refused: set[str] = set()
 
+    def expand(self, word: str, n: int) -> str:
+        """The word expanded; a construct postrl does not read makes it unknown (refused only where it matters)."""
+        try:
+            return expand(word, self.scope, n)
+        except ShellError as exc:
+            key, value = re.match(r"([^=$`'\"\\]+=)?(.*)", word, re.S).groups()  # NAME= / key= stays readable
+            return (key or "") + self.scope.mark(Unknown(f"`{value[:60]}` ({str(exc).split('. Fix:')[0]})", n))
+
     @property
     def mode(self) -> str:
         return self.frames[-1].mode if self.frames else "on"
@@ -145,7 +154,7 @@ class _Reader:
     def open_case(self, word: str, n: int) -> None:
         frame = _Frame("case", self.mode, n)
         if frame.outer != "off":
-            value = expand(word, self.scope, n)
+            value = self.expand(word, n)
             unknown = self.scope.unknowns_in(value)
             if unknown or frame.outer == "unknown":
                 frame.unknown = unknown[0] if unknown else self.frames[-1].unknown  # (the enclosing frame's)
@@ -191,7 +200,7 @@ class _Reader:
             frame.mode = "unknown"
             return
         cond = cond.rstrip().removesuffix("then").rstrip().removesuffix(";").rstrip()
-        value = expand(cond, self.scope, n)
+        value = self.expand(cond, n)
         unknown = self.scope.unknowns_in(value)
         try:
             result = None if unknown else test_condition(shlex.split(value))
@@ -238,10 +247,8 @@ class _Reader:
         for offset, word in _words(text):
             n = line_at(offset)
             try:
-                tokens += [(tok, n) for tok in shlex.split(expand(word, self.scope, n), posix=True)]
+                tokens += [(tok, n) for tok in shlex.split(self.expand(word, n), posix=True)]
             except ValueError as exc:
-                if isinstance(exc, ShellError):
-                    raise
                 raise ShellError(f"{exc} (an unbalanced quote). Fix: close the quote") from None
         self.tokens(tokens)
 
@@ -262,7 +269,7 @@ class _Reader:
                 continue
             if not head_done and declare and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", tok):
                 continue  # `export NAME` of a variable set before
-            if sep and not tok.startswith("-") and key:
+            if sep and not tok.startswith("-") and _KEY.fullmatch(key):
                 head_done = True
                 if self.mode == "unknown":
                     u = self.frames[-1].unknown
@@ -329,8 +336,8 @@ class _Reader:
         elif unknown:
             u = unknown[0]
             r.refused.append(
-                f"line {n}: {key} takes a value that comes from {self._chosen(u)}, which postrl does not run, and this "
-                f"value decides what is trained. Fix: {self._fix(u)}."
+                f"line {n}: {key} takes a value that comes from {self._chosen(u)}; postrl runs nothing of the script, and "
+                f"this value decides what is trained. Fix: {self._fix(u)}."
             )
             return
         r.items.append(Item(key, yaml_value(raw), n, raw))
@@ -371,7 +378,9 @@ def read_script(text: str, env: dict[str, str] | None = None) -> Reading:
             except ShellError as exc:
                 first, last = sub[0][0], sub[-1][0]
                 where = f"line {first}" if first == last else f"lines {first}-{last}"
-                reader.reading.refused.append(f"{where}: {str(exc).rstrip('.')}. Postrl runs nothing of the script; write the value in the file.")
+                why = str(exc).rstrip(".")
+                fix = "" if "Fix:" in why else ". Fix: write the value in the file (postrl runs nothing of the script)"
+                reader.reading.refused.append(f"{where}: {why}{fix}.")
     for frame in reader.frames:
         reader.reading.refused.append(f"line {frame.line}: this {frame.kind} is never closed. Fix: close it ({'esac' if frame.kind == 'case' else 'fi'}).")
     reader.reading.notes.sort(key=lambda note: int(re.match(r"line (\d+)", note)[1]) if re.match(r"line \d+", note) else 0)

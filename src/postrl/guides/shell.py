@@ -122,7 +122,7 @@ def _arith_end(text: str, i: int) -> int:
 def split_commands(text: str) -> list[tuple[int, int]]:
     """(start, end) of one line's commands: split at `;` and `;;` outside quotes, $(...) and ${...}; a `;;` is a
     command of its own (it ends a case clause)."""
-    spans, start, quote, i = [], 0, None, 0
+    spans, start, quote, i, depth = [], 0, None, 0, 0
     while i < len(text):
         c = text[i]
         if quote:
@@ -139,7 +139,11 @@ def split_commands(text: str) -> list[tuple[int, int]]:
                 i = _closing(text, i + 2, text[i + 1], ")" if text[i + 1] == "(" else "}")
             except ShellError:
                 i = len(text)
-        elif c == ";":
+        elif c == "(":
+            depth += 1  # `for ((i = 0; i < n; i++))`, a subshell: one command
+        elif c == ")":
+            depth = max(depth - 1, 0)  # a case pattern's `)` opens nothing
+        elif c == ";" and not depth:
             spans.append((start, i))
             if text.startswith(";;", i):
                 spans.append((i, i + 2))
@@ -223,6 +227,9 @@ def _lookup(name: str, scope: Scope, line: int) -> str:
 
 def _parameter(body: str, scope: Scope, line: int, depth: int) -> str:
     """${NAME}, ${NAME:-word}, ${NAME-word}, ${NAME:=word}, ${NAME=word}; a positional ${1:-word} too."""
+    edit = re.match(r"(#?)([A-Za-z_][A-Za-z0-9_]*)(?:(//?|##?|%%?)(.*))?$", body, re.S)
+    if edit and (edit[1] or edit[3]):  # ${#NAME}, ${NAME/a/b}, ${NAME//a/b}, ${NAME#a}, ${NAME%a}
+        return _edit(edit[2], edit[1], edit[3], edit[4], scope, line, depth)
     m = re.match(r"([A-Za-z_][A-Za-z0-9_]*|[0-9]+)(?:(:?)([-=])(.*))?$", body, re.S)
     if not m:
         raise ShellError(f"'${{{body}}}' is a form of parameter expansion postrl does not read. Fix: write the value in the file")
@@ -238,6 +245,32 @@ def _parameter(body: str, scope: Scope, line: int, depth: int) -> str:
     if op == "=":
         scope.values[name] = result
     return result
+
+
+def _edit(name: str, length: str, op: str | None, word: str | None, scope: Scope, line: int, depth: int) -> str:
+    """${#NAME} and the substitutions with a literal pattern (a glob pattern is refused)."""
+    value = _lookup(name, scope, line)
+    if scope.unknowns_in(value):
+        return value
+    if length:
+        if op:
+            raise ShellError(f"'${{#{name}{op}{word}}}' is not a parameter expansion")
+        return str(len(value))
+    pattern, _, replacement = (word or "").partition("/") if op in ("/", "//") else (word or "", "", "")
+    pattern, replacement = _unquote_literal(expand(pattern, scope, line, depth + 1)), expand(replacement, scope, line, depth + 1)
+    if any(c in pattern for c in "*?["):
+        raise ShellError(f"'${{{name}{op}{word}}}' edits by a glob pattern, which postrl does not evaluate. Fix: write the value in the file")
+    if op == "//":
+        return value.replace(pattern, replacement) if pattern else value
+    if op == "/":
+        return value.replace(pattern, replacement, 1) if pattern else value
+    if op in ("#", "##"):
+        return value.removeprefix(pattern)
+    return value.removesuffix(pattern)
+
+
+def _unquote_literal(text: str) -> str:
+    return text[1:-1] if len(text) > 1 and text[0] == text[-1] and text[0] in "'\"" else text
 
 
 # ---------------------------------------------------------------------------------------- arithmetic
