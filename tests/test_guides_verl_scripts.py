@@ -179,6 +179,10 @@ for ((i = 1; i <= 3; i++)); do
 done
 ACTOR="actor_rollout_ref.actor.clip_ratio_low=0.2 actor_rollout_ref.actor.clip_ratio_high=0.28"
 REF="${ACTOR//clip_ratio/ppo_epochs_not}"
+cat > runtime_env.yaml <<EOF
+env_vars:
+  actor_rollout_ref.actor.clip_ratio_low=0.5 don't
+EOF
 python3 -m verl.trainer.main_ppo actor_rollout_ref.model.path=m $ACTOR trainer.experiment_name=${#ACTOR}
 """)
     conv = convert_file(src)
@@ -186,5 +190,5 @@ python3 -m verl.trainer.main_ppo actor_rollout_ref.model.path=m $ACTOR trainer.e
     length = len("actor_rollout_ref.actor.clip_ratio_low=0.2 actor_rollout_ref.actor.clip_ratio_high=0.28")
     assert (flat["algorithm.clip_ratio_low"], flat["algorithm.clip_ratio_high"], flat["logging.dir"]) == (0.2, 0.28, f"runs/{length}")
     src.write_text(src.read_text() + "python3 -m verl.trainer.main_ppo actor_rollout_ref.model.path=$head_node\n")
-    with pytest.raises(UserError, match=r"line 11: actor_rollout_ref.model.path takes a value that comes from `\$\{nodes_array\[0\]\}`"):
+    with pytest.raises(UserError, match=r"line 15: actor_rollout_ref.model.path takes a value that comes from `\$\{nodes_array\[0\]\}`"):
         convert_file(src)

@@ -356,6 +356,23 @@ class _Reader:
         return f"pass --env {u.var}={value} to convert-config / postrl train, or export {u.var}{choices}"
 
 
+def _blank_heredocs(text: str) -> tuple[str, list[str]]:
+    """The text with here-document bodies (`cat <<EOF ... EOF`) blanked, lines kept; a note for each."""
+    out, notes, end, first = [], [], None, 0
+    for n, line in enumerate(text.splitlines(), 1):
+        if end is not None:
+            if line.strip() == end:
+                notes.append(f"line {first}: a here-document (lines {first + 1}-{n}): the input of a command, not configuration")
+                end = None
+            out.append("")
+            continue
+        m = None if line.lstrip().startswith("#") else re.search(r"<<-?\s*(['\"]?)([A-Za-z_][A-Za-z0-9_]*)\1", line.replace("<<<", "   "))
+        if m:
+            end, first = m[2], n
+        out.append(line)
+    return "\n".join(out), notes
+
+
 def read_script(text: str, env: dict[str, str] | None = None) -> Reading:
     """A verl launch script or override file as a shell would read it: `key=value` items with their lines.
 
@@ -363,7 +380,9 @@ def read_script(text: str, env: dict[str, str] | None = None) -> Reading:
     `export MODEL=...`), then the environment. A command word and its flags are skipped with a note
     (the module after `-m` is kept as `Reading.entry`); a verl key written `key value` is refused."""
     reader = _Reader(dict(env or {}))
+    text, heredocs = _blank_heredocs(text)
     lines, reader.reading.notes = _logical_lines(text)
+    reader.reading.notes += heredocs
     for pieces in lines:
         joined = "".join(t for _, t in pieces)
         for start, end in split_commands(joined):
