@@ -17,7 +17,7 @@ import shlex
 from dataclasses import dataclass, field
 
 from postrl.guides.reading import Item, Reading, _logical_lines, yaml_value
-from postrl.guides.shell import Scope, ShellError, Unknown, case_matches, expand, split_commands, test_condition
+from postrl.guides.shell import Scope, ShellError, Unknown, case_matches, condition_value, expand, split_commands
 
 _ASSIGN = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.S)
 _FUNCTION = re.compile(r"(?:function\s+)?[A-Za-z_][A-Za-z0-9_.-]*\s*\(\)\s*\{?$|function\s+[A-Za-z_][A-Za-z0-9_.-]*\s*\{?$")
@@ -203,7 +203,7 @@ class _Reader:
         value = self.expand(cond, n)
         unknown = self.scope.unknowns_in(value)
         try:
-            result = None if unknown else test_condition(shlex.split(value))
+            result = None if unknown else condition_value(shlex.split(value))
         except ValueError:
             result = None
         if result is None:

@@ -375,7 +375,7 @@ def _glob_part(text: str, quoted: bool) -> str:
     return re.sub(r"([*?\[\]])", r"[\1]", text) if quoted else text
 
 
-def test_condition(words: list[str]) -> bool | None:
+def condition_value(words: list[str]) -> bool | None:
     """`[ A = B ]`, `[[ A != B ]]`, `test -n A`, integer comparisons; None when postrl cannot decide it."""
     if words and words[0] in ("[", "[["):
         close = "]" if words[0] == "[" else "]]"
