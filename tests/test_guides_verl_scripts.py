@@ -192,3 +192,14 @@ python3 -m verl.trainer.main_ppo actor_rollout_ref.model.path=m $ACTOR trainer.e
     src.write_text(src.read_text() + "python3 -m verl.trainer.main_ppo actor_rollout_ref.model.path=$head_node\n")
     with pytest.raises(UserError, match=r"line 15: actor_rollout_ref.model.path takes a value that comes from `\$\{nodes_array\[0\]\}`"):
         convert_file(src)
+
+
+def test_convert_config_exits_2_naming_the_env(capsys, tmp_path):
+    from postrl.cli import main
+
+    script = str(SCRIPTS / "fully_async_device.sh")
+    assert main(["convert-config", script, "--env", "HOME=/h"]) == 2
+    assert "--env DEVICE=VALUE" in " ".join(capsys.readouterr().out.split())
+    out = tmp_path / "c.yaml"
+    assert main(["convert-config", script, "--env", "HOME=/h", "--env", "DEVICE=npu", "-o", str(out)]) == 0
+    assert "placement: pool" in out.read_text()
