@@ -38,6 +38,8 @@ def _quiet_console(cfg) -> None:
 def cmd_train(args) -> int:
     from postrl.config import load_config
 
+    if _is_script(args.config):  # a verl launch script: converted in memory, the mapping printed, then trained
+        args.config, args.overrides = _from_script(args), []
     cfg = load_config(args.config, args.overrides)
     _quiet_console(cfg)  # before torch is imported (postrl.console)
     if args.nproc and args.nproc > 1 or cfg.cluster.launcher != "local" or args.ray_address or "LOCAL_RANK" in os.environ:
@@ -161,35 +163,60 @@ def cmd_report(args) -> int:
     return 0
 
 
-def cmd_convert_config(args) -> int:
-    """A MindSpeed-RL YAML or a verl script / override list -> a postrl YAML (postrl.guides; docs/guides.md)."""
+def _is_script(config: str) -> bool:
+    """A source `postrl train` converts first: a verl launch script or override file (not a YAML config)."""
     from pathlib import Path
 
+    return Path(config).suffix not in (".yaml", ".yml", ".json") and Path(config).is_file()
+
+
+def _from_script(args) -> str:
+    """Convert a verl script for `postrl train`: print the mapping, write it beside the run, return its path."""
+    from pathlib import Path
+
+    from postrl.config import build_config
+
+    conv, source, text = _convert(args.config, args.env, args.overrides, None)
+    console.print(text, markup=False, highlight=False, soft_wrap=True)
+    out = Path(build_config(conv.tree, f"{source} converted").logging.dir) / "converted_from_verl.yaml"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+    except OSError as exc:
+        raise UserError(f"cannot write {out}: {exc.strerror}. Fix: set logging.dir=<a directory you may write to>.") from None
+    console.print(f"{source}: {len(conv.mapped)} keys mapped, {len(conv.unmapped)} not mapped (listed above); training with {out}",
+                  markup=False, highlight=False, soft_wrap=True)  # fmt: skip
+    return str(out)
+
+
+def _convert(source_arg: str, env_args: list[str], overrides: list[str], base: str | None):
+    """(conversion, source name, postrl YAML) of a MindSpeed-RL YAML, a verl script or override list, or an
+    inline verl command line; validated (a problem names the source line its postrl key came from)."""
     from postrl.config import _is_config_key, build_config, parse_overrides, read_yaml_mapping
     from postrl.guides import Mapped, _build_tree, _flatten, convert_file, convert_verl, render_yaml
 
-    bad = [e for e in args.env if not e.partition("=")[0].isidentifier() or "=" not in e]
+    bad = [e for e in env_args if not e.partition("=")[0].isidentifier() or "=" not in e]
     if bad:
         raise UserError(*(f"--env {e}: not of the form KEY=VALUE (a shell variable's name, then its value). Fix: e.g. --env DATA_DIR=/data." for e in bad))
-    env = dict(e.partition("=")[::2] for e in args.env)
-    if args.source == "-" or "=" in args.source:  # verl overrides on the command line
-        conv, source = convert_verl([args.source, *args.overrides] if args.source != "-" else args.overrides, "the command line"), "the command line"
+    env = dict(e.partition("=")[::2] for e in env_args)
+    if source_arg == "-" or "=" in source_arg:  # verl overrides on the command line
+        conv, source = convert_verl([source_arg, *overrides] if source_arg != "-" else overrides, "the command line"), "the command line"
     else:
-        conv, source = convert_file(args.source, env, args.overrides), args.source
+        conv, source = convert_file(source_arg, env, overrides), source_arg
     unknown = [o for o in conv.rest if not _is_config_key(o.split("=", 1)[0].lstrip("+"))]
     if unknown:
         raise UserError(*(f"override '{o}' names neither a key of {source} ({conv.dialect}) nor a postrl key, so it cannot "
                           "be applied. Fix: correct the key (docs/guides.md lists both)." for o in unknown))  # fmt: skip
     conv.mapped += [Mapped(f"{k} (command line)", v, {k: v}) for k, v in parse_overrides(conv.rest)]
-    if args.base:
-        base = _flatten(read_yaml_mapping(args.base, example="configs/tiny_grpo.yaml", keys="sections (model:, data:, ...)"))
-        conv.mapped.insert(0, Mapped(f"--base {args.base}", None, base, ""))
+    if base:
+        tree = _flatten(read_yaml_mapping(base, example="configs/tiny_grpo.yaml", keys="sections (model:, data:, ...)"))
+        conv.mapped.insert(0, Mapped(f"--base {base}", None, tree, ""))
     _build_tree(conv)
     if not (conv.tree.get("model") or {}).get("path"):
         raise UserError(
             f"{source} converts to a fragment ({len(conv.mapped)} keys, no model path: tokenizer_name_or_path / "
             "actor_rollout_ref.model.path), not a whole configuration. Fix: convert it together with your configuration, "
-            f"`postrl convert-config {args.source} --base your_config.yaml` (the fragment's keys win), or add the model key."
+            f"`postrl convert-config {source_arg} --base your_config.yaml` (the fragment's keys win), or add the model key."
         )
     text = render_yaml(conv, source)
     try:
@@ -197,6 +224,14 @@ def cmd_convert_config(args) -> int:
     except UserError as exc:  # name the source line each postrl key came from
         origin = {k: (f"line {conv.lines[m.source]}: " if m.source in conv.lines else "") + m.source for m in conv.mapped for k in m.targets}
         raise UserError(*(_with_origin(p, origin) for p in exc.problems), title=exc.title) from None
+    return conv, source, text
+
+
+def cmd_convert_config(args) -> int:
+    """A MindSpeed-RL YAML or a verl script / override list -> a postrl YAML (postrl.guides; docs/guides.md)."""
+    from pathlib import Path
+
+    conv, source, text = _convert(args.source, args.env, args.overrides, args.base)
     if args.out:
         out = Path(args.out)
         if out.is_dir():
@@ -230,8 +265,9 @@ def cmd_tiny_model(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="postrl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("train", help="GRPO / DAPO training")
+    p = sub.add_parser("train", help="GRPO / DAPO training (CONFIG may be a verl launch script: converted first)")
     _config_args(p)
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="a verl script's variable ($KEY, ${KEY})")
     p.add_argument("--nproc", type=int, default=0, help="processes on this machine (torchrun underneath)")
     p.add_argument("--ray-address", default=None, help="run through Ray Train on this cluster")
     p.set_defaults(fn=cmd_train)

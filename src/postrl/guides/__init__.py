@@ -31,7 +31,9 @@ from postrl.guides.rules import (
     _as_list,
     _bool,
 )
-from postrl.guides.reading import Item, Reading, dedupe, load_yaml_lines, read_script, strip_annotation, yaml_value
+from postrl.guides.reading import Item, Reading, dedupe, load_yaml_lines, strip_annotation, yaml_value
+from postrl.guides import fully_async
+from postrl.guides.script import read_script
 from postrl.guides.verl import VERL, VERL_HEADS, VERL_PREFIXES  # noqa: F401
 from postrl.guides.mindspeed import MINDSPEED, MINDSPEED_PREFIXES, MINDSPEED_SECTIONS  # noqa: F401
 
@@ -129,8 +131,9 @@ def _unmapped_to_mapped(conv: Conversion, source: str, targets: dict, note: str)
             return
 
 
-def convert_verl(overrides: list[str] | dict[str, Any] | list[Item], where: str = "the verl overrides") -> Conversion:
-    """A verl override list (`key=value` items, Hydra's `+` / `++` prefixes allowed) in postrl's names."""
+def convert_verl(overrides: list[str] | dict[str, Any] | list[Item], where: str = "the verl overrides", entry: str | None = None) -> Conversion:
+    """A verl override list (`key=value` items, Hydra's `+` / `++` prefixes allowed) in postrl's names; `entry`
+    is the module the script runs (verl's fully_async entry point reads keys of its own)."""
     if isinstance(overrides, dict):
         reading = Reading([Item(k, v) for k, v in overrides.items()])
     elif overrides and isinstance(overrides[0], Item):
@@ -143,9 +146,14 @@ def convert_verl(overrides: list[str] | dict[str, Any] | list[Item], where: str 
     conv.lines = {it.key: it.line for it in reading.items if it.line is not None}
     given = {it.key: it.value for it in reading.items}
     for key, value in given.items():
+        if fully_async.is_key(key) and not fully_async.is_fully_async(entry):
+            conv.unmapped.append(Unmapped(key, value, fully_async.elsewhere(entry)))
+            continue
         _apply(conv, VERL, VERL_PREFIXES, key, value)
     try:
         _verl_combinations(conv, given)
+        if fully_async.is_fully_async(entry):
+            fully_async.combine(conv, given)
     except (BadValue, ValueError, TypeError) as exc:
         conv.refused.append(f"{exc}. Fix: write the value alone.")
     return _finish(conv, where)
@@ -169,6 +177,16 @@ def _verl_combinations(conv: Conversion, given: dict[str, Any]) -> None:
         for m in conv.mapped:
             if m.source == "trainer.total_epochs":
                 m.targets, m.note = {}, "ignored: trainer.total_training_steps is given and wins, as in verl"
+    path = given.get("custom_reward_function.path")
+    if path not in (None, "", "null", "None"):  # the user's reward file, called as verl calls it
+        name = given.get("custom_reward_function.name") or "compute_score"
+        verifiers = [{"name": f"verl:{path}:{name}", "weight": 1.0}]
+        _unmapped_to_mapped(conv, "custom_reward_function.path", {"reward.verifiers": verifiers},
+                            "the file's function with verl's signature, in the verifier worker pool (a relative path is read from the directory postrl runs in)")  # fmt: skip
+        _unmapped_to_mapped(conv, "custom_reward_function.name", {}, "in reward.verifiers (verl:<path>:<name>)")
+        for m in conv.mapped:
+            if m.source in ("reward_model.reward_manager", "reward_model.reward_manager.name"):
+                m.targets, m.note = {"reward.verifiers": verifiers}, "the manager scores with custom_reward_function, as in verl"
     ratio = given.get("actor_rollout_ref.actor.optim.lr_warmup_steps_ratio")
     if ratio is not None and "train.total_steps" in flat and int(given.get("actor_rollout_ref.actor.optim.lr_warmup_steps", -1)) < 0:
         _unmapped_to_mapped(conv, "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio",
@@ -360,7 +378,7 @@ def convert_file(path: str | Path, env: dict[str, str] | None = None, overrides:
             f"{path} is neither a MindSpeed-RL YAML (megatron_training / actor_config / rl_config / generate_config "
             "sections, or their keys) nor a list of verl overrides (key=value). Fix: pass one of those."
         )
-    conv = _with_verl_overrides(reading.items, extra, str(path))
+    conv = _with_verl_overrides(reading.items, extra, str(path), reading.entry)
     conv.notes[:0] = reading.notes
     return conv
 
@@ -375,7 +393,7 @@ VERL_DEFAULTS: dict[str, tuple[str, Any]] = {
 }
 
 
-def _with_verl_overrides(items: list[Item], extra: list[Item], where: str) -> Conversion:
+def _with_verl_overrides(items: list[Item], extra: list[Item], where: str, entry: str | None = None) -> Conversion:
     """The file's items with the command line's verl keys replacing theirs; postrl keys left in `rest`."""
     dedupe_file = Reading(list(items))
     dedupe(dedupe_file)
@@ -387,7 +405,7 @@ def _with_verl_overrides(items: list[Item], extra: list[Item], where: str) -> Co
             items = [i for i in items if i.key != it.key] + [it]
         else:
             rest.append(f"{it.key}={it.raw}")
-    conv = convert_verl(items, where)
+    conv = convert_verl(items, where, entry)
     flat = conv.flat()
     for verl_key, (key, value) in VERL_DEFAULTS.items():  # a whole script: what verl runs when it names nothing
         if key == "reward.verifiers" and "custom_reward_function.path" in {i.key for i in items}:

@@ -9,9 +9,7 @@ refusal that names the line; nothing is dropped without a word.
 
 from __future__ import annotations
 
-import os
 import re
-import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +31,7 @@ class Reading:
     items: list[Item] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     refused: list[str] = field(default_factory=list)
+    entry: str | None = None  # the module a script runs (`python3 -m verl.trainer.main_ppo`)
 
     def check(self, where: str) -> None:
         if self.refused:
@@ -41,8 +40,6 @@ class Reading:
 
 # A value followed by the guides' annotation: whitespace, then an arrow or `#`, then free text.
 _ANNOTATION = re.compile(r"^(?P<value>\S(?:.*?\S)?)\s+(?:<-|<=|←|#)(?P<note>.*)$", re.S)
-_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_VAR = re.compile(r"\$(?:\{(?P<braced>[A-Za-z_][A-Za-z0-9_]*)(?::?-(?P<default>[^}]*))?\}|(?P<bare>[A-Za-z_][A-Za-z0-9_]*))")
 
 
 def yaml_value(raw: str) -> Any:
@@ -113,110 +110,6 @@ def _logical_lines(text: str) -> tuple[list[list[tuple[int, str]]], list[str]]:
     if "".join(t for _, t in buf).strip():
         out.append(buf)
     return out, notes
-
-
-def _expand(text: str, env: dict[str, str], line: int, missing: dict[str, int]) -> str:
-    """$VAR, ${VAR} and ${VAR:-default} outside single quotes, from `env`; unset ones recorded in `missing`."""
-    parts, quote, i = [], None, 0
-    while i < len(text):
-        c = text[i]
-        if c == "'" and quote != '"':
-            quote = None if quote == "'" else "'"
-        elif c == '"' and quote != "'":
-            quote = None if quote == '"' else '"'
-        elif c == "$" and quote != "'":
-            m = _VAR.match(text, i)
-            if m:
-                name = m["braced"] or m["bare"]
-                if name in env:
-                    parts.append(env[name])
-                elif m["default"] is not None:
-                    parts.append(m["default"])
-                else:
-                    missing.setdefault(name, line)
-                    parts.append(m.group(0))
-                i = m.end()
-                continue
-        parts.append(c)
-        i += 1
-    return "".join(parts)
-
-
-def read_script(text: str, env: dict[str, str] | None = None) -> Reading:
-    """A verl launch script or override file as a shell would read it: `key=value` items with their lines.
-
-    Variables come from `env` (`--env KEY=VALUE`), the script's own assignments (`MODEL=...`,
-    `export MODEL=...`), then the environment. A command word and its flags are skipped with a note;
-    a verl key written `key value` is refused (Hydra needs key=value)."""
-    from postrl.guides.verl import VERL, VERL_HEADS
-
-    env = dict(env or {})
-    given = set(env)
-    scope = {**os.environ, **env}
-    reading = Reading()
-    lines, reading.notes = _logical_lines(text)
-    missing: dict[str, int] = {}
-    heads = (*VERL_HEADS, "data.", "algorithm.")
-    for pieces in lines:
-        n = pieces[0][0]
-        command = "".join(t for _, t in pieces)
-
-        def line_of(text: str, pieces: list = pieces) -> int:
-            return next((m for m, t in pieces if text in t), pieces[0][0])
-
-        if "$(" in command or "`" in command:
-            reading.refused.append(
-                f"line {n}: a command substitution ($(...) or `...`) postrl does not run. Fix: write its value in the file."
-            )
-            continue
-        try:
-            tokens = shlex.split("".join(_expand(t, scope, m, missing) for m, t in pieces), posix=True)
-        except ValueError as exc:
-            reading.refused.append(f"lines {n}-{pieces[-1][0]}: {exc} (an unbalanced quote). Fix: close the quote.")
-            continue
-        head_done, skip_next = False, False
-        for k, tok in enumerate(tokens):
-            if skip_next:
-                skip_next = False
-                continue
-            key, sep, raw = tok.partition("=")
-            key = key.lstrip("+")
-            if not head_done and sep and _IDENT.fullmatch(key) and key not in ("data", "trainer", "algorithm"):
-                if key in given:  # --env wins over the script's own value
-                    reading.notes.append(f"line {n}: {key}={raw}: a variable of the script; --env {key}={env[key]} wins")
-                else:
-                    scope[key] = raw
-                    reading.notes.append(f"line {n}: {key}={raw}: a variable of the script (used where ${key} appears), not a verl key")
-                continue
-            if not head_done and tok == "export":
-                continue
-            if sep and not tok.startswith("-") and key:
-                if tok.startswith("~"):
-                    reading.refused.append(f"line {n}: '{tok}' deletes a key of verl's config; postrl's config has no such key. Fix: remove it.")
-                else:
-                    reading.items.append(Item(key, yaml_value(raw), line_of(tok.partition("=")[0] + "=")))
-                head_done = True
-                continue
-            if tok.startswith(heads) or tok in VERL:
-                nxt = tokens[k + 1] if k + 1 < len(tokens) else ""
-                reading.refused.append(
-                    f"line {line_of(tok)}: '{tok} {nxt}'".rstrip() + " is written `key value`; verl (Hydra) reads only key=value, so "
-                    f"it would not be applied. Fix: write {tok}={nxt or '<value>'}."
-                )
-                skip_next = bool(nxt) and "=" not in nxt
-                head_done = True
-                continue
-            if not head_done:
-                reading.notes.append(f"line {n}: the command `{' '.join(t for t in tokens if '=' not in t)[:80]}`: skipped (not configuration)")
-                head_done = True
-            skip_next = tok == "-m"
-    reading.notes.sort(key=lambda note: int(re.match(r"line (\d+)", note)[1]) if re.match(r"line \d+", note) else 0)
-    for name, n in missing.items():
-        reading.refused.append(
-            f"line {n}: ${name} is not set (neither by the script nor in the environment), so its value is unknown. "
-            f"Fix: pass --env {name}=VALUE to convert-config, or export {name}."
-        )
-    return reading
 
 
 def dedupe(reading: Reading, label: str = "line") -> None:

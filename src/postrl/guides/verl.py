@@ -171,7 +171,12 @@ VERL: dict[str, Rule] = {
     "reward_model.overlong_buffer.len": to("algorithm.overlong_buffer.len"),
     "reward_model.overlong_buffer.penalty_factor": to("algorithm.overlong_buffer.penalty_factor"),
     "reward_model.overlong_buffer.log": drop("the overlong penalty is in <algo>/rewards vs <algo>/score"),
-    "custom_reward_function.path": drop("a file path: postrl names a user verifier as package.module:function in reward.verifiers"),
+    "reward_model.reward_kwargs.overlong_buffer_cfg.enable": to("algorithm.overlong_buffer.enable", "the DAPO manager's overlong buffer (newer verl's name)"),
+    "reward_model.reward_kwargs.overlong_buffer_cfg.len": to("algorithm.overlong_buffer.len"),
+    "reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor": to("algorithm.overlong_buffer.penalty_factor"),
+    "reward_model.reward_kwargs.overlong_buffer_cfg.log": drop("the overlong penalty is in <algo>/rewards vs <algo>/score"),
+    "reward_model.reward_kwargs.max_resp_len": drop("the buffer counts back from rollout.max_tokens (verl's max response length, which its recipes pass here)"),
+    "custom_reward_function.path": drop("with custom_reward_function.name (default compute_score): reward.verifiers [verl:<path>:<name>], the file called unchanged with verl's signature (docs/guides.md)"),
     "custom_reward_function.name": drop("see custom_reward_function.path"),
     "trainer.total_epochs": to("train.total_epochs"),
     "trainer.total_training_steps": to("train.total_steps"),
@@ -196,6 +201,19 @@ VERL: dict[str, Rule] = {
     "trainer.val_only": drop("use `postrl eval CONFIG`"),
     "trainer.del_local_ckpt_after_load": drop("checkpoints are kept per checkpoint.keep_last"),
     "trainer.ray_wait_register_center_timeout": drop(PLACEMENT),
+    # verl's fully_async entry point (postrl.guides.fully_async): mapped together onto rollout.placement: pool
+    "rollout.nnodes": drop("with the Rollouter's n_gpus_per_node and tensor_model_parallel_size: rollout.placement pool, rollout.pool.replicas, rollout.pool.devices_per_replica (fully_async only)"),
+    "rollout.n_gpus_per_node": drop("with the Rollouter's nnodes: rollout.placement pool (fully_async only)"),
+    "rollout.total_rollout_steps": drop("prompts the Rollouter generates: train.total_steps = it / train.global_batch_size (fully_async only)"),
+    "rollout.total_epochs": drop("passes over the prompts of verl's Rollouter (it stops at the first of these and total_rollout_steps): postrl stops at train.total_steps"),
+    "rollout.test_freq": via(_test_freq, "fully_async: validation every that many weight syncs (postrl steps)"),
+    "async_training.staleness_threshold": drop("rollout.max_staleness = ceil(threshold) policy versions (verl bounds the share of stale prompts per sync, postrl their age), with rollout.placement pool"),
+    "async_training.trigger_parameter_sync_step": drop("train.global_batch_size = trigger_parameter_sync_step x require_batches x ppo_mini_batch_size (the prompts between two weight syncs)"),
+    "async_training.require_batches": drop("see async_training.trigger_parameter_sync_step"),
+    "async_training.partial_rollout": drop("rollout.partial_rollout (verl applies it only when staleness_threshold > 0)"),
+    "async_training.use_rollout_log_probs": drop("postrl recomputes the old log-probs with the trainer's weights and weights the loss by the engine-vs-trainer ratio (algorithm.rollout_correction, on by default with rollout.max_staleness >= 1: AReaL's decoupled objective)"),
+    "async_training.compute_prox_log_prob": drop("postrl always computes the proximal (old) log-probs on the trainer (algorithm.rollout_correction)"),
+    "async_training.use_trainer_do_validate": drop("validation runs on the trainer (eval.freq)"),
 }  # fmt: skip
 
 VERL_PREFIXES: dict[str, str] = {
@@ -207,9 +225,18 @@ VERL_PREFIXES: dict[str, str] = {
     "actor_rollout_ref.rollout.agent.": "verl's agent-loop workers: postrl runs the agent loop in the rollout process, tool calls on rollout.multi_turn.tool_workers threads",
     "algorithm.kl_ctrl.": "the adaptive KL controller: postrl's KL-in-reward coefficient is fixed (algorithm.kl_ctrl.kl_coef)",
     "reward_model.model.": "the reward model's other settings: postrl's reward.reward_model (path, micro_batch_size, max_length, dtype)",
+    "async_training.checkpoint_engine.": "weights travel from the trainer to the replicas by one torch.distributed broadcast per version, with a checksum (rollout.placement pool; docs/async.md)",
+    "custom_reward_function.reward_kwargs.": "extra keyword arguments of the reward function are not passed: give them defaults in the function",
     "ray_init.": PLACEMENT,
     "ray_kwargs.": PLACEMENT,
 }
 
 # The heads of override keys that only verl uses: an override under one of them goes through VERL.
-VERL_HEADS = ("actor_rollout_ref.", "trainer.", "reward_model.", "critic.", "custom_reward_function.", "ray_init.", "ray_kwargs.")
+VERL_HEADS = ("actor_rollout_ref.", "trainer.", "reward_model.", "critic.", "custom_reward_function.", "ray_init.", "ray_kwargs.", "async_training.")
+
+# Keys that only name things (the run, its project, where its logs and checkpoints go): a value computed by a
+# command postrl does not run (`exp_$(date +%Y%m%d)`) becomes a placeholder there, with a note, not a refusal.
+NAMES = frozenset({
+    "trainer.project_name", "trainer.experiment_name", "trainer.default_local_dir", "trainer.default_hdfs_dir",
+    "trainer.rollout_data_dir", "trainer.validation_data_dir",
+})  # fmt: skip

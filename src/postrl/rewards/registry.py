@@ -3,7 +3,8 @@
 A verifier is a plain function `(completion: str, ground_truth: str, row: dict) -> VerifierResult`
 (a bare float or bool, or a dict with a "score" key, is accepted too). Built-ins register
 themselves by name with `@register("name")`; users name their own as `package.module:function` in
-`reward.verifiers`.
+`reward.verifiers`, and a verl reward file (verl's compute_score signature) as `verl:path/to/file.py:name`
+(rewards/verl_score.py).
 
 `RewardFunction` scores a batch in two tiers, so the common case costs microseconds:
 1. in the calling process, each verifier's cheap `fast` path (string and number comparison) or,
@@ -71,6 +72,13 @@ def get_entry(name: str) -> VerifierEntry:
     _load_builtins()
     if name in _REGISTRY:
         return _REGISTRY[name]
+    if name.startswith("verl:"):  # verl's custom_reward_function file, called with verl's signature
+        from postrl.rewards.verl_score import verl_verifier
+
+        try:
+            return VerifierEntry(verl_verifier(name))
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
     if ":" in name:
         try:
             fn = import_named(name, f"verifier '{name}'")
