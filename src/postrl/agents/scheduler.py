@@ -182,9 +182,11 @@ class Scheduler:
             yield
         except BadRequest as exc:
             self.refused.add()
+            p.session.bad_requests += 1
             p.reply(exc.status, error_body(exc.message, exc.param, code=exc.code))
         except Exception as exc:
             self.refused.add()
+            p.session.bad_requests += 1
             self.stats["agent/internal_errors"] += 1
             if self.log is not None and self.stats["agent/internal_errors"] <= 3:
                 self.log(f"[yellow]the rollout endpoint failed on a request (answered 500): {type(exc).__name__}: {exc}[/yellow]")

@@ -141,6 +141,7 @@ def make_app(hub: Any, limits: Limits, http: HttpLimits, refused: Tally, gate: "
 
     async def post(kind: str, key: str | None, scope: dict, receive: Any) -> tuple[int, dict] | None:
         auth = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), "")
+        s = None
         try:
             s = session_of(key, auth)
             raw = await read_body(scope, receive)
@@ -150,6 +151,8 @@ def make_app(hub: Any, limits: Limits, http: HttpLimits, refused: Tally, gate: "
         except BadRequest as exc:
             if exc.status != 410:  # a late request of an ended sample is the program's race, not a bad request
                 refused.add()
+                if s is not None:
+                    s.bad_requests += 1
             return exc.status, error_body(exc.message, exc.param)
         loop = asyncio.get_running_loop()
         pending = Pending(s, request, loop, loop.create_future())

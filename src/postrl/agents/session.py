@@ -89,6 +89,7 @@ class Session:
     last_tools: Any = None
     tool_names: dict[str, str] = field(default_factory=dict)  # tool_call id -> tool name
     requests: int = 0
+    bad_requests: int = 0  # this sample's requests the endpoint refused (its 4xx / 5xx): the all-fail stop names them
     asked: bool = False  # a request of this session has reached the engine thread
     tool_calls: int = 0  # tool calls the endpoint returned
     closed: bool = False  # the program ended (or timed out): later requests are refused
