@@ -1,4 +1,4 @@
-"""One assembly (postrl.assembly) and one seam for batches (postrl.batch_source): every role gets its engine
+"""One assembly (postrl.assembly) and one seam for batches (postrl.placement.source): every role gets its engine
 from the same place with the same settings, and the trainer never asks where rollout runs."""
 
 from __future__ import annotations

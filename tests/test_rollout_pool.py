@@ -33,8 +33,8 @@ def _pair(cfg, model):
     """A trainer-side packer and a replica-side ReceivedWeights joined by a gloo group of two (threads)."""
     import torch.distributed as dist
 
-    from postrl.rollout_replica import ReceivedWeights, make_group
-    from postrl.transport import SharedWeights
+    from postrl.placement.replica import ReceivedWeights, make_group
+    from postrl.placement.transport import SharedWeights
 
     packer = SharedWeights(model, torch.multiprocessing.get_context("spawn"))
     received = ReceivedWeights(packer.slots, torch.device("cpu"))
@@ -107,7 +107,7 @@ def test_a_pool_on_another_node_survives_sigkills_and_trains_every_prompt_once(t
 
     from postrl.config import load_config
     from postrl.data.dataset import PromptSampler
-    from postrl.rollout_pool import RolloutPool
+    from postrl.placement.pool import RolloutPool
     from postrl.trainer import Trainer
 
     cfg = load_config(None, tiny_overrides(tmp_path, "rollout.placement=pool", "rollout.pool.replicas=2", "rollout.max_staleness=1",

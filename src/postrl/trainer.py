@@ -21,7 +21,7 @@ import torch
 
 from postrl import checkpoint, distill, distributed, guards, lora, reference
 from postrl.assembly import build_run
-from postrl.batch_source import open_source
+from postrl.placement.source import open_source
 from postrl.config import Config
 from postrl.critic import CRITIC_DIR
 from postrl.errors import Stopped, UserError

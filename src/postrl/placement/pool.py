@@ -35,11 +35,11 @@ from typing import Any
 
 import torch
 
-from postrl.async_rollout import WorkerDied, partial_metrics, split_stale
+from postrl.placement.worker import WorkerDied, partial_metrics, split_stale
 from postrl.errors import UserError
 from postrl.experience import Batch, concat, select, select_groups
-from postrl.rollout_replica import _TIMEOUT, Replica, make_group
-from postrl.transport import SharedWeights
+from postrl.placement.replica import _TIMEOUT, Replica, make_group
+from postrl.placement.transport import SharedWeights
 
 @dataclass
 class _Chunk:

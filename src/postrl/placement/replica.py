@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from postrl.transport import checksum
+from postrl.placement.transport import checksum
 
 _TIMEOUT = datetime.timedelta(seconds=120)  # a collective that waits longer than this fails (its peer is gone)
 
@@ -107,7 +107,7 @@ class Replica:
     trainer's group, generating the chunks it is dealt."""
 
     def __init__(self, cfg: Any, examples: list, slots: list, threads: int):
-        from postrl.async_rollout import VersionedEngine
+        from postrl.placement.worker import VersionedEngine
         from postrl.assembly import build_run
         from postrl.guards import Guards
 

@@ -100,7 +100,7 @@ class Worker:
 
     @staticmethod
     def opens() -> type:
-        from postrl.async_rollout import AsyncRollout
+        from postrl.placement.worker import AsyncRollout
 
         return AsyncRollout
 
@@ -124,7 +124,7 @@ class Worker:
         return batch, stats
 
     def _receive(self, step: int, timer: Timer):
-        from postrl.async_rollout import WORKER_LOG, WorkerDied
+        from postrl.placement.worker import WORKER_LOG, WorkerDied
 
         while True:
             try:
@@ -145,7 +145,7 @@ class Worker:
         if self.rollout is not None:
             self.rollout.publish(model, version)
         else:
-            from postrl.transport import join_publish
+            from postrl.placement.transport import join_publish
 
             join_publish(model)
         return {}
@@ -166,7 +166,7 @@ class Pool(Worker):
 
     @staticmethod
     def opens() -> type:
-        from postrl.rollout_pool import RolloutPool
+        from postrl.placement.pool import RolloutPool
 
         return RolloutPool
 

@@ -44,7 +44,7 @@ from postrl.errors import UserError
 from postrl.experience import Batch, concat, select, select_groups
 from postrl.rollout import Completion, SamplingParams
 from postrl.rollout.base import EngineWrapper
-from postrl.transport import SharedWeights
+from postrl.placement.transport import SharedWeights
 
 _RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT",
              "TORCHELASTIC_RUN_ID", RENDEZVOUS_FILE_ENV)  # fmt: skip
