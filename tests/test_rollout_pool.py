@@ -155,3 +155,67 @@ def test_a_pool_on_another_node_survives_sigkills_and_trains_every_prompt_once(t
     expected = [[tr.run.examples[i].prompt_ids for i in sampler.next_indices(cfg.train.gen_batch_size)] for _ in range(4)]
     assert trained == expected
     assert tr.sampler.state_dict() == sampler.state_dict()  # the data position of an uninterrupted run (resume)
+
+
+EDITING_AGENT = '''
+def run(client, row):
+    """Two requests; the second's history is edited (the question restated), so each trajectory has a second segment."""
+    messages = [{"role": m["role"], "content": m["content"]} for m in row["prompt"]]
+    client.chat.completions.create(model=client.model, messages=messages, max_tokens=4)
+    edited = [{"role": "user", "content": messages[-1]["content"] + " Restated."}]
+    client.chat.completions.create(model=client.model, messages=edited, max_tokens=4)
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["loop", "agent"])
+def test_a_pool_collects_as_colocated_does_agent_metrics_and_extra_segments(tmp_path, cluster, kind):
+    """Issue 47: the pool takes the one dynamic-sampling path. configs/tiny_tool_dapo.yaml with the agent loop,
+    and the same recipe with `rollout.agent` (a program that edits its history: one extra segment per
+    trajectory), 2 steps colocated and under `placement: pool`: the pool logs the same agent/* metrics, and
+    trains the same rows (2 prompts x 2 samples, plus one extra segment row per trajectory pointing at it)."""
+    from pathlib import Path
+
+    from postrl.config import load_config
+    from postrl.metrics import read_jsonl
+    from postrl.trainer import Trainer
+
+    root = Path(__file__).resolve().parents[1]
+    program = tmp_path / "editing_agent.py"
+    program.write_text(EDITING_AGENT)
+    how = [f"rollout.agent={program}:run", "rollout.agent_concurrency=4"] if kind == "agent" else []
+
+    def train(placement: str):
+        out = tmp_path / placement
+        cfg = load_config(root / "configs/tiny_tool_dapo.yaml", [
+            "model.path=builtin:tiny-qwen2-tools", "rollout.engine=hf", "rollout.n_samples_per_prompt=2", "rollout.max_tokens=16",
+            "rollout.multi_turn.enable=" + str(kind == "loop").lower(), *how,
+            "algorithm.filter_groups.enable=false", "algorithm.overlong_buffer.len=4", "train.global_batch_size=2",
+            "train.gen_batch_size=2", "train.micro_batch_size=4", "train.total_steps=2", "train.warmup_steps=0", "eval.freq=0",
+            "eval.before_train=false", "data.tool_arithmetic.train_size=64", "data.tool_arithmetic.val_size=8",
+            f"logging.dir={out}", "logging.progress=false", "checkpoint.keep_best=null", "checkpoint.save_final=false",
+            *([] if placement == "colocated" else ["rollout.placement=pool", "rollout.pool.replicas=1", "rollout.max_staleness=0"]),
+        ])  # fmt: skip
+        tr = Trainer(cfg)
+        shapes, real_next = [], tr.batches.next_batch
+
+        def record(step, timer):
+            batch, stats = real_next(step, timer)
+            shapes.append((batch.size, list(batch.owners), [sum(m) > 0 for m in batch.loss_masks]))
+            return batch, stats
+
+        tr.batches.next_batch = record
+        tr.fit()
+        rows = [r for r in read_jsonl(out / "metrics.jsonl") if "response_length/mean" in r]
+        return rows, shapes
+
+    colocated, colocated_shapes = train("colocated")
+    pool, pool_shapes = train("pool")
+    assert len(pool) == len(colocated) == 2
+    agent_keys = {k for k in colocated[0] if k.startswith("agent/")}
+    assert agent_keys >= ({"agent/turns_mean", "agent/tool_calls_mean"} if kind == "loop" else {"agent/requests_mean", "agent/segments_mean"})
+    assert all({k for k in r if k.startswith("agent/")} == agent_keys for r in pool + colocated)
+    assert pool_shapes == colocated_shapes
+    if kind == "agent":  # 4 trajectories, then their 4 second segments, each trained with its trajectory's row
+        assert pool_shapes == [(8, [None] * 4 + [0, 1, 2, 3], [True] * 8)] * 2
+        assert all(r["agent/extra_segments"] == 4 and r["agent/segments_mean"] == 2 for r in pool)

@@ -106,6 +106,106 @@ def select_groups(batch: Batch, groups: list[int], group_size: int) -> Batch:
     return select(batch, [g * group_size + j for g in groups for j in range(group_size)])
 
 
+FAILURE_KEYS = ("reward/calls", "reward/timeouts", "reward/errors", "reward/invalid")
+
+
+def new_failures() -> dict[str, int]:
+    """The reward failure counts a collection starts from (generate_and_score adds to them)."""
+    return dict.fromkeys(FAILURE_KEYS, 0)
+
+
+def sampling_seed(cfg: Any, step: int, gen: int, lo: int) -> int:
+    """The sampling seed of the prompts from `lo` on of generation batch `gen` of step `step`: a function of
+    the step, so resume lines up, and the same wherever those prompts are generated (a rank, a replica)."""
+    return shard_seed((cfg.train.seed * 1_000_003 + step * 1009 + gen) % 2**31, lo)
+
+
+class DynamicSampling:
+    """One step's collection, the one path every placement takes (DAPO's dynamic sampling): whole generation
+    batches come in (`add`), the groups whose `algorithm.filter_groups.metric` has no spread are dropped, more
+    are drawn (`draw`, refused past max_num_gen_batches) until train.global_batch_size groups are kept, and
+    `finish` cuts the batch to that many groups, makes rows of rollout.agent's extra segments and returns
+    the collection's metrics (kept ratio, reward failures, the engine's agent/* counts)."""
+
+    def __init__(self, cfg: Any, step: int):
+        self.cfg, self.step = cfg, step
+        self.G, self.want = cfg.rollout.n_samples_per_prompt, cfg.train.global_batch_size
+        self.kept: list[Batch] = []
+        self.n_kept = self.n_generated = self.gens = 0
+        self.failures: dict[str, float] = {}
+        self.agent: list[tuple[int, dict[str, float]]] = []  # (trajectories, engine.pop_metrics()) per part
+
+    @property
+    def full(self) -> bool:
+        return self.n_kept >= self.want
+
+    def draw(self) -> int:
+        """Count the next generation batch (train.gen_batch_size prompts) and return its number (from 1)."""
+        cfg, fg = self.cfg, self.cfg.algorithm.filter_groups
+        self.gens += 1
+        if fg.enable and 0 < fg.max_num_gen_batches < self.gens:
+            raise UserError(
+                f"dynamic sampling drew {fg.max_num_gen_batches} generation batches of {cfg.train.gen_batch_size} "
+                f"prompts at step {self.step} and kept only {self.n_kept} of the {self.want} groups it needs: almost every "
+                f"group's '{fg.metric}' has zero spread, i.e. the data is too hard or too easy for this model. "
+                "Fix: use data matched to the model's level (or an SFT warm start), raise "
+                "rollout.n_samples_per_prompt or train.gen_batch_size, or set "
+                "algorithm.filter_groups.max_num_gen_batches: 0 (no limit)."
+            )
+        self.n_generated += cfg.train.gen_batch_size
+        return self.gens
+
+    def add(self, batch: Batch) -> None:
+        """A whole scored generation batch (every rank's, every replica's part, prompt order)."""
+        if self.cfg.algorithm.filter_groups.enable:
+            keep = algo.group_keep_mask(torch.tensor(filter_metric(self.cfg, batch)), self.G)
+            batch = select_groups(batch, keep.nonzero().flatten().tolist(), self.G)
+        self.kept.append(batch)
+        self.n_kept += batch.size // self.G
+
+    def count(self, failures: dict[str, float]) -> None:
+        for key, n in failures.items():
+            self.failures[key] = self.failures.get(key, 0.0) + float(n)
+
+    def agent_metrics(self, trajectories: int, metrics: dict[str, float]) -> None:
+        """An agent engine's counts (`pop_metrics`) over `trajectories` of this step's rollouts."""
+        self.agent.append((trajectories, metrics))
+
+    def finish(self) -> tuple[Batch, dict[str, float]]:
+        full = expand_segments(select(concat(self.kept), list(range(self.want * self.G))))
+        prefix = self.cfg.algorithm.name  # metric namespace: dapo/..., grpo/...
+        stats = {f"{prefix}/num_gen_batches": self.gens, f"{prefix}/kept_groups_ratio": self.n_kept / self.n_generated}
+        stats.update(self.failures)
+        stats.update(merge_agent_metrics(self.agent))
+        return full, stats
+
+
+def filter_metric(cfg: Any, batch: Batch) -> list[float]:
+    """Each sequence's value of `algorithm.filter_groups.metric` (refused when no verifier reports it)."""
+    name = cfg.algorithm.filter_groups.metric
+    known = sorted(batch.verifier_metrics[0]) if batch.size else []
+    if name not in ("score", "seq_reward") and name not in known:
+        raise UserError(
+            f"algorithm.filter_groups.metric is '{name}', but the verifiers report only "
+            f"{known} (plus 'score' and 'seq_reward'). Fix: pick one of those."
+        )
+    return batch.metric(name)
+
+
+def merge_agent_metrics(parts: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
+    """One step's agent/* from several parts (a pool's chunks): per-trajectory means and ratios weighted by
+    the part's trajectories, counts and seconds summed. One part is returned as it is."""
+    if len(parts) <= 1:
+        return dict(parts[0][1]) if parts else {}
+    total = max(sum(n for n, _ in parts), 1)
+    out: dict[str, float] = {}
+    for n, m in parts:
+        for key, value in m.items():
+            weight = n / total if key.endswith(("_mean", "_ratio")) else 1.0
+            out[key] = out.get(key, 0.0) + weight * value
+    return out
+
+
 @dataclass
 class Experience:
     """Produces the training batch of a step: rollout, rewards, dynamic sampling, advantages."""
@@ -123,47 +223,22 @@ class Experience:
 
     def collect(self, step: int, timer: Timer) -> tuple[Batch, dict[str, float]]:
         """Draw generation batches until global_batch_size groups survive dynamic sampling."""
-        cfg, G = self.cfg, self.G
-        fg = cfg.algorithm.filter_groups
-        want = cfg.train.global_batch_size
-        kept: list[Batch] = []
-        n_kept = n_generated = num_gen_batches = 0
-        failures = {"reward/calls": 0, "reward/timeouts": 0, "reward/errors": 0, "reward/invalid": 0}  # generate_and_score adds to it
-        agent = cfg.rollout.takes_rows
-        if agent:
+        cfg = self.cfg
+        sampling = DynamicSampling(cfg, step)
+        failures = new_failures()  # generate_and_score adds to it
+        if cfg.rollout.takes_rows:
             self.engine.pop_metrics()  # drop what validation's rollouts counted
-        while n_kept < want:
-            num_gen_batches += 1
-            if fg.enable and 0 < fg.max_num_gen_batches < num_gen_batches:
-                raise UserError(
-                    f"dynamic sampling drew {fg.max_num_gen_batches} generation batches of {cfg.train.gen_batch_size} "
-                    f"prompts at step {step} and kept only {n_kept} of the {want} groups it needs: almost every "
-                    f"group's '{fg.metric}' has zero spread, i.e. the data is too hard or too easy for this model. "
-                    "Fix: use data matched to the model's level (or an SFT warm start), raise "
-                    "rollout.n_samples_per_prompt or train.gen_batch_size, or set "
-                    "algorithm.filter_groups.max_num_gen_batches: 0 (no limit)."
-                )
+        while not sampling.full:
+            gen = sampling.draw()
             examples = [self.examples[i] for i in self.sampler.next_indices(cfg.train.gen_batch_size)]
             lo, hi = shard_range(len(examples))  # this rank's prompts: a group stays on one rank
-            seed = shard_seed(self._seed(step, num_gen_batches), lo)
-            batch = gather(self.generate_and_score(examples[lo:hi], seed, timer, failures))  # every rank sees every score
+            batch = gather(self.generate_and_score(examples[lo:hi], sampling_seed(cfg, step, gen, lo), timer, failures))  # every rank sees every score
             batch.versions = [step if v is None else v for v in batch.versions]  # sync: the engine holds step's weights
-            n_generated += len(examples)
-            if fg.enable:
-                keep = algo.group_keep_mask(torch.tensor(self._filter_metric(batch)), G)
-                batch = select_groups(batch, keep.nonzero().flatten().tolist(), G)
-            kept.append(batch)
-            n_kept += batch.size // G
-        full = expand_segments(select(concat(kept), list(range(want * G))))
-        stats = {f"{self.prefix}/num_gen_batches": num_gen_batches, f"{self.prefix}/kept_groups_ratio": n_kept / n_generated}
-        stats.update(distributed.all_reduce_sum_dict({k: float(v) for k, v in failures.items()}))
-        if agent:  # agent/*, timing/agent_*: this rank's rollouts (docs/agents.md)
-            stats.update(self.engine.pop_metrics())
-        return full, stats
-
-    def _seed(self, step: int, gen_batch: int) -> int:
-        """The sampling seed of one generation batch: a function of the step, so resume lines up."""
-        return (self.cfg.train.seed * 1_000_003 + step * 1009 + gen_batch) % 2**31
+            sampling.add(batch)
+        sampling.count(distributed.all_reduce_sum_dict({k: float(v) for k, v in failures.items()}))
+        if cfg.rollout.takes_rows:  # agent/*, timing/agent_*: this rank's rollouts (docs/agents.md)
+            sampling.agent_metrics(sampling.n_generated * self.G, self.engine.pop_metrics())
+        return sampling.finish()
 
     def generate_and_score(self, examples: list[PromptExample], seed: int, timer: Timer, failures: dict[str, int]) -> Batch:
         cfg, G = self.cfg, self.G
@@ -202,16 +277,6 @@ class Experience:
             token_versions=[c.token_versions for c in completions],
             segments=[c.segments for c in completions],
         )
-
-    def _filter_metric(self, batch: Batch) -> list[float]:
-        name = self.cfg.algorithm.filter_groups.metric
-        known = sorted(batch.verifier_metrics[0]) if batch.size else []
-        if name not in ("score", "seq_reward") and name not in known:
-            raise UserError(
-                f"algorithm.filter_groups.metric is '{name}', but the verifiers report only "
-                f"{known} (plus 'score' and 'seq_reward'). Fix: pick one of those."
-            )
-        return batch.metric(name)
 
     def advantages(self, batch: Batch) -> torch.Tensor:
         """adv_B of the global batch by `algorithm.adv_estimator` (broadcast to every token by the actor)."""

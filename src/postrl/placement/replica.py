@@ -148,15 +148,17 @@ class Replica:
     def generate(self, index: int, gen: int, lo: int, rows: list[int], min_version: int) -> dict:
         """Generate and score prompts `rows` (chunk `lo` of generation batch `gen` of batch `index`) with
         weights of `min_version` or newer."""
+        from postrl.experience import new_failures, sampling_seed
         from postrl.metrics import Timer
-        from postrl.partition import shard_seed
 
         exp = self.run.experience
         idle = exp.engine.wait_for(max(min_version, 0))  # and some weights at all
         start = time.perf_counter()
         timer = Timer()
-        failures = {"reward/calls": 0, "reward/timeouts": 0, "reward/errors": 0, "reward/invalid": 0}
-        batch = exp.generate_and_score([self.examples[i] for i in rows], shard_seed(exp._seed(index, gen), lo), timer, failures)
+        failures = new_failures()
+        batch = exp.generate_and_score([self.examples[i] for i in rows], sampling_seed(self.cfg, index, gen, lo), timer, failures)
+        agent = exp.engine.pop_metrics() if self.cfg.rollout.takes_rows else None  # agent/*: this chunk's rollouts
         load, self.weights.load_seconds = self.weights.load_seconds, 0.0
         return {"batch": batch, "failures": failures, "seconds": dict(timer.seconds), "busy": time.perf_counter() - start,
-                "idle": idle, "load_s": load, "checksums": dict(exp.engine.checksums), "tokens": sum(batch.model_tokens)}  # fmt: skip
+                "idle": idle, "load_s": load, "checksums": dict(exp.engine.checksums), "tokens": sum(batch.model_tokens),
+                "agent": agent}  # fmt: skip
