@@ -60,7 +60,7 @@ def test_the_ppo_run_holds_a_critic_and_the_reference_that_kl_in_the_reward_load
 
 
 def test_the_trainer_never_branches_on_where_rollout_runs():
-    """trainer.py sees rollout only through its BatchSource; the mode is read once, in batch_source.open_source."""
+    """trainer.py sees rollout only through its BatchSource; the placement is read once, in placement.source.open_source."""
     src = (Path(postrl.assembly.__file__).parent / "trainer.py").read_text()
     assert "async" not in src and "rollout.mode" not in src and "make_engine" not in src
     assert len(src.splitlines()) <= 300

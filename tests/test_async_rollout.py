@@ -44,7 +44,7 @@ def _engine_and_weights(tmp_path, **rollout):
     import contextlib
     import threading
 
-    from postrl.placement.worker import VersionedEngine
+    from postrl.placement.versioned import VersionedEngine
     from postrl.config import build_config
     from postrl.models import load_policy
     from postrl.rollout.hf import HFEngine
@@ -105,7 +105,7 @@ def test_a_version_published_again_is_loaded_again(tmp_path):
 def test_a_waiting_side_lends_its_threads_to_the_other():
     """The trainer and the worker hold one thread each on 2 cores; while one waits the other takes two,
     and drops back to one before it wakes the waiting side. Off: nobody lends."""
-    from postrl.placement.worker import TRAINER, WORKER, CoreShare
+    from postrl.placement.cores import TRAINER, WORKER, CoreShare
 
     ctx = torch.multiprocessing.get_context("spawn")
     share = CoreShare(ctx, 1, enabled=True)
@@ -169,7 +169,7 @@ def test_partial_rollout_continues_under_new_weights_and_tags_every_token(tmp_pa
 def test_stale_groups_are_dropped_and_counted():
     """At step 6 with max_staleness 1 and G = 2: groups from versions (6, 6), (5, 4), (5, 5) keep the first and
     the last; the middle one has a sequence 2 updates old."""
-    from postrl.placement.worker import split_stale
+    from postrl.placement.staleness import split_stale
     from postrl.experience import Batch
 
     n = 6

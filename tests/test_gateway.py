@@ -364,7 +364,7 @@ def torch_equal(a, b) -> bool:
 
 
 def test_async_staleness_drops_a_stale_group_with_its_extra_segments():
-    from postrl.placement.worker import split_stale
+    from postrl.placement.staleness import split_stale
     from postrl.experience import Batch
 
     n = 4  # two groups of 2; rows 4 and 5 are extra segments of rows 1 (stale group 0) and 2 (fresh group 1)

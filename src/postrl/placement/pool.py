@@ -23,7 +23,7 @@ it samples; the trainer checks every batch's versions and checksums against what
 
 Faults: a replica that dies (its actor's call fails) is restarted up to `rollout.pool.max_restarts` times
 (default rollout.max_worker_restarts), then dropped while the rest go on; the chunks it had are dealt again.
-Every batch carries the sampler position after its prompts, as the worker's do (batch_source.Worker).
+Every batch carries the sampler position after its prompts, as the worker's do (remote.RemoteSource).
 """
 
 from __future__ import annotations
@@ -35,11 +35,14 @@ from typing import Any
 
 import torch
 
-from postrl.placement.worker import WorkerDied, partial_metrics, split_stale
 from postrl.errors import UserError
 from postrl.experience import Batch, DynamicSampling, concat
-from postrl.placement.replica import _TIMEOUT, Replica, make_group
+from postrl.placement.checksums import PublishedChecksums
+from postrl.placement.remote import WorkerDied
+from postrl.placement.replica import TIMEOUT, Replica, make_group
+from postrl.placement.staleness import take_fresh
 from postrl.placement.transport import SharedWeights
+
 
 @dataclass
 class _Chunk:
@@ -84,9 +87,13 @@ class _Open:
 
 
 class RolloutPool:
-    """The trainer's side of the pool, with AsyncRollout's interface (batch_source.Worker drives either)."""
+    """The trainer's side of the pool (a remote.Backend, as the worker's AsyncRollout is)."""
 
-    def __init__(self, cfg, model: torch.nn.Module, examples: list, sampler: dict, step: int, threads: int, log, lend: bool = False):
+    @classmethod
+    def open(cls, cfg: Any, run: Any, step: int, log) -> "RolloutPool":
+        return cls(cfg, run.policy.model, run.examples, run.sampler.state_dict(), step, log)
+
+    def __init__(self, cfg, model: torch.nn.Module, examples: list, sampler: dict, step: int, log):
         from postrl.data.dataset import PromptSampler
 
         self.cfg, self.examples, self.log = cfg, examples, log
@@ -103,11 +110,11 @@ class RolloutPool:
         self.acc = accelerator()
         self.backend = self.acc.backend
         self.host = ray.util.get_node_ip_address()
-        self.store = dist.TCPStore(self.host, 0, None, True, timeout=_TIMEOUT, wait_for_workers=False)
+        self.store = dist.TCPStore(self.host, 0, None, True, timeout=TIMEOUT, wait_for_workers=False)
         self.packer = SharedWeights(model, torch.multiprocessing.get_context("spawn"))
-        self.sums: dict[int, set[float]] = {}
+        self.sums = PublishedChecksums(self.k)
         self.version, self.header = -1, (0, 0.0)  # newest published; its publication number and checksum
-        self.restarts = 0  # AsyncRollout's: a whole-pool restart (batch_source.Worker counts them)
+        self.restarts = 0  # whole-pool restarts (remote.RemoteSource counts them)
         self.sampler = PromptSampler(len(examples), cfg.data.shuffle, cfg.data.seed)
         self.examples_ref = ray.put(examples)
         self.members = [_Member(r) for r in range(self.pool.replicas)]
@@ -198,9 +205,7 @@ class RolloutPool:
     # --------------------------------------------------------------------------- weights
     def publish(self, model: torch.nn.Module, version: int) -> None:
         total = self.packer.publish(model, version)  # FSDP2: the shards gathered once
-        self.sums.setdefault(version, set()).add(total)
-        for old in [v for v in self.sums if v < version - self.k - 1]:
-            del self.sums[old]
+        self.sums.add(version, total)
         self.version, self.header = version, (self.header[0] + 1, total)
         self.publish_s = 0.0
         start = time.perf_counter()
@@ -260,13 +265,7 @@ class RolloutPool:
     def _take(self, m: _Member, out: dict) -> None:
         chunk, m.task, m.chunk = m.chunk, None, None
         b = next(o for o in self.open if o.index == chunk.index)
-        for version, value in out["checksums"].items():  # what it sampled with is what the trainer published
-            if version in self.sums and value not in self.sums[version]:
-                raise UserError(
-                    f"rollout replica {m.rank} sampled with weights of version {version} whose checksum ({value!r}) differs "
-                    f"from what the trainer published ({sorted(self.sums[version])}): a weight update was missed or torn. "
-                    "This is a bug in postrl's pool transport; please report it with the run's config."
-                )
+        self.sums.verify(out["checksums"], f"rollout replica {m.rank}")  # what it sampled with is what was published
         batch: Batch = out["batch"]
         b.pending[chunk.gen][chunk.lo] = batch
         b.sampling.count(out["failures"])
@@ -315,14 +314,10 @@ class RolloutPool:
         b = self.open.pop(0)
         self.next_consumed = step + 1
         full, stats = b.sampling.finish()
-        batch, dropped = split_stale(full, step, self.k, self.G)
-        if dropped:
-            self.log(f"[yellow]rollout pool: dropped {dropped} group(s) older than rollout.max_staleness={self.k} at step {step}[/yellow]")
         stats.update(self._metrics(step, time.perf_counter() - start))
-        stats["async/dropped_stale_groups"] = float(dropped)
-        stats["async/trainer_idle_s"] = time.perf_counter() - start
-        stats["async/queue_depth"] = float(sum(o.closed and not o.pending for o in self.open))
-        stats.update(partial_metrics(batch))
+        batch, tail = take_fresh(full, step, self.k, self.G, self.log, time.perf_counter() - start,
+                                 sum(o.closed and not o.pending for o in self.open))  # fmt: skip
+        stats.update(tail)
         return batch, stats, b.seconds, b.sampler
 
     def _metrics(self, step: int, waited: float) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""The replica's side of rollout_pool.py (`rollout.placement: pool`): the weights it receives from the
+"""The replica's side of pool.py (`rollout.placement: pool`): the weights it receives from the
 trainer's group, checked by publication number and checksum, and the Ray actor's body that generates the
 prompt chunks it is dealt with the assembly's rollout-worker role (engine, agents, rewards)."""
 
@@ -13,15 +13,16 @@ from typing import Any
 import torch
 
 from postrl.placement.transport import checksum
+from postrl.placement.versioned import NeverStop, versioned
 
-_TIMEOUT = datetime.timedelta(seconds=120)  # a collective that waits longer than this fails (its peer is gone)
+TIMEOUT = datetime.timedelta(seconds=120)  # a collective that waits longer than this fails (its peer is gone)
 
 
 def make_group(backend: str, store: Any, rank: int) -> Any:
     """A two-member process group {trainer: 0, replica: 1} on `store`, outside the default group."""
     from postrl.runtime import pair_group
 
-    return pair_group(backend, store, rank, 2, _TIMEOUT)
+    return pair_group(backend, store, rank, 2, TIMEOUT)
 
 
 class ReceivedWeights:
@@ -97,38 +98,24 @@ class ReceivedWeights:
         return version, got
 
 
-class _Never:
-    def is_set(self) -> bool:
-        return False
-
-
 class Replica:
     """One rollout replica (the body of a Ray actor): the assembly's rollout-worker role, its weights from the
     trainer's group, generating the chunks it is dealt."""
 
     def __init__(self, cfg: Any, examples: list, slots: list, threads: int):
-        from postrl.placement.worker import VersionedEngine
         from postrl.assembly import build_run
-        from postrl.guards import Guards
 
         torch.set_num_threads(threads)
         self.cfg, self.examples = cfg, examples
-        guards = Guards(cfg, log=lambda msg: None)
-        probe = examples[0].prompt_ids if not examples[0].multi_modal else None
         self.weights: ReceivedWeights | None = None
         self.slots = slots
 
-        def versioned(engine, run):
-            autocast = run.runtime.autocast
+        def received(run) -> ReceivedWeights:
             self.weights = ReceivedWeights(slots, torch.device("cpu") if run.runtime.device.type == "cpu" else run.runtime.device)
+            return self.weights
 
-            def check(engine, model):  # the sync guard, on every version loaded
-                return guards.check_sync(engine, model, probe, autocast()) if probe is not None else {}
-
-            return VersionedEngine(engine, run.policy.model, self.weights, cfg.rollout, autocast(), _Never(), os.getppid(),
-                                   on_load=check, logprobs=cfg.algorithm.rollout_correction.enable)  # fmt: skip
-
-        self.run = build_run(cfg, "rollout-worker", examples=examples, prepare=lambda model: None, wrap=versioned)
+        wrap = versioned(cfg, examples, received, NeverStop(), os.getppid())
+        self.run = build_run(cfg, "rollout-worker", examples=examples, prepare=lambda model: None, wrap=wrap)
 
     def where(self) -> dict:
         import ray
@@ -140,7 +127,7 @@ class Replica:
         import torch.distributed as dist
 
         def serve():
-            store = dist.PrefixStore(prefix, dist.TCPStore(host, port, None, False, timeout=_TIMEOUT))
+            store = dist.PrefixStore(prefix, dist.TCPStore(host, port, None, False, timeout=TIMEOUT))
             self.weights.receive_forever(make_group(backend, store, 1))
 
         threading.Thread(target=serve, daemon=True, name="postrl-weights").start()
