@@ -170,7 +170,7 @@ def test_stale_groups_are_dropped_and_counted():
     """At step 6 with max_staleness 1 and G = 2: groups from versions (6, 6), (5, 4), (5, 5) keep the first and
     the last; the middle one has a sequence 2 updates old."""
     from postrl.placement.staleness import split_stale
-    from postrl.experience import Batch
+    from postrl.batch import Batch
 
     n = 6
     batch = Batch(

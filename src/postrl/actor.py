@@ -34,7 +34,7 @@ from postrl import distributed, moe
 from postrl.distill import TEACHER_KEYS, Distiller
 from postrl import sequence_parallel as sp
 from postrl.errors import UserError
-from postrl.experience import Batch
+from postrl.batch import Batch
 from postrl.models import Policy, build_sequences, response_logprobs
 from postrl.partition import rank_rows, token_budget_micro_batches
 from postrl.runtime import Runtime

@@ -26,7 +26,8 @@ from postrl.config import Config
 from postrl.critic import CRITIC_DIR
 from postrl.errors import Stopped, UserError
 from postrl.evaluate import ValidationHistory, evaluate
-from postrl.experience import Batch, batch_metrics, staleness_metrics
+from postrl.batch import Batch
+from postrl.experience import batch_metrics, staleness_metrics
 from postrl.metrics import MetricsLogger, Timer, plot_logged, progress_bar, read_jsonl, step_line, throughput, val_line
 from postrl.runtime import StopOnSignal, init_runtime, rng_state, set_rng_state
 from postrl.samples import SampleWriter

@@ -8,7 +8,7 @@ from typing import Any, Callable
 import torch
 
 from postrl import guards
-from postrl.experience import Batch
+from postrl.batch import Batch
 from postrl.metrics import Timer
 from postrl.rollout import RolloutEngine
 

@@ -36,7 +36,8 @@ from typing import Any
 import torch
 
 from postrl.errors import UserError
-from postrl.experience import Batch, DynamicSampling, concat
+from postrl.batch import Batch, concat
+from postrl.experience import DynamicSampling
 from postrl.placement.checksums import PublishedChecksums
 from postrl.placement.remote import WorkerDied
 from postrl.placement.replica import TIMEOUT, Replica, make_group

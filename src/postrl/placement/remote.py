@@ -20,7 +20,7 @@ import torch
 
 from postrl import distributed
 from postrl.errors import UserError
-from postrl.experience import Batch
+from postrl.batch import Batch
 from postrl.metrics import Timer
 from postrl.rollout import RolloutEngine
 

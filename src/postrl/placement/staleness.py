@@ -4,7 +4,7 @@ with are checked by checksums.py."""
 
 from __future__ import annotations
 
-from postrl.experience import Batch, concat, select, select_groups
+from postrl.batch import Batch, concat, select, select_groups
 
 
 def split_stale(batch: Batch, step: int, max_staleness: int, group_size: int) -> tuple[Batch, int]:

@@ -41,7 +41,7 @@ import torch
 
 from postrl.distributed import RENDEZVOUS_FILE_ENV
 from postrl.errors import UserError
-from postrl.experience import Batch
+from postrl.batch import Batch
 from postrl.placement.checksums import PublishedChecksums
 from postrl.placement.cores import TRAINER, WORKER, CoreShare
 from postrl.placement.remote import WorkerDied
