@@ -22,8 +22,8 @@ max_tokens). Decisions (docs/agents.md): verifiers read the model's tokens only 
 wrote, not what the tools printed); an environment's rewards add to the verifier score.
 
 `AgentLoop` is a rollout engine (rollout/base.py's protocol) around the real one, so validation,
-`postrl eval` and `postrl doctor` run the same loop; `make_engine` builds it when
-`rollout.multi_turn.enable` is set.
+`postrl eval` and `postrl doctor` run the same loop; the assembly puts it around the policy's engine
+(agents/wrap.py) when `rollout.multi_turn.enable` is set.
 """
 
 from __future__ import annotations
