@@ -30,11 +30,6 @@ class PromptExample:
     multi_modal: dict | None = None  # VLMs: plain image data, e.g. {"images", "image_grid_thw"} (postrl.modality)
 
 
-def multi_modal_of(examples: list[PromptExample]) -> list[dict | None] | None:
-    """Per-prompt image inputs for a rollout engine; None when no prompt has images."""
-    return [e.multi_modal for e in examples] if any(e.multi_modal for e in examples) else None
-
-
 def read_rows(
     path: str, builtin_knobs: dict | None = None, shapes_knobs: dict | None = None, tool_knobs: dict | None = None,
     environment: dict | None = None,
