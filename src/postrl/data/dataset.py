@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from postrl.data.images import BadImageRow, has_image_data, mentions_images
+from postrl.modality.images import BadImageRow, has_image_data, mentions_images
 from postrl.errors import UserError
 from postrl.modality import TEXT, Modality
 from postrl.utils import get_dotted
