@@ -27,6 +27,15 @@ def test_placement_derives_from_mode_and_sets_it():
         rollout(placement="colocated", mode="async")
     with pytest.raises(Exception, match="placement is pool .* but rollout.mode is sync"):
         rollout(placement="pool", mode="sync")
+    from postrl.config import config_notes
+
+    def notes(**kw):
+        return config_notes(build_config({"model": {"path": "builtin:tiny-qwen2"}, "rollout": kw}))
+
+    # one knob: rollout.mode is an alias that says so, and only when the user set it
+    (note,) = notes(mode="async")
+    assert "rollout.mode is a deprecated alias of rollout.placement" in note and "rollout.placement: worker" in note
+    assert notes(placement="pool", max_staleness=1) == notes(placement="worker") == notes() == []
 
 
 def _pair(cfg, model):

@@ -1,6 +1,6 @@
 """The GRPO / DAPO training loop, top to bottom (docs/architecture.md).
 
-    batch of step s (rollout, rewards, dynamic sampling)           batch_source.py -> experience.py
+    batch of step s (rollout, rewards, dynamic sampling)           placement/ -> experience.py
     -> group advantages                                            experience.py
     -> old / ref log-probs -> clipped policy update (mini x micro batches, clip, AdamW, LR)   actor.py
     -> publish the weights for the next batches -> metrics, validation, checkpoint           here
@@ -76,7 +76,7 @@ class Trainer:
         if restored is not None:
             self.load_state_dict(restored)
             self.engine.sync_weights(self.model)
-        # where rollout runs (batch_source.py): this rank's engine, or a worker process from the restored position
+        # where rollout runs (postrl.placement): this rank's engine, or a worker process from the restored position
         self.batches = open_source(cfg, run, self.guards, self.step, self.log)
 
     def log(self, msg: str) -> None:
