@@ -228,3 +228,55 @@ def test_a_pool_collects_as_colocated_does_agent_metrics_and_extra_segments(tmp_
     if kind == "agent":  # 4 trajectories, then their 4 second segments, each trained with its trajectory's row
         assert pool_shapes == [(8, [None] * 4 + [0, 1, 2, 3], [True] * 8)] * 2
         assert all(r["agent/extra_segments"] == 4 and r["agent/segments_mean"] == 2 for r in pool)
+
+
+@pytest.mark.slow
+def test_a_pool_run_stopped_by_sigterm_resumes_and_trains_the_prompts_of_an_uninterrupted_run(tmp_path, cluster):
+    """As the worker's resume test (test_async_rollout.py), under SIGTERM: a pool one step off (k = 1, the
+    replicas have step 3's prompts in flight) is sent SIGTERM during step 2 of 4; it stops after that step with
+    a checkpoint, and the same run started again resumes there. The prompts trained, step by step across
+    both processes' runs, are the uninterrupted run's (the sync loop's order: none lost, none twice), and so
+    is the data position of every checkpoint."""
+    import os
+    import signal
+
+    from postrl.config import load_config
+    from postrl.data.dataset import PromptSampler
+    from postrl.errors import Stopped
+    from postrl.trainer import Trainer
+
+    cfg = load_config(None, tiny_overrides(tmp_path, "rollout.placement=pool", "rollout.pool.replicas=1", "rollout.max_staleness=1",
+                                           "train.total_steps=4", "checkpoint.save_freq=1", "checkpoint.keep_last=0"))  # fmt: skip
+    trained: list[list[list[int]]] = []
+
+    def start():
+        tr = Trainer(cfg)
+        real_next = tr.batches.next_batch
+
+        def record(step, timer):
+            batch, stats = real_next(step, timer)
+            trained.append(batch.prompt_ids[:: cfg.rollout.n_samples_per_prompt])
+            if step == 1 and len(trained) == 2:  # during step 2 (index 1): as a scheduler preempts
+                os.kill(os.getpid(), signal.SIGTERM)
+            return batch, stats
+
+        tr.batches.next_batch = record
+        return tr
+
+    first = start()
+    with pytest.raises(Stopped):
+        first.fit()
+    assert first.step == 2 and len(trained) == 2
+    again = start()
+    assert again.step == 2
+    again.fit()
+    assert again.step == 4 and len(trained) == 4
+    sampler = PromptSampler(len(again.run.examples), cfg.data.shuffle, cfg.data.seed)
+    positions = {}
+    expected = []
+    for s in range(1, 5):
+        expected.append([again.run.examples[i].prompt_ids for i in sampler.next_indices(cfg.train.gen_batch_size)])
+        positions[f"iter_{s:07d}"] = sampler.state_dict()
+    assert trained == expected
+    saved = {it.name: torch.load(it / "dataloader.pt", weights_only=False) for it in sorted((tmp_path / "run" / "checkpoints").glob("iter_*"))}
+    assert saved == {name: {"sampler": state} for name, state in positions.items()}

@@ -20,7 +20,7 @@ from postrl.rollout.base import EngineWrapper
 POLL_S = 1.0  # how often a waiting side looks at the other one (it wakes at once when there is news)
 
 
-class Stopped(Exception):
+class StopRequested(Exception):
     """The trainer asked the rollout process to stop (or went away)."""
 
 
@@ -92,7 +92,7 @@ class VersionedEngine(EngineWrapper):
 
     def check_stop(self) -> None:
         if self.stop.is_set() or os.getppid() != self.parent:
-            raise Stopped
+            raise StopRequested
 
     def generate(self, prompts, params: SamplingParams, multi_modal=None, **kw) -> list[Completion]:
         self.check_stop()

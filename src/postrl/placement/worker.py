@@ -47,7 +47,7 @@ from postrl.placement.cores import TRAINER, WORKER, CoreShare
 from postrl.placement.remote import WorkerDied
 from postrl.placement.staleness import take_fresh
 from postrl.placement.transport import SharedWeights
-from postrl.placement.versioned import POLL_S, Stopped, versioned
+from postrl.placement.versioned import POLL_S, StopRequested, versioned
 
 _RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT",
              "TORCHELASTIC_RUN_ID", RENDEZVOUS_FILE_ENV)  # fmt: skip
@@ -120,7 +120,7 @@ def _serve(spec: _Spec, weights: SharedWeights, out: Any, stop: Any, share: Core
                         break
                     except queue.Full:
                         continue
-    except Stopped:
+    except StopRequested:
         pass
     except BaseException as exc:  # reported to the trainer, which restarts the worker or stops with a checkpoint
         text = traceback.format_exc()
