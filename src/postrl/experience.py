@@ -141,7 +141,6 @@ class Experience:
 
     def __post_init__(self) -> None:
         self.G = self.cfg.rollout.n_samples_per_prompt
-        self.prefix = self.cfg.algorithm.name  # metric namespace: dapo/..., grpo/...
 
     def collect(self, step: int, timer: Timer) -> tuple[Batch, dict[str, float]]:
         """Draw generation batches until global_batch_size groups survive dynamic sampling."""
