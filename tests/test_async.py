@@ -213,7 +213,7 @@ def test_async_keys_are_checked_and_the_decoupled_correction_is_on_by_default_of
 
     m = {"model": {"path": "m"}}
     assert build_config(m).rollout.mode == "sync"
-    with pytest.raises(Exception, match="max_staleness is 2.*rollout.mode: async"):
+    with pytest.raises(Exception, match="max_staleness is 2.*rollout.placement: worker or pool"):
         build_config({**m, "rollout": {"max_staleness": 2}})
     with pytest.raises(Exception, match="partial_rollout.*only happen mid-generation in async mode"):
         build_config({**m, "rollout": {"partial_rollout": True}})
