@@ -6,8 +6,8 @@ from the same start; the modes take turns (sync, async, sync, async, ...) `--rou
 see the same machine load, and the first `--warmup` steps of each run (engine start, compilation,
 the worker's first batch) are dropped.
 
-    sync        rollout.mode=sync: generate, update, sync, in lock-step, all cores for each phase
-    async-k     rollout.mode=async, max_staleness=k: the worker generates step s+1 while the trainer
+    sync        rollout.placement=colocated: generate, update, sync, in lock-step, all cores for each phase
+    async-k     rollout.placement=worker, max_staleness=k: the worker generates step s+1 while the trainer
                 updates on step s; the cores are split between the two processes (runtime.threads_for)
 
 e2e tokens/s is the guides' formula (docs/metrics.md) over each step's wall-clock time in the trainer,
@@ -48,7 +48,7 @@ def run(mode: str, k: int, args, out: Path) -> list[dict]:
     overrides = [
         f"model.path={args.model}", f"train.total_steps={args.steps}", f"logging.dir={out}", "logging.progress=false",
         "eval.before_train=false", "eval.after_train=false", "eval.freq=0", "checkpoint.save_freq=0",
-        "checkpoint.save_final=false", f"rollout.mode={mode}", f"rollout.max_staleness={k}",
+        "checkpoint.save_final=false", f"rollout.placement={'colocated' if mode == 'sync' else 'worker'}", f"rollout.max_staleness={k}",
         f"rollout.engine={args.engine}", *args.override,
     ]  # fmt: skip
     if args.trl:  # vs_trl.py's setting

@@ -1,4 +1,4 @@
-"""One assembly (postrl.assembly) and one seam for batches (postrl.batch_source): every role gets its engine
+"""One assembly (postrl.assembly) and one seam for batches (postrl.placement.source): every role gets its engine
 from the same place with the same settings, and the trainer never asks where rollout runs."""
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def test_the_ppo_run_holds_a_critic_and_the_reference_that_kl_in_the_reward_load
 
 
 def test_the_trainer_never_branches_on_where_rollout_runs():
-    """trainer.py sees rollout only through its BatchSource; the mode is read once, in batch_source.open_source."""
+    """trainer.py sees rollout only through its BatchSource; the placement is read once, in placement.source.open_source."""
     src = (Path(postrl.assembly.__file__).parent / "trainer.py").read_text()
     assert "async" not in src and "rollout.mode" not in src and "make_engine" not in src
     assert len(src.splitlines()) <= 300

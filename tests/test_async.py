@@ -132,7 +132,8 @@ def test_experience_passes_each_sequences_loss_tokens_to_the_estimator(tmp_path)
 
     from postrl.config import load_config
     from postrl.data.dataset import PromptSampler
-    from postrl.experience import Batch, Experience
+    from postrl.batch import Batch
+    from postrl.experience import Experience
 
     cfg = load_config(None, tiny_overrides(tmp_path, "algorithm.adv_estimator=reinforce_plus_plus", "rollout.n_samples_per_prompt=2"))
     batch = Batch(
@@ -162,7 +163,7 @@ def test_staleness_counts_updates_between_sampling_and_training():
 def test_versions_travel_with_rows_and_default_to_zero():
     """`versions` is one entry per sequence like every Batch field, so concat / select carry it generically;
     a Batch built without it (tests, tools) is from version 0."""
-    from postrl.experience import Batch, concat, select
+    from postrl.batch import Batch, concat, select
 
     def batch(versions=None):
         return Batch(
@@ -212,7 +213,7 @@ def test_async_keys_are_checked_and_the_decoupled_correction_is_on_by_default_of
 
     m = {"model": {"path": "m"}}
     assert build_config(m).rollout.mode == "sync"
-    with pytest.raises(Exception, match="max_staleness is 2.*rollout.mode: async"):
+    with pytest.raises(Exception, match="max_staleness is 2.*rollout.placement: worker or pool"):
         build_config({**m, "rollout": {"max_staleness": 2}})
     with pytest.raises(Exception, match="partial_rollout.*only happen mid-generation in async mode"):
         build_config({**m, "rollout": {"partial_rollout": True}})

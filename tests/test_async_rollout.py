@@ -44,11 +44,11 @@ def _engine_and_weights(tmp_path, **rollout):
     import contextlib
     import threading
 
-    from postrl.async_rollout import VersionedEngine
+    from postrl.placement.versioned import VersionedEngine
     from postrl.config import build_config
     from postrl.models import load_policy
     from postrl.rollout.hf import HFEngine
-    from postrl.transport import SharedWeights
+    from postrl.placement.transport import SharedWeights
 
     cfg = build_config({"model": {"path": "builtin:tiny-qwen2"}, "rollout": {"mode": "async", **rollout}})
     trainer = load_policy(cfg.model, dtype="float32", device=torch.device("cpu"))
@@ -66,7 +66,7 @@ def _perturb(model, scale):
 
 
 def test_weights_travel_with_a_version_and_a_checksum_that_catches_a_torn_copy(tmp_path):
-    from postrl.transport import checksum, trainable
+    from postrl.placement.transport import checksum, trainable
 
     trainer, worker, weights, _ = _engine_and_weights(tmp_path)
     _perturb(trainer.model, 0.05)
@@ -84,7 +84,7 @@ def test_weights_travel_with_a_version_and_a_checksum_that_catches_a_torn_copy(t
 def test_a_version_published_again_is_loaded_again(tmp_path):
     """A mid-run back-off publishes the best weights as the current version again: the worker loads them
     before its next call although the version number did not move, and records their checksum."""
-    from postrl.transport import checksum, trainable
+    from postrl.placement.transport import checksum, trainable
 
     trainer, worker, weights, engine = _engine_and_weights(tmp_path)
     weights.publish(trainer.model, 2)
@@ -105,7 +105,7 @@ def test_a_version_published_again_is_loaded_again(tmp_path):
 def test_a_waiting_side_lends_its_threads_to_the_other():
     """The trainer and the worker hold one thread each on 2 cores; while one waits the other takes two,
     and drops back to one before it wakes the waiting side. Off: nobody lends."""
-    from postrl.async_rollout import TRAINER, WORKER, CoreShare
+    from postrl.placement.cores import TRAINER, WORKER, CoreShare
 
     ctx = torch.multiprocessing.get_context("spawn")
     share = CoreShare(ctx, 1, enabled=True)
@@ -169,8 +169,8 @@ def test_partial_rollout_continues_under_new_weights_and_tags_every_token(tmp_pa
 def test_stale_groups_are_dropped_and_counted():
     """At step 6 with max_staleness 1 and G = 2: groups from versions (6, 6), (5, 4), (5, 5) keep the first and
     the last; the middle one has a sequence 2 updates old."""
-    from postrl.async_rollout import split_stale
-    from postrl.experience import Batch
+    from postrl.placement.staleness import split_stale
+    from postrl.batch import Batch
 
     n = 6
     batch = Batch(
@@ -189,7 +189,7 @@ def test_a_killed_worker_is_restarted_and_past_the_limit_the_run_stops_with_a_ch
     import os
     import signal
 
-    from postrl.async_rollout import AsyncRollout
+    from postrl.placement.worker import AsyncRollout
     from postrl.config import load_config
     from postrl.errors import UserError
     from postrl.trainer import Trainer

@@ -335,7 +335,8 @@ def test_the_openai_agent_example_trains_two_steps_and_validates_through_the_end
 
 def test_extra_segments_train_as_rows_of_their_own_with_their_trajectorys_reward_and_advantage():
     from postrl.config import build_config
-    from postrl.experience import Batch, Experience, batch_metrics, expand_segments
+    from postrl.batch import Batch, expand_segments
+    from postrl.experience import Experience, batch_metrics
     from postrl.rollout.base import Completion
 
     seg = Completion(0, [7, 8, 9], True, [-0.5, 0.0, -0.5], loss_mask=[1, 0, 1], turn_spans=[(0, 1), (2, 3)], prompt_ids=[1, 2])
@@ -364,8 +365,8 @@ def torch_equal(a, b) -> bool:
 
 
 def test_async_staleness_drops_a_stale_group_with_its_extra_segments():
-    from postrl.async_rollout import split_stale
-    from postrl.experience import Batch
+    from postrl.placement.staleness import split_stale
+    from postrl.batch import Batch
 
     n = 4  # two groups of 2; rows 4 and 5 are extra segments of rows 1 (stale group 0) and 2 (fresh group 1)
     batch = Batch(

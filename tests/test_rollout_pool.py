@@ -27,14 +27,23 @@ def test_placement_derives_from_mode_and_sets_it():
         rollout(placement="colocated", mode="async")
     with pytest.raises(Exception, match="placement is pool .* but rollout.mode is sync"):
         rollout(placement="pool", mode="sync")
+    from postrl.config import config_notes
+
+    def notes(**kw):
+        return config_notes(build_config({"model": {"path": "builtin:tiny-qwen2"}, "rollout": kw}))
+
+    # one knob: rollout.mode is an alias that says so, and only when the user set it
+    (note,) = notes(mode="async")
+    assert "rollout.mode is a deprecated alias of rollout.placement" in note and "rollout.placement: worker" in note
+    assert notes(placement="pool", max_staleness=1) == notes(placement="worker") == notes() == []
 
 
 def _pair(cfg, model):
     """A trainer-side packer and a replica-side ReceivedWeights joined by a gloo group of two (threads)."""
     import torch.distributed as dist
 
-    from postrl.rollout_replica import ReceivedWeights, make_group
-    from postrl.transport import SharedWeights
+    from postrl.placement.replica import ReceivedWeights, make_group
+    from postrl.placement.transport import SharedWeights
 
     packer = SharedWeights(model, torch.multiprocessing.get_context("spawn"))
     received = ReceivedWeights(packer.slots, torch.device("cpu"))
@@ -107,7 +116,7 @@ def test_a_pool_on_another_node_survives_sigkills_and_trains_every_prompt_once(t
 
     from postrl.config import load_config
     from postrl.data.dataset import PromptSampler
-    from postrl.rollout_pool import RolloutPool
+    from postrl.placement.pool import RolloutPool
     from postrl.trainer import Trainer
 
     cfg = load_config(None, tiny_overrides(tmp_path, "rollout.placement=pool", "rollout.pool.replicas=2", "rollout.max_staleness=1",
@@ -155,3 +164,119 @@ def test_a_pool_on_another_node_survives_sigkills_and_trains_every_prompt_once(t
     expected = [[tr.run.examples[i].prompt_ids for i in sampler.next_indices(cfg.train.gen_batch_size)] for _ in range(4)]
     assert trained == expected
     assert tr.sampler.state_dict() == sampler.state_dict()  # the data position of an uninterrupted run (resume)
+
+
+EDITING_AGENT = '''
+def run(client, row):
+    """Two requests; the second's history is edited (the question restated), so each trajectory has a second segment."""
+    messages = [{"role": m["role"], "content": m["content"]} for m in row["prompt"]]
+    client.chat.completions.create(model=client.model, messages=messages, max_tokens=4)
+    edited = [{"role": "user", "content": messages[-1]["content"] + " Restated."}]
+    client.chat.completions.create(model=client.model, messages=edited, max_tokens=4)
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["loop", "agent"])
+def test_a_pool_collects_as_colocated_does_agent_metrics_and_extra_segments(tmp_path, cluster, kind):
+    """Issue 47: the pool takes the one dynamic-sampling path. configs/tiny_tool_dapo.yaml with the agent loop,
+    and the same recipe with `rollout.agent` (a program that edits its history: one extra segment per
+    trajectory), 2 steps colocated and under `placement: pool`: the pool logs the same agent/* metrics, and
+    trains the same rows (2 prompts x 2 samples, plus one extra segment row per trajectory pointing at it)."""
+    from pathlib import Path
+
+    from postrl.config import load_config
+    from postrl.metrics import read_jsonl
+    from postrl.trainer import Trainer
+
+    root = Path(__file__).resolve().parents[1]
+    program = tmp_path / "editing_agent.py"
+    program.write_text(EDITING_AGENT)
+    how = [f"rollout.agent={program}:run", "rollout.agent_concurrency=4"] if kind == "agent" else []
+
+    def train(placement: str):
+        out = tmp_path / placement
+        cfg = load_config(root / "configs/tiny_tool_dapo.yaml", [
+            "model.path=builtin:tiny-qwen2-tools", "rollout.engine=hf", "rollout.n_samples_per_prompt=2", "rollout.max_tokens=16",
+            "rollout.multi_turn.enable=" + str(kind == "loop").lower(), *how,
+            "algorithm.filter_groups.enable=false", "algorithm.overlong_buffer.len=4", "train.global_batch_size=2",
+            "train.gen_batch_size=2", "train.micro_batch_size=4", "train.total_steps=2", "train.warmup_steps=0", "eval.freq=0",
+            "eval.before_train=false", "data.tool_arithmetic.train_size=64", "data.tool_arithmetic.val_size=8",
+            f"logging.dir={out}", "logging.progress=false", "checkpoint.keep_best=null", "checkpoint.save_final=false",
+            *([] if placement == "colocated" else ["rollout.placement=pool", "rollout.pool.replicas=1", "rollout.max_staleness=0"]),
+        ])  # fmt: skip
+        tr = Trainer(cfg)
+        shapes, real_next = [], tr.batches.next_batch
+
+        def record(step, timer):
+            batch, stats = real_next(step, timer)
+            shapes.append((batch.size, list(batch.owners), [sum(m) > 0 for m in batch.loss_masks]))
+            return batch, stats
+
+        tr.batches.next_batch = record
+        tr.fit()
+        rows = [r for r in read_jsonl(out / "metrics.jsonl") if "response_length/mean" in r]
+        return rows, shapes
+
+    colocated, colocated_shapes = train("colocated")
+    pool, pool_shapes = train("pool")
+    assert len(pool) == len(colocated) == 2
+    agent_keys = {k for k in colocated[0] if k.startswith("agent/")}
+    assert agent_keys >= ({"agent/turns_mean", "agent/tool_calls_mean"} if kind == "loop" else {"agent/requests_mean", "agent/segments_mean"})
+    assert all({k for k in r if k.startswith("agent/")} == agent_keys for r in pool + colocated)
+    assert pool_shapes == colocated_shapes
+    if kind == "agent":  # 4 trajectories, then their 4 second segments, each trained with its trajectory's row
+        assert pool_shapes == [(8, [None] * 4 + [0, 1, 2, 3], [True] * 8)] * 2
+        assert all(r["agent/extra_segments"] == 4 and r["agent/segments_mean"] == 2 for r in pool)
+
+
+@pytest.mark.slow
+def test_a_pool_run_stopped_by_sigterm_resumes_and_trains_the_prompts_of_an_uninterrupted_run(tmp_path, cluster):
+    """As the worker's resume test (test_async_rollout.py), under SIGTERM: a pool one step off (k = 1, the
+    replicas have step 3's prompts in flight) is sent SIGTERM during step 2 of 4; it stops after that step with
+    a checkpoint, and the same run started again resumes there. The prompts trained, step by step across
+    both processes' runs, are the uninterrupted run's (the sync loop's order: none lost, none twice), and so
+    is the data position of every checkpoint."""
+    import os
+    import signal
+
+    from postrl.config import load_config
+    from postrl.data.dataset import PromptSampler
+    from postrl.errors import Stopped
+    from postrl.trainer import Trainer
+
+    cfg = load_config(None, tiny_overrides(tmp_path, "rollout.placement=pool", "rollout.pool.replicas=1", "rollout.max_staleness=1",
+                                           "train.total_steps=4", "checkpoint.save_freq=1", "checkpoint.keep_last=0"))  # fmt: skip
+    trained: list[list[list[int]]] = []
+
+    def start():
+        tr = Trainer(cfg)
+        real_next = tr.batches.next_batch
+
+        def record(step, timer):
+            batch, stats = real_next(step, timer)
+            trained.append(batch.prompt_ids[:: cfg.rollout.n_samples_per_prompt])
+            if step == 1 and len(trained) == 2:  # during step 2 (index 1): as a scheduler preempts
+                os.kill(os.getpid(), signal.SIGTERM)
+            return batch, stats
+
+        tr.batches.next_batch = record
+        return tr
+
+    first = start()
+    with pytest.raises(Stopped):
+        first.fit()
+    assert first.step == 2 and len(trained) == 2
+    again = start()
+    assert again.step == 2
+    again.fit()
+    assert again.step == 4 and len(trained) == 4
+    sampler = PromptSampler(len(again.run.examples), cfg.data.shuffle, cfg.data.seed)
+    positions = {}
+    expected = []
+    for s in range(1, 5):
+        expected.append([again.run.examples[i].prompt_ids for i in sampler.next_indices(cfg.train.gen_batch_size)])
+        positions[f"iter_{s:07d}"] = sampler.state_dict()
+    assert trained == expected
+    saved = {it.name: torch.load(it / "dataloader.pt", weights_only=False) for it in sorted((tmp_path / "run" / "checkpoints").glob("iter_*"))}
+    assert saved == {name: {"sampler": state} for name, state in positions.items()}

@@ -17,7 +17,8 @@ from conftest import tiny_overrides
 
 from postrl.actor import Actor
 from postrl.config import load_config
-from postrl.experience import Batch, batch_metrics, trajectory_mask
+from postrl.batch import Batch, trajectory_mask
+from postrl.experience import batch_metrics
 from postrl.models import build_sequences, load_policy
 from postrl.rollout import Completion
 from postrl.runtime import init_runtime

@@ -13,7 +13,7 @@ from conftest import tiny_overrides
 from rich.console import Console
 
 from postrl.config import load_config
-from postrl.experience import Batch
+from postrl.batch import Batch
 
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")

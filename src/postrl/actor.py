@@ -35,7 +35,7 @@ from postrl.distill import TEACHER_KEYS, Distiller
 from postrl import sequence_parallel as sp
 from postrl.diagnose.stats import MismatchAccumulator
 from postrl.errors import UserError
-from postrl.experience import Batch
+from postrl.batch import Batch
 from postrl.models import Policy, build_sequences, response_logprobs
 from postrl.nonfinite import NonFiniteWatch, bad_rows
 from postrl.partition import rank_rows, token_budget_micro_batches

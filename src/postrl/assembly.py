@@ -5,18 +5,19 @@
 
 `build_run(cfg, role)` builds it for a role:
 
-    trainer          everything above; the trainer's batch source (batch_source.py) decides where rollout runs
-    rollout-worker   the async worker's policy copy, rewards, engine (wrapped by the caller), Experience
+    trainer          everything above; the trainer's batch source (postrl.placement) decides where rollout runs
+    rollout-worker   a rollout worker's / pool replica's policy copy, rewards, engine (wrapped by the caller), Experience
     eval / doctor    a policy in model.dtype for generation only, its engine and rule rewards
 
 `build_engine` (postrl.rollout.build, below this module and the rewards) is the one place a rollout engine
-is made (HF or vLLM, wrapped in the agent loop when rollout.multi_turn is on): the trainer, the worker, eval,
-doctor, SFT's check and the judge all get it there, with the same settings (trust_remote_code, max_model_len,
-seed, modality, runtime).
+is made (HF or vLLM): the trainer, the rollout worker and replicas, eval, doctor, SFT's check and the judge all
+get it there, with the same settings (trust_remote_code, max_model_len, seed, modality, runtime).
+`policy_engine` (here) puts the agent wrapper the rollout config names around the policy's (postrl.agents.wrap:
+the agent loop, a user's agent program, a verifiers environment): the engine package knows no agents.
 
 `held_models(cfg)` says which models a run holds; the memory estimate (memory.py) reads the same
 description, so the two cannot drift. A new rollout placement (a pool of replicas, an endpoint) adds a
-role here for what its replicas build, and a BatchSource in batch_source.py for how the trainer sees it.
+role here for what its replicas build, and a BatchSource in postrl.placement for how the trainer sees it.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from postrl.experience import Experience
 from postrl.models import Policy, load_policy
 from postrl.rewards import RewardFunction
 from postrl.rollout import RolloutEngine
-from postrl.rollout.build import build_engine
+from postrl.rollout.build import build_engine, max_model_len
+from postrl.rollout.sharded import colocate
 from postrl.runtime import Runtime, configure_threads, init_runtime, seed_everything
 
 ROLES = ("trainer", "rollout-worker", "eval", "doctor")
@@ -143,13 +145,25 @@ def build_run(cfg, role: str, log: Callable[[str], None] | None = None, *, runti
     else:
         run.reward_fn = RewardFunction(cfg.reward)  # validation scores with the rule verifiers
     max_tokens = (cfg.eval.max_tokens or cfg.rollout.max_tokens) if role == "eval" else None
-    engine = build_engine(cfg, policy, rt, log if role != "rollout-worker" else None, max_tokens=max_tokens)
+    engine = policy_engine(cfg, policy, rt, log if role != "rollout-worker" else None, max_tokens=max_tokens)
     if role == "trainer":
-        engine = distributed.colocate(engine, model)  # a sharded policy is unsharded around each generate call
+        engine = colocate(engine, model)  # a sharded policy is unsharded around each generate call
     run.engine = wrap(engine, run) if wrap is not None else engine
     if trains:
         run.experience = Experience(cfg, run.engine, policy.tokenizer, run.reward_fn, run.examples, run.sampler)
     return run
+
+
+def policy_engine(cfg, policy: Policy, runtime: Runtime | None, log: Callable[[str], None] | None = None, *,
+                  max_tokens: int | None = None, rollout: Any = None) -> RolloutEngine:  # fmt: skip
+    """The policy's rollout engine (build_engine, from `rollout`, default cfg.rollout) in the agent wrapper
+    that rollout config names (postrl.agents.wrap: the agent loop, the endpoint, or none)."""
+    from postrl.agents.wrap import wrap_engine
+
+    rollout = rollout if rollout is not None else cfg.rollout
+    engine = build_engine(cfg, policy, runtime, log, max_tokens=max_tokens, rollout=rollout)
+    return wrap_engine(engine, policy.tokenizer, rollout, model=policy.model, log=log,
+                       max_model_len=max_model_len(cfg, rollout, max_tokens))  # fmt: skip
 
 
 def _build_training(run: Run, log: Callable[[str], None]) -> None:

@@ -35,7 +35,6 @@ import torch.distributed as dist
 
 from postrl import lora
 from postrl.local_cluster import loopback_env
-from postrl.rollout.base import EngineWrapper
 from postrl.runtime import accelerator
 
 if TYPE_CHECKING:
@@ -426,31 +425,3 @@ def clip_grad_norm_(params: list[torch.nn.Parameter], max_norm: float) -> torch.
     """torch.nn.utils.clip_grad_norm_ returning a plain tensor (the global norm under FSDP2 too)."""
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-
-
-class _GenerateUnsharded(EngineWrapper):
-    """An engine whose model is FSDP2-sharded: each generate call runs inside `unsharded(model)`."""
-
-    def __init__(self, engine: Any, model: torch.nn.Module):
-        super().__init__(engine)
-        self.model = model
-
-    def generate(self, prompts, params, multi_modal=None, **kwargs):  # kwargs: the agent loop's rows
-        with unsharded(self.model):
-            return self.engine.generate(prompts, params, multi_modal, **kwargs)
-
-    def generate_continuing(self, requests, on_finish, seed=None) -> None:
-        with unsharded(self.model):
-            self.engine.generate_continuing(requests, on_finish, seed=seed)
-
-
-def colocate(engine: Any, model: torch.nn.Module) -> Any:
-    """The rollout engine of this rank, able to generate with a sharded policy.
-
-    The HF engine generates with the policy object itself; when that is FSDP2-sharded, generation is
-    bracketed by an unshard / reshard. The vLLM engine keeps its own weights and receives the full
-    tensors in `sync_weights`, so it is returned unchanged.
-    """
-    if is_sharded(model) and engine.capabilities.shares_trainer_model:
-        return _GenerateUnsharded(engine, model)
-    return engine

@@ -1,11 +1,6 @@
 """Experience: prompts -> rollout -> rule rewards (+ overlong shaping) -> dynamic sampling -> advantages.
 
-`Batch` is one record of B sequences, every field a per-sequence list, prompt-major (the G samples
-of a prompt are contiguous). Because every field has one entry per sequence, concatenation and row
-selection are generic (`concat`, `select`), not field by field. A sequence is a token-level
-trajectory: `response_ids` may interleave model turns with tool / environment tokens, and its
-`loss_masks` entry marks which tokens the policy sampled (all ones for a single-turn completion);
-every count the loss and the response-length metrics use is of those model tokens.
+The record it fills, `Batch`, and its row algebra are batch.py's.
 
 `Experience.collect` draws generation batches until `train.global_batch_size` groups survive dynamic
 sampling (DAPO: a group is kept iff its raw verifier metric has non-zero spread), then cuts the batch
@@ -17,7 +12,7 @@ every rank takes the same keep decisions and holds the same global batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -25,85 +20,112 @@ import torch
 from postrl import algorithms as algo
 from postrl import distributed
 from postrl.agents.loop import generate_for, model_text
+from postrl.batch import Batch, concat, expand_segments, select, select_groups, trajectories, trajectory_mask
 from postrl.data.dataset import PromptExample, PromptSampler
 from postrl.errors import UserError
 from postrl.metrics import Timer, summary_stats
 from postrl.partition import shard_range, shard_seed
-from postrl.rollout import Completion, SamplingParams
+from postrl.rollout import SamplingParams
 
 
-@dataclass
-class Batch:
-    """B sequences, prompt-major. Each field holds one entry per sequence."""
+FAILURE_KEYS = ("reward/calls", "reward/timeouts", "reward/errors", "reward/invalid")
 
-    prompt_ids: list[list[int]]
-    response_ids: list[list[int]]  # everything after the prompt: model turns and, for agents, tool tokens
-    loss_masks: list[list[int]]  # one entry per response token: 1 = sampled by the policy (trained on)
-    turns: list[int]  # model turns of each trajectory (1: single turn)
-    finished: list[bool]  # stopped at EOS (else cut at max_tokens)
-    scores: list[float]  # raw weighted verifier score
-    rewards: list[float]  # score after overlong shaping
-    verifier_metrics: list[dict[str, float]]  # each verifier's named metrics (acc, ...)
-    engine_logprobs: list[list[float] | None]  # the engine's sampling log-probs per response token (0.0 where masked)
-    multi_modal: list[dict | None]  # each sequence's image inputs (VLMs), else None
-    # the policy version (trainer step) that sampled each sequence; None entries are stamped by
-    # Experience.collect with the trainer's step; a Batch built without them is from version 0
-    versions: list[int | None] = field(default_factory=list)
-    # async partial rollout: the version of every response token (None: all of the sequence's version)
-    token_versions: list[list[int] | None] = field(default_factory=list)
-    # rollout.agent (DESIGN.md section 12): a trajectory's other segments (Completions), carried with its row
-    # until `expand_segments` makes each a row of its own whose `owners` entry is the trajectory's row
-    segments: list[list | None] = field(default_factory=list)
-    owners: list[int | None] = field(default_factory=list)
 
-    def __post_init__(self) -> None:
-        if not self.versions:
-            self.versions = [0] * len(self.response_ids)
-        if not self.token_versions:
-            self.token_versions = [None] * len(self.response_ids)
-        if not self.segments:
-            self.segments = [None] * len(self.response_ids)
-        if not self.owners:
-            self.owners = [None] * len(self.response_ids)
+def new_failures() -> dict[str, int]:
+    """The reward failure counts a collection starts from (generate_and_score adds to them)."""
+    return dict.fromkeys(FAILURE_KEYS, 0)
+
+
+def sampling_seed(cfg: Any, step: int, gen: int, lo: int) -> int:
+    """The sampling seed of the prompts from `lo` on of generation batch `gen` of step `step`: a function of
+    the step, so resume lines up, and the same wherever those prompts are generated (a rank, a replica)."""
+    return shard_seed((cfg.train.seed * 1_000_003 + step * 1009 + gen) % 2**31, lo)
+
+
+class DynamicSampling:
+    """One step's collection, the one path every placement takes (DAPO's dynamic sampling): whole generation
+    batches come in (`add`), the groups whose `algorithm.filter_groups.metric` has no spread are dropped, more
+    are drawn (`draw`, refused past max_num_gen_batches) until train.global_batch_size groups are kept, and
+    `finish` cuts the batch to that many groups, makes rows of rollout.agent's extra segments and returns
+    the collection's metrics (kept ratio, reward failures, the engine's agent/* counts)."""
+
+    def __init__(self, cfg: Any, step: int):
+        self.cfg, self.step = cfg, step
+        self.G, self.want = cfg.rollout.n_samples_per_prompt, cfg.train.global_batch_size
+        self.kept: list[Batch] = []
+        self.n_kept = self.n_generated = self.gens = 0
+        self.failures: dict[str, float] = {}
+        self.agent: list[tuple[int, dict[str, float]]] = []  # (trajectories, engine.pop_metrics()) per part
 
     @property
-    def size(self) -> int:
-        return len(self.response_ids)
+    def full(self) -> bool:
+        return self.n_kept >= self.want
 
-    @property
-    def has_engine_logprobs(self) -> bool:
-        return self.size > 0 and all(lp is not None for lp in self.engine_logprobs)
+    def draw(self) -> int:
+        """Count the next generation batch (train.gen_batch_size prompts) and return its number (from 1)."""
+        cfg, fg = self.cfg, self.cfg.algorithm.filter_groups
+        self.gens += 1
+        if fg.enable and 0 < fg.max_num_gen_batches < self.gens:
+            raise UserError(
+                f"dynamic sampling drew {fg.max_num_gen_batches} generation batches of {cfg.train.gen_batch_size} "
+                f"prompts at step {self.step} and kept only {self.n_kept} of the {self.want} groups it needs: almost every "
+                f"group's '{fg.metric}' has zero spread, i.e. the data is too hard or too easy for this model. "
+                "Fix: use data matched to the model's level (or an SFT warm start), raise "
+                "rollout.n_samples_per_prompt or train.gen_batch_size, or set "
+                "algorithm.filter_groups.max_num_gen_batches: 0 (no limit)."
+            )
+        self.n_generated += cfg.train.gen_batch_size
+        return self.gens
 
-    @property
-    def lengths(self) -> list[int]:
-        """Prompt + response tokens of each sequence, model and tool tokens alike (what a forward computes)."""
-        return [len(p) + len(r) for p, r in zip(self.prompt_ids, self.response_ids)]
+    def add(self, batch: Batch) -> None:
+        """A whole scored generation batch (every rank's, every replica's part, prompt order)."""
+        if self.cfg.algorithm.filter_groups.enable:
+            keep = algo.group_keep_mask(torch.tensor(filter_metric(self.cfg, batch)), self.G)
+            batch = select_groups(batch, keep.nonzero().flatten().tolist(), self.G)
+        self.kept.append(batch)
+        self.n_kept += batch.size // self.G
 
-    @property
-    def model_tokens(self) -> list[int]:
-        """Tokens the policy sampled in each sequence (its response length, for the loss and the metrics)."""
-        return [sum(m) for m in self.loss_masks]
+    def count(self, failures: dict[str, float]) -> None:
+        for key, n in failures.items():
+            self.failures[key] = self.failures.get(key, 0.0) + float(n)
 
-    def metric(self, name: str) -> list[float]:
-        """One verifier metric (or 'score' / 'seq_reward') of every sequence."""
-        if name == "score":
-            return self.scores
-        if name == "seq_reward":
-            return self.rewards
-        return [m[name] for m in self.verifier_metrics]
+    def agent_metrics(self, trajectories: int, metrics: dict[str, float]) -> None:
+        """An agent engine's counts (`pop_metrics`) over `trajectories` of this step's rollouts."""
+        self.agent.append((trajectories, metrics))
 
-
-def concat(batches: list[Batch]) -> Batch:
-    return Batch(**{f.name: [x for b in batches for x in getattr(b, f.name)] for f in fields(Batch)})
-
-
-def select(batch: Batch, rows: list[int]) -> Batch:
-    return Batch(**{f.name: [getattr(batch, f.name)[i] for i in rows] for f in fields(Batch)})
+    def finish(self) -> tuple[Batch, dict[str, float]]:
+        full = expand_segments(select(concat(self.kept), list(range(self.want * self.G))))
+        prefix = self.cfg.algorithm.name  # metric namespace: dapo/..., grpo/...
+        stats = {f"{prefix}/num_gen_batches": self.gens, f"{prefix}/kept_groups_ratio": self.n_kept / self.n_generated}
+        stats.update(self.failures)
+        stats.update(merge_agent_metrics(self.agent))
+        return full, stats
 
 
-def select_groups(batch: Batch, groups: list[int], group_size: int) -> Batch:
-    """Whole groups of `batch`, in the order given."""
-    return select(batch, [g * group_size + j for g in groups for j in range(group_size)])
+def filter_metric(cfg: Any, batch: Batch) -> list[float]:
+    """Each sequence's value of `algorithm.filter_groups.metric` (refused when no verifier reports it)."""
+    name = cfg.algorithm.filter_groups.metric
+    known = sorted(batch.verifier_metrics[0]) if batch.size else []
+    if name not in ("score", "seq_reward") and name not in known:
+        raise UserError(
+            f"algorithm.filter_groups.metric is '{name}', but the verifiers report only "
+            f"{known} (plus 'score' and 'seq_reward'). Fix: pick one of those."
+        )
+    return batch.metric(name)
+
+
+def merge_agent_metrics(parts: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
+    """One step's agent/* from several parts (a pool's chunks): per-trajectory means and ratios weighted by
+    the part's trajectories, counts and seconds summed. One part is returned as it is."""
+    if len(parts) <= 1:
+        return dict(parts[0][1]) if parts else {}
+    total = max(sum(n for n, _ in parts), 1)
+    out: dict[str, float] = {}
+    for n, m in parts:
+        for key, value in m.items():
+            weight = n / total if key.endswith(("_mean", "_ratio")) else 1.0
+            out[key] = out.get(key, 0.0) + weight * value
+    return out
 
 
 @dataclass
@@ -119,51 +141,25 @@ class Experience:
 
     def __post_init__(self) -> None:
         self.G = self.cfg.rollout.n_samples_per_prompt
-        self.prefix = self.cfg.algorithm.name  # metric namespace: dapo/..., grpo/...
 
     def collect(self, step: int, timer: Timer) -> tuple[Batch, dict[str, float]]:
         """Draw generation batches until global_batch_size groups survive dynamic sampling."""
-        cfg, G = self.cfg, self.G
-        fg = cfg.algorithm.filter_groups
-        want = cfg.train.global_batch_size
-        kept: list[Batch] = []
-        n_kept = n_generated = num_gen_batches = 0
-        failures = {"reward/calls": 0, "reward/timeouts": 0, "reward/errors": 0, "reward/invalid": 0}  # generate_and_score adds to it
-        agent = cfg.rollout.takes_rows
-        if agent:
+        cfg = self.cfg
+        sampling = DynamicSampling(cfg, step)
+        failures = new_failures()  # generate_and_score adds to it
+        if cfg.rollout.takes_rows:
             self.engine.pop_metrics()  # drop what validation's rollouts counted
-        while n_kept < want:
-            num_gen_batches += 1
-            if fg.enable and 0 < fg.max_num_gen_batches < num_gen_batches:
-                raise UserError(
-                    f"dynamic sampling drew {fg.max_num_gen_batches} generation batches of {cfg.train.gen_batch_size} "
-                    f"prompts at step {step} and kept only {n_kept} of the {want} groups it needs: almost every "
-                    f"group's '{fg.metric}' has zero spread, i.e. the data is too hard or too easy for this model. "
-                    "Fix: use data matched to the model's level (or an SFT warm start), raise "
-                    "rollout.n_samples_per_prompt or train.gen_batch_size, or set "
-                    "algorithm.filter_groups.max_num_gen_batches: 0 (no limit)."
-                )
+        while not sampling.full:
+            gen = sampling.draw()
             examples = [self.examples[i] for i in self.sampler.next_indices(cfg.train.gen_batch_size)]
             lo, hi = shard_range(len(examples))  # this rank's prompts: a group stays on one rank
-            seed = shard_seed(self._seed(step, num_gen_batches), lo)
-            batch = gather(self.generate_and_score(examples[lo:hi], seed, timer, failures))  # every rank sees every score
+            batch = gather(self.generate_and_score(examples[lo:hi], sampling_seed(cfg, step, gen, lo), timer, failures))  # every rank sees every score
             batch.versions = [step if v is None else v for v in batch.versions]  # sync: the engine holds step's weights
-            n_generated += len(examples)
-            if fg.enable:
-                keep = algo.group_keep_mask(torch.tensor(self._filter_metric(batch)), G)
-                batch = select_groups(batch, keep.nonzero().flatten().tolist(), G)
-            kept.append(batch)
-            n_kept += batch.size // G
-        full = expand_segments(select(concat(kept), list(range(want * G))))
-        stats = {f"{self.prefix}/num_gen_batches": num_gen_batches, f"{self.prefix}/kept_groups_ratio": n_kept / n_generated}
-        stats.update(distributed.all_reduce_sum_dict({k: float(v) for k, v in failures.items()}))
-        if agent:  # agent/*, timing/agent_*: this rank's rollouts (docs/agents.md)
-            stats.update(self.engine.pop_metrics())
-        return full, stats
-
-    def _seed(self, step: int, gen_batch: int) -> int:
-        """The sampling seed of one generation batch: a function of the step, so resume lines up."""
-        return (self.cfg.train.seed * 1_000_003 + step * 1009 + gen_batch) % 2**31
+            sampling.add(batch)
+        sampling.count(distributed.all_reduce_sum_dict({k: float(v) for k, v in failures.items()}))
+        if cfg.rollout.takes_rows:  # agent/*, timing/agent_*: this rank's rollouts (docs/agents.md)
+            sampling.agent_metrics(sampling.n_generated * self.G, self.engine.pop_metrics())
+        return sampling.finish()
 
     def generate_and_score(self, examples: list[PromptExample], seed: int, timer: Timer, failures: dict[str, int]) -> Batch:
         cfg, G = self.cfg, self.G
@@ -203,16 +199,6 @@ class Experience:
             segments=[c.segments for c in completions],
         )
 
-    def _filter_metric(self, batch: Batch) -> list[float]:
-        name = self.cfg.algorithm.filter_groups.metric
-        known = sorted(batch.verifier_metrics[0]) if batch.size else []
-        if name not in ("score", "seq_reward") and name not in known:
-            raise UserError(
-                f"algorithm.filter_groups.metric is '{name}', but the verifiers report only "
-                f"{known} (plus 'score' and 'seq_reward'). Fix: pick one of those."
-            )
-        return batch.metric(name)
-
     def advantages(self, batch: Batch) -> torch.Tensor:
         """adv_B of the global batch by `algorithm.adv_estimator` (broadcast to every token by the actor)."""
         a = self.cfg.algorithm
@@ -224,44 +210,6 @@ class Experience:
         )
         extra = [o for o in batch.owners if o is not None]
         return torch.cat([adv, adv[torch.tensor(extra, dtype=torch.long)]]) if extra else adv
-
-
-def expand_segments(batch: Batch) -> Batch:
-    """Each trajectory's other segments (rollout.agent: a history the program edited) as rows after the
-    trajectories, with its reward, score and metrics, and `owners` pointing at its row (DESIGN.md section 12)."""
-    extra = [(i, seg) for i, segs in enumerate(batch.segments) for seg in segs or []]
-    extra = extra[: len(extra) - len(extra) % distributed.data_parallel_size()]  # every rank gets as many rows
-    if not extra:
-        return batch
-    rows = [i for i, _ in extra]
-    more = select(batch, rows)
-    more.prompt_ids = [seg.prompt_ids for _, seg in extra]
-    more.response_ids = [seg.token_ids for _, seg in extra]
-    more.loss_masks = [trajectory_mask(seg) for _, seg in extra]
-    more.turns = [len(seg.turn_spans or [None]) for _, seg in extra]
-    more.finished = [seg.finished for _, seg in extra]
-    more.engine_logprobs = [seg.logprobs for _, seg in extra]
-    more.versions = [batch.versions[i] if seg.version is None else seg.version for i, seg in extra]
-    more.token_versions = [None] * len(extra)
-    more.owners = rows
-    out = concat([batch, more])
-    out.segments = [None] * out.size
-    return out
-
-
-def trajectories(batch: Batch) -> Batch:
-    """The batch without the extra segments `expand_segments` added (one row per trajectory, groups contiguous)."""
-    if all(o is None for o in batch.owners):
-        return batch
-    return select(batch, [i for i, o in enumerate(batch.owners) if o is None])
-
-
-def trajectory_mask(c: Completion) -> list[int]:
-    """The loss mask of a completion: its own, or all ones (a single turn, every token sampled)."""
-    if c.loss_mask is None:
-        return [1] * len(c.token_ids)
-    assert len(c.loss_mask) == len(c.token_ids), f"loss_mask has {len(c.loss_mask)} entries for {len(c.token_ids)} tokens"
-    return list(c.loss_mask)
 
 
 def batch_metrics(batch: Batch, prefix: str, group_size: int) -> dict[str, float]:

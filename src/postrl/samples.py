@@ -80,7 +80,7 @@ class SampleWriter:
         return path
 
     def rollout(self, step: int, batch: Any) -> None:
-        """The batch trained on at `step` (experience.Batch), every logging.samples.rollout_freq steps."""
+        """The batch trained on at `step` (batch.Batch), every logging.samples.rollout_freq steps."""
         freq = self.cfg.rollout_freq
         if not (self.enabled and freq and step % freq == 0):
             return

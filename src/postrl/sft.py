@@ -168,11 +168,11 @@ def eval_greedy(policy: Policy, cfg: Config, max_prompts: int, rt: Runtime) -> d
     from postrl.agents.loop import tool_schemas
     from postrl.evaluate import evaluate, load_val_sets
     from postrl.rewards import RewardFunction
-    from postrl.rollout.build import build_engine
+    from postrl.assembly import policy_engine
 
     tokenizer, tools = policy.tokenizer, tool_schemas(cfg.rollout.multi_turn)
     # the HF engine on the policy just trained (the agent loop around it, as validation in RL runs it)
-    engine = build_engine(cfg, policy, rt, rollout=cfg.rollout.model_copy(update={"engine": "hf"}))
+    engine = policy_engine(cfg, policy, rt, rollout=cfg.rollout.model_copy(update={"engine": "hf"}))
     reward_fn = RewardFunction(cfg.reward)
     out = {}
     greedy = cfg.eval.model_copy(update={"n_samples": 1, "temperature": 0.0})

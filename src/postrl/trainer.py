@@ -1,6 +1,6 @@
 """The GRPO / DAPO training loop, top to bottom (docs/architecture.md).
 
-    batch of step s (rollout, rewards, dynamic sampling)           batch_source.py -> experience.py
+    batch of step s (rollout, rewards, dynamic sampling)           placement/ -> experience.py
     -> group advantages                                            experience.py
     -> old / ref log-probs -> clipped policy update (mini x micro batches, clip, AdamW, LR)   actor.py
     -> publish the weights for the next batches -> metrics, validation, checkpoint           here
@@ -21,12 +21,13 @@ import torch
 
 from postrl import checkpoint, distill, distributed, guards, lora, reference
 from postrl.assembly import build_run
-from postrl.batch_source import open_source
+from postrl.placement.source import open_source
 from postrl.config import Config
 from postrl.critic import CRITIC_DIR
 from postrl.errors import Stopped, UserError
 from postrl.evaluate import ValidationHistory, evaluate
-from postrl.experience import Batch, batch_metrics, staleness_metrics
+from postrl.batch import Batch
+from postrl.experience import batch_metrics, staleness_metrics
 from postrl.metrics import MetricsLogger, Timer, plot_logged, progress_bar, read_jsonl, step_line, throughput, val_line
 from postrl.runtime import StepAbandoned, StopOnSignal, init_runtime, rng_state, set_rng_state
 from postrl.samples import SampleWriter
@@ -76,7 +77,7 @@ class Trainer:
         if restored is not None:
             self.load_state_dict(restored)
             self.engine.sync_weights(self.model)
-        # where rollout runs (batch_source.py): this rank's engine, or a worker process from the restored position
+        # where rollout runs (postrl.placement): this rank's engine, or a worker process from the restored position
         self.batches = open_source(cfg, run, self.guards, self.step, self.log)
 
     def log(self, msg: str) -> None:

@@ -22,8 +22,8 @@ max_tokens). Decisions (docs/agents.md): verifiers read the model's tokens only 
 wrote, not what the tools printed); an environment's rewards add to the verifier score.
 
 `AgentLoop` is a rollout engine (rollout/base.py's protocol) around the real one, so validation,
-`postrl eval` and `postrl doctor` run the same loop; `make_engine` builds it when
-`rollout.multi_turn.enable` is set.
+`postrl eval` and `postrl doctor` run the same loop; the assembly puts it around the policy's engine
+(agents/wrap.py) when `rollout.multi_turn.enable` is set.
 """
 
 from __future__ import annotations
@@ -343,9 +343,8 @@ def generate_for(engine: Any, examples: list, params: SamplingParams, agent: boo
     """`engine.generate` on prompt examples (data/dataset.py's PromptExample); with `agent`
     (rollout.takes_rows: the engine is an AgentLoop or the endpoint's AgentGateway) it also gets their dataset rows, from which
     environments reset."""
-    from postrl.data.dataset import multi_modal_of
-
-    prompts, mm = [e.prompt_ids for e in examples], multi_modal_of(examples)
+    prompts = [e.prompt_ids for e in examples]
+    mm = [e.multi_modal for e in examples] if any(e.multi_modal for e in examples) else None  # images, for VLMs
     if agent:
         return engine.generate(prompts, params, multi_modal=mm, rows=[e.row for e in examples])
     return engine.generate(prompts, params, multi_modal=mm)

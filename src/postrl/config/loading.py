@@ -203,6 +203,11 @@ def config_notes(cfg: Config) -> list[str]:
             f"rollout.multi_turn.{what} is set but rollout.multi_turn.enable is false, so the run is single-turn and "
             "never offers them; set rollout.multi_turn.enable: true to use them."
         )
+    if "mode" in cfg.rollout.model_fields_set:
+        notes.append(
+            f"rollout.mode is a deprecated alias of rollout.placement: mode {cfg.rollout.mode} runs as "
+            f"rollout.placement: {cfg.rollout.placement}. Set rollout.placement instead (colocated, worker or pool)."
+        )
     if cfg.critic.model_fields_set and not _needs_critic(cfg.algorithm.adv_estimator):
         keys = ", ".join(f"critic.{k}" for k in sorted(cfg.critic.model_fields_set))
         notes.append(

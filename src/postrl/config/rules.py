@@ -61,7 +61,7 @@ def derive(cfg: Any) -> Any:
             "sequence-parallel group is that many ranks. Fix: choose a divisor, or change cluster.devices_per_node / nnodes."
         )
     rc = cfg.algorithm.rollout_correction
-    if cfg.rollout.mode == "async" and cfg.rollout.max_staleness > 0 and "enable" not in rc.model_fields_set:
+    if cfg.rollout.placement != "colocated" and cfg.rollout.max_staleness > 0 and "enable" not in rc.model_fields_set:
         rc.enable = True  # the decoupled objective (AReaL): stale samples weighted by trainer / engine, truncated
     if sp > 1 and _needs_critic(cfg.algorithm.adv_estimator):
         problems.append(

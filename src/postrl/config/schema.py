@@ -328,9 +328,8 @@ class RolloutConfig(Section):
     agent_body_timeout_s: float = Field(60.0, gt=0, description="rollout.agent: a request's body must arrive within this.")
     mode: Literal["sync", "async"] = Field(
         "sync",
-        description="sync: generate, score, update, sync weights, in lock-step with the engine colocated. async: a "
-        "rollout worker process generates and scores the next batches while the trainer updates, within "
-        "rollout.max_staleness policy versions (docs/async.md; one trainer process).",
+        description="Deprecated alias of rollout.placement (sync = colocated, async = worker); set by the placement, and "
+        "a run that sets it is told to use rollout.placement instead (docs/async.md).",
     )
     max_staleness: int = Field(
         0, ge=0, le=100, description="Async rollout: the oldest policy version a trained sequence may come from, in updates "
@@ -349,10 +348,10 @@ class RolloutConfig(Section):
     )
 
     placement: Literal["colocated", "worker", "pool"] | None = Field(
-        None, description="Where rollout runs (docs/async.md): colocated (the trainer's own engine, in lock-step: "
-        "rollout.mode sync), worker (one worker process beside rank 0: rollout.mode async) or pool (rollout.pool's "
-        "replicas, Ray actors on their own cores / devices on any node, weights by broadcast). Unset: derived from "
-        "rollout.mode; worker and pool imply rollout.mode async.",
+        None, description="Where rollout runs (docs/async.md): colocated (the trainer's own engine, in lock-step; the "
+        "default), worker (one worker process beside rank 0, asynchronous) or pool (rollout.pool's replicas, Ray "
+        "actors on their own cores / devices on any node, weights by broadcast, asynchronous). Unset: from the "
+        "deprecated rollout.mode (sync -> colocated, async -> worker).",
     )
     pool: PoolConfig = Field(default_factory=lambda: PoolConfig(), description="rollout.placement pool: the replicas.")
 
@@ -377,17 +376,20 @@ class RolloutConfig(Section):
                 "is sync. Fix: drop rollout.mode (the placement sets it), or use rollout.placement: colocated."
             )
         else:
+            user_set = "mode" in self.model_fields_set
             self.mode = "sync" if self.placement == "colocated" else "async"
+            if not user_set:  # derived from the placement: not the user's (config_notes names a mode the user set)
+                self.__pydantic_fields_set__.discard("mode")
         if self.mode == "sync" and self.max_staleness != 0:
             raise ValueError(
                 f"rollout.max_staleness is {self.max_staleness}, but synchronous rollout always trains on the current "
-                "policy's samples (staleness 0). Fix: set rollout.mode: async to let rollout run ahead, or leave "
+                "policy's samples (staleness 0). Fix: set rollout.placement: worker or pool to let rollout run ahead, or leave "
                 "rollout.max_staleness at 0."
             )
         if self.partial_rollout and self.mode == "sync":
             raise ValueError(
                 "rollout.partial_rollout continues generations across weight updates, which only happen mid-generation "
-                "in async mode. Fix: set rollout.mode: async, or rollout.partial_rollout: false."
+                "in async mode. Fix: set rollout.placement: worker or pool, or rollout.partial_rollout: false."
             )
         mt = self.multi_turn
         if mt.enable and not mt.tools and not mt.interaction:

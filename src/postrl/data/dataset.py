@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from postrl.data.images import BadImageRow, has_image_data, mentions_images
+from postrl.modality.images import BadImageRow, has_image_data, mentions_images
 from postrl.errors import UserError
 from postrl.modality import TEXT, Modality
 from postrl.utils import get_dotted
@@ -28,11 +28,6 @@ class PromptExample:
     row: dict
     data_source: str
     multi_modal: dict | None = None  # VLMs: plain image data, e.g. {"images", "image_grid_thw"} (postrl.modality)
-
-
-def multi_modal_of(examples: list[PromptExample]) -> list[dict | None] | None:
-    """Per-prompt image inputs for a rollout engine; None when no prompt has images."""
-    return [e.multi_modal for e in examples] if any(e.multi_modal for e in examples) else None
 
 
 def read_rows(

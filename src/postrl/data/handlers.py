@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from postrl.data.images import IMAGE_PLACEHOLDER, BadImageRow, decode_image, read_image
+from postrl.modality.images import IMAGE_PLACEHOLDER, BadImageRow, decode_image, read_image
 from postrl.utils import get_dotted
 
 MAP_KEY_NAMES = ("prompt", "query", "response", "system", "images")

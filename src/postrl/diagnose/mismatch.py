@@ -1,7 +1,7 @@
 """`postrl doctor --mismatch CONFIG`: do the rollout engine's log-probs and the trainer's agree, where not, and why?
 
 One rollout batch is drawn as the run's first step draws it (the configured engine and placement, agents included:
-assembly.build_run + batch_source.open_source), without dynamic sampling (the doctor keeps every group). The trainer's log-probs of the same tokens are computed as its
+assembly.build_run + placement.source.open_source), without dynamic sampling (the doctor keeps every group). The trainer's log-probs of the same tokens are computed as its
 old-log-prob pass computes them (fp32 master weights, forwards in model.dtype, the same micro-batching and packing).
 The engine's are its sampling log-probs where it reports them (vLLM); the HF engine reports none, so its own
 computation is replayed (replay.py: generate's eval-mode KV-cache decoding of the same tokens).
@@ -33,7 +33,7 @@ def diagnose_mismatch(cfg: Any, *, full_distribution: bool = False, top_k: int =
     a deliberately mismatched one), as build_run's `wrap` does."""
     from postrl import guards
     from postrl.assembly import build_run
-    from postrl.batch_source import open_source
+    from postrl.placement.source import open_source
     from postrl.metrics import Timer
 
     cfg = cfg.model_copy(deep=True)

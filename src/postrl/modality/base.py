@@ -39,7 +39,7 @@ class Modality(Protocol):
     def encode_prompt(
         self, tokenizer: Any, prompt: Any, images: Any, data_cfg: Any, base_dir: Path | None = None
     ) -> tuple[list[int], dict]:
-        """(prompt ids, multi_modal plain data) of a row with images; raises data.images.BadImageRow."""
+        """(prompt ids, multi_modal plain data) of a row with images; raises modality.images.BadImageRow."""
         ...
 
     def forward_kwargs(

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from postrl.data.images import BadImageRow, row_images
+from postrl.modality.images import BadImageRow, row_images
 from postrl.distributed import unwrap
 from postrl.errors import UserError
 

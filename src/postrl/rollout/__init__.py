@@ -40,25 +40,10 @@ def make_engine(
     `trust_remote_code` is the user's `model.trust_remote_code`, passed to vLLM as is.
     `runtime` gives the compute dtype: HF generates under its autocast, vLLM holds weights in it
     (None: the dtype of the model's parameters, no autocast).
-    With `cfg.multi_turn.enable` the engine is wrapped in the agent loop (postrl.agents.loop.AgentLoop),
-    so training, validation, `postrl eval` and `postrl doctor` all roll out multi-turn; with `cfg.agent` it is
-    wrapped in the OpenAI-compatible endpoint that runs the user's agent program (postrl.agents.gateway); with
-    `cfg.environment`, in that endpoint running a verifiers environment (postrl.agents.verifiers_env).
+    The engine only: the agent wrappers (rollout.multi_turn, rollout.agent, rollout.environment) are put
+    around it by the assembly (postrl.agents.wrap), above this package.
     """
-    engine = _engine(cfg, model, tokenizer, log, max_model_len, seed, modality, trust_remote_code, runtime)
-    if getattr(cfg, "agent", None):
-        from postrl.agents.gateway import AgentGateway
-
-        return AgentGateway(engine, tokenizer, cfg, model=model, log=log, max_model_len=max_model_len)
-    if getattr(cfg, "environment", None):
-        from postrl.agents.verifiers_env import make_verifiers_engine
-
-        return make_verifiers_engine(engine, tokenizer, cfg, model=model, log=log, max_model_len=max_model_len)
-    if not cfg.multi_turn.enable:
-        return engine
-    from postrl.agents.loop import AgentLoop
-
-    return AgentLoop(engine, tokenizer, cfg.multi_turn, model=model, log=log)
+    return _engine(cfg, model, tokenizer, log, max_model_len, seed, modality, trust_remote_code, runtime)
 
 
 def _engine(cfg, model, tokenizer, log, max_model_len, seed, modality, trust_remote_code, runtime) -> RolloutEngine:

@@ -43,7 +43,7 @@ class EngineCapabilities:
         requests are followed by new ones (vLLM; the agent loop's turns join it). False: it raises.
 
     Where rollout runs (this process, a worker process, a pool) is not an engine's property: it is the
-    trainer's batch source (batch_source.py).
+    trainer's batch source (postrl.placement).
     """
 
     reports_logprobs: bool

@@ -1,16 +1,17 @@
-"""Weight transport from the trainer to an async rollout worker on the same machine (docs/async.md).
+"""Weight transport from the trainer to its rollout processes (docs/async.md).
 
-The trainer's trainable parameters live in shared memory, one flat buffer per dtype, allocated once:
-after each update the trainer copies its parameters in (`publish`) and raises the version; the worker
-copies them out into its own model (`load`) between generation calls. Only what training changes
-travels: a LoRA policy sends its adapters (the worker merges them for vLLM, as the colocated engine
-does), a full fine-tune every parameter. A sequence counter makes each copy whole (no torn read), and
-every version carries a checksum the worker recomputes from the weights it loaded, so a silently missed or
-partial update is caught when its samples reach the trainer (`AsyncRollout` compares them).
+`SharedWeights` holds the trainer's trainable parameters, one flat buffer per dtype, allocated once:
+after each update the trainer copies its parameters in (`publish`) and raises the version. Only what
+training changes travels: a LoRA policy sends its adapters (the rollout side merges them for vLLM, as the
+colocated engine does), a full fine-tune every parameter. Every version carries a checksum the rollout side
+recomputes from the weights it loaded, so a silently missed or partial update is caught when its samples
+reach the trainer (checksums.PublishedChecksums).
 
-Shared memory is the one-machine transport: with several trainer ranks, rank 0 writes (under FSDP2 every
-rank joins the gather, `join_publish`) and the worker runs beside it. A broadcast over a process group
-(gloo / nccl) for rollout workers on other nodes is not built (docs/async.md).
+Two ways out of the buffers: on one machine (`rollout.placement: worker`) they live in shared memory and
+the worker copies them out (`load`) between generation calls, a sequence counter making each copy whole
+(no torn read); to a pool's replicas on any node (`rollout.placement: pool`) the same buffers are
+broadcast over a process group per replica (pool.py sends, replica.ReceivedWeights receives). With
+several trainer ranks, rank 0 writes (under FSDP2 every rank joins the gather, `join_publish`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The replica's side of rollout_pool.py (`rollout.placement: pool`): the weights it receives from the
+"""The replica's side of pool.py (`rollout.placement: pool`): the weights it receives from the
 trainer's group, checked by publication number and checksum, and the Ray actor's body that generates the
 prompt chunks it is dealt with the assembly's rollout-worker role (engine, agents, rewards)."""
 
@@ -12,16 +12,17 @@ from typing import Any
 
 import torch
 
-from postrl.transport import checksum
+from postrl.placement.transport import checksum
+from postrl.placement.versioned import NeverStop, versioned
 
-_TIMEOUT = datetime.timedelta(seconds=120)  # a collective that waits longer than this fails (its peer is gone)
+TIMEOUT = datetime.timedelta(seconds=120)  # a collective that waits longer than this fails (its peer is gone)
 
 
 def make_group(backend: str, store: Any, rank: int) -> Any:
     """A two-member process group {trainer: 0, replica: 1} on `store`, outside the default group."""
     from postrl.runtime import pair_group
 
-    return pair_group(backend, store, rank, 2, _TIMEOUT)
+    return pair_group(backend, store, rank, 2, TIMEOUT)
 
 
 class ReceivedWeights:
@@ -97,38 +98,24 @@ class ReceivedWeights:
         return version, got
 
 
-class _Never:
-    def is_set(self) -> bool:
-        return False
-
-
 class Replica:
     """One rollout replica (the body of a Ray actor): the assembly's rollout-worker role, its weights from the
     trainer's group, generating the chunks it is dealt."""
 
     def __init__(self, cfg: Any, examples: list, slots: list, threads: int):
-        from postrl.async_rollout import VersionedEngine
         from postrl.assembly import build_run
-        from postrl.guards import Guards
 
         torch.set_num_threads(threads)
         self.cfg, self.examples = cfg, examples
-        guards = Guards(cfg, log=lambda msg: None)
-        probe = examples[0].prompt_ids if not examples[0].multi_modal else None
         self.weights: ReceivedWeights | None = None
         self.slots = slots
 
-        def versioned(engine, run):
-            autocast = run.runtime.autocast
+        def received(run) -> ReceivedWeights:
             self.weights = ReceivedWeights(slots, torch.device("cpu") if run.runtime.device.type == "cpu" else run.runtime.device)
+            return self.weights
 
-            def check(engine, model):  # the sync guard, on every version loaded
-                return guards.check_sync(engine, model, probe, autocast()) if probe is not None else {}
-
-            return VersionedEngine(engine, run.policy.model, self.weights, cfg.rollout, autocast(), _Never(), os.getppid(),
-                                   on_load=check, logprobs=cfg.algorithm.rollout_correction.enable)  # fmt: skip
-
-        self.run = build_run(cfg, "rollout-worker", examples=examples, prepare=lambda model: None, wrap=versioned)
+        wrap = versioned(cfg, examples, received, NeverStop(), os.getppid())
+        self.run = build_run(cfg, "rollout-worker", examples=examples, prepare=lambda model: None, wrap=wrap)
 
     def where(self) -> dict:
         import ray
@@ -142,7 +129,7 @@ class Replica:
         from postrl.local_cluster import join_store
 
         def serve():
-            store = dist.PrefixStore(prefix, join_store(host, port, _TIMEOUT))  # a store on loopback: groups over lo
+            store = dist.PrefixStore(prefix, join_store(host, port, TIMEOUT))  # a store on loopback: groups over lo
             self.weights.receive_forever(make_group(backend, store, 1))
 
         threading.Thread(target=serve, daemon=True, name="postrl-weights").start()
@@ -150,15 +137,17 @@ class Replica:
     def generate(self, index: int, gen: int, lo: int, rows: list[int], min_version: int) -> dict:
         """Generate and score prompts `rows` (chunk `lo` of generation batch `gen` of batch `index`) with
         weights of `min_version` or newer."""
+        from postrl.experience import new_failures, sampling_seed
         from postrl.metrics import Timer
-        from postrl.partition import shard_seed
 
         exp = self.run.experience
         idle = exp.engine.wait_for(max(min_version, 0))  # and some weights at all
         start = time.perf_counter()
         timer = Timer()
-        failures = {"reward/calls": 0, "reward/timeouts": 0, "reward/errors": 0, "reward/invalid": 0}
-        batch = exp.generate_and_score([self.examples[i] for i in rows], shard_seed(exp._seed(index, gen), lo), timer, failures)
+        failures = new_failures()
+        batch = exp.generate_and_score([self.examples[i] for i in rows], sampling_seed(self.cfg, index, gen, lo), timer, failures)
+        agent = exp.engine.pop_metrics() if self.cfg.rollout.takes_rows else None  # agent/*: this chunk's rollouts
         load, self.weights.load_seconds = self.weights.load_seconds, 0.0
         return {"batch": batch, "failures": failures, "seconds": dict(timer.seconds), "busy": time.perf_counter() - start,
-                "idle": idle, "load_s": load, "checksums": dict(exp.engine.checksums), "tokens": sum(batch.model_tokens)}  # fmt: skip
+                "idle": idle, "load_s": load, "checksums": dict(exp.engine.checksums), "tokens": sum(batch.model_tokens),
+                "agent": agent}  # fmt: skip

@@ -23,7 +23,7 @@ it samples; the trainer checks every batch's versions and checksums against what
 
 Faults: a replica that dies (its actor's call fails) is restarted up to `rollout.pool.max_restarts` times
 (default rollout.max_worker_restarts), then dropped while the rest go on; the chunks it had are dealt again.
-Every batch carries the sampler position after its prompts, as the worker's do (batch_source.Worker).
+Every batch carries the sampler position after its prompts, as the worker's do (remote.RemoteSource).
 """
 
 from __future__ import annotations
@@ -35,12 +35,16 @@ from typing import Any
 
 import torch
 
-from postrl.async_rollout import WorkerDied, partial_metrics, split_stale
 from postrl.errors import UserError
-from postrl.experience import Batch, concat, select, select_groups
+from postrl.batch import Batch, concat
+from postrl.experience import DynamicSampling
 from postrl.local_cluster import import_ray, serving_store, start_ray
-from postrl.rollout_replica import _TIMEOUT, Replica, make_group
-from postrl.transport import SharedWeights
+from postrl.placement.checksums import PublishedChecksums
+from postrl.placement.remote import WorkerDied
+from postrl.placement.replica import TIMEOUT, Replica, make_group
+from postrl.placement.staleness import take_fresh
+from postrl.placement.transport import SharedWeights
+
 
 @dataclass
 class _Chunk:
@@ -74,24 +78,24 @@ class _Member:
 
 @dataclass
 class _Open:
-    """A batch being made: its chunks per generation batch and the groups kept so far."""
+    """A batch being made: its dynamic sampling (the sync loop's) and its chunks per generation batch."""
 
     index: int
-    gen: int = 0
+    sampling: DynamicSampling
     pending: dict = field(default_factory=dict)  # gen -> {lo: Batch or None}
-    kept: list = field(default_factory=list)
-    n_kept: int = 0
-    n_generated: int = 0
-    failures: dict = field(default_factory=dict)
     seconds: dict = field(default_factory=dict)
     closed: bool = False  # no more prompts will be drawn for it
     sampler: dict | None = None
 
 
 class RolloutPool:
-    """The trainer's side of the pool, with AsyncRollout's interface (batch_source.Worker drives either)."""
+    """The trainer's side of the pool (a remote.Backend, as the worker's AsyncRollout is)."""
 
-    def __init__(self, cfg, model: torch.nn.Module, examples: list, sampler: dict, step: int, threads: int, log, lend: bool = False):
+    @classmethod
+    def open(cls, cfg: Any, run: Any, step: int, log) -> "RolloutPool":
+        return cls(cfg, run.policy.model, run.examples, run.sampler.state_dict(), step, log)
+
+    def __init__(self, cfg, model: torch.nn.Module, examples: list, sampler: dict, step: int, log):
         from postrl.data.dataset import PromptSampler
 
         self.cfg, self.examples, self.log = cfg, examples, log
@@ -104,11 +108,11 @@ class RolloutPool:
 
         self.acc = accelerator()
         self.backend = self.acc.backend
-        self.host, self.store = serving_store(_TIMEOUT)  # on 127.0.0.1 for a local cluster (local_cluster.py)
+        self.host, self.store = serving_store(TIMEOUT)  # on 127.0.0.1 for a local cluster (local_cluster.py)
         self.packer = SharedWeights(model, torch.multiprocessing.get_context("spawn"))
-        self.sums: dict[int, set[float]] = {}
+        self.sums = PublishedChecksums(self.k)
         self.version, self.header = -1, (0, 0.0)  # newest published; its publication number and checksum
-        self.restarts = 0  # AsyncRollout's: a whole-pool restart (batch_source.Worker counts them)
+        self.restarts = 0  # whole-pool restarts (remote.RemoteSource counts them)
         self.sampler = PromptSampler(len(examples), cfg.data.shuffle, cfg.data.seed)
         self.examples_ref = ray.put(examples)
         self.members = [_Member(r) for r in range(self.pool.replicas)]
@@ -199,9 +203,7 @@ class RolloutPool:
     # --------------------------------------------------------------------------- weights
     def publish(self, model: torch.nn.Module, version: int) -> None:
         total = self.packer.publish(model, version)  # FSDP2: the shards gathered once
-        self.sums.setdefault(version, set()).add(total)
-        for old in [v for v in self.sums if v < version - self.k - 1]:
-            del self.sums[old]
+        self.sums.add(version, total)
         self.version, self.header = version, (self.header[0] + 1, total)
         self.publish_s = 0.0
         start = time.perf_counter()
@@ -233,20 +235,19 @@ class RolloutPool:
     # ---------------------------------------------------------------------------- dealing
     def _draw(self, b: _Open) -> None:
         """The next generation batch of `b`, in chunks on the queue (the sync loop's prompt order)."""
-        b.gen += 1
+        gen = b.sampling.draw()
         gen_batch = self.cfg.train.gen_batch_size
         rows = self.sampler.next_indices(gen_batch)
         size = math.ceil(gen_batch / max(1, self.alive()))
-        b.pending[b.gen] = {lo: None for lo in range(0, gen_batch, size)}
-        self.queue.extend(_Chunk(b.index, b.gen, lo, rows[lo : lo + size]) for lo in range(0, gen_batch, size))
-        b.n_generated += gen_batch
+        b.pending[gen] = {lo: None for lo in range(0, gen_batch, size)}
+        self.queue.extend(_Chunk(b.index, gen, lo, rows[lo : lo + size]) for lo in range(0, gen_batch, size))
         if not self.cfg.algorithm.filter_groups.enable:  # no more prompts for it: the next batch may draw
             b.closed, b.sampler = True, self.sampler.state_dict()
 
     def _open_next(self) -> None:
         """Open the next batch once the last one drew all its prompts and it is within the bound."""
         while (not self.open or self.open[-1].closed) and self.next_index - self.k <= self.version:
-            b = _Open(self.next_index)
+            b = _Open(self.next_index, DynamicSampling(self.cfg, self.next_index))
             self.next_index += 1
             self.open.append(b)
             self._draw(b)
@@ -262,17 +263,12 @@ class RolloutPool:
     def _take(self, m: _Member, out: dict) -> None:
         chunk, m.task, m.chunk = m.chunk, None, None
         b = next(o for o in self.open if o.index == chunk.index)
-        for version, value in out["checksums"].items():  # what it sampled with is what the trainer published
-            if version in self.sums and value not in self.sums[version]:
-                raise UserError(
-                    f"rollout replica {m.rank} sampled with weights of version {version} whose checksum ({value!r}) differs "
-                    f"from what the trainer published ({sorted(self.sums[version])}): a weight update was missed or torn. "
-                    "This is a bug in postrl's pool transport; please report it with the run's config."
-                )
+        self.sums.verify(out["checksums"], f"rollout replica {m.rank}")  # what it sampled with is what was published
         batch: Batch = out["batch"]
         b.pending[chunk.gen][chunk.lo] = batch
-        for key, n in out["failures"].items():
-            b.failures[key] = b.failures.get(key, 0) + n
+        b.sampling.count(out["failures"])
+        if out["agent"] is not None:
+            b.sampling.agent_metrics(batch.size, out["agent"])
         for key, s in out["seconds"].items():
             b.seconds[key] = b.seconds.get(key, 0.0) + s
         m.tokens += out["tokens"]
@@ -280,37 +276,16 @@ class RolloutPool:
         m.load_s += out["load_s"]
         m.lag.extend(chunk.index - v for v in batch.versions)
         if all(x is not None for x in b.pending[chunk.gen].values()):
-            whole = concat([b.pending[chunk.gen][lo] for lo in sorted(b.pending[chunk.gen])])
+            b.sampling.add(concat([b.pending[chunk.gen][lo] for lo in sorted(b.pending[chunk.gen])]))
             del b.pending[chunk.gen]
-            fg = self.cfg.algorithm.filter_groups
-            if fg.enable:
-                from postrl import algorithms as algo
-
-                keep = algo.group_keep_mask(torch.tensor(self._filter_metric(whole)), self.G)
-                whole = select_groups(whole, keep.nonzero().flatten().tolist(), self.G)
-            b.kept.append(whole)
-            b.n_kept += whole.size // self.G
-            if fg.enable and not b.closed:
-                if b.n_kept >= self.cfg.train.global_batch_size:
+            if not b.closed:
+                if b.sampling.full:
                     b.closed, b.sampler = True, self.sampler.state_dict()
-                elif 0 < fg.max_num_gen_batches <= b.gen:
-                    raise UserError(
-                        f"dynamic sampling drew {fg.max_num_gen_batches} generation batches at step {b.index} and kept "
-                        f"only {b.n_kept} of the {self.cfg.train.global_batch_size} groups it needs: the data is too hard "
-                        "or too easy for this model. Fix: use data matched to the model's level, raise "
-                        "rollout.n_samples_per_prompt or train.gen_batch_size, or set "
-                        "algorithm.filter_groups.max_num_gen_batches: 0 (no limit)."
-                    )
                 else:
                     self._draw(b)
 
-    def _filter_metric(self, batch: Batch) -> list[float]:
-        from postrl.experience import Experience
-
-        return Experience._filter_metric(self, batch)  # type: ignore[arg-type] - reads self.cfg only
-
     def _done(self, b: _Open) -> bool:
-        return b.closed and not b.pending and b.n_kept >= self.cfg.train.global_batch_size
+        return b.closed and not b.pending and b.sampling.full
 
     def next_batch(self, step: int) -> tuple[Batch, dict[str, float], dict[str, float], dict]:
         """The batch of `step`, as soon as all its groups are in; the replicas go on with the next ones."""
@@ -336,17 +311,11 @@ class RolloutPool:
                 self._take(m, out)
         b = self.open.pop(0)
         self.next_consumed = step + 1
-        full = select(concat(b.kept), list(range(self.cfg.train.global_batch_size * self.G)))
-        batch, dropped = split_stale(full, step, self.k, self.G)
-        if dropped:
-            self.log(f"[yellow]rollout pool: dropped {dropped} group(s) older than rollout.max_staleness={self.k} at step {step}[/yellow]")
-        a = self.cfg.algorithm.name
-        stats = {f"{a}/num_gen_batches": float(b.gen), f"{a}/kept_groups_ratio": b.n_kept / b.n_generated, **b.failures}
+        full, stats = b.sampling.finish()
         stats.update(self._metrics(step, time.perf_counter() - start))
-        stats["async/dropped_stale_groups"] = float(dropped)
-        stats["async/trainer_idle_s"] = time.perf_counter() - start
-        stats["async/queue_depth"] = float(sum(o.closed and not o.pending for o in self.open))
-        stats.update(partial_metrics(batch))
+        batch, tail = take_fresh(full, step, self.k, self.G, self.log, time.perf_counter() - start,
+                                 sum(o.closed and not o.pending for o in self.open))  # fmt: skip
+        stats.update(tail)
         return batch, stats, b.seconds, b.sampler
 
     def _metrics(self, step: int, waited: float) -> dict[str, float]:
