@@ -328,7 +328,7 @@ def test_policy_loss_stats_on_masked_batch():
 
 
 def test_policy_loss_registry_by_name():
-    assert sorted(POLICY_LOSSES) == ["cispo", "gspo", "vanilla"]
+    assert sorted(POLICY_LOSSES) == ["cispo", "clip_cov", "geo_mean", "gpg", "gspo", "kl_cov", "sapo", "vanilla"]
     assert get_policy_loss_fn("vanilla") is policy_loss  # `policy_loss` stays the name of the vanilla loss
     assert get_policy_loss_fn("gspo") is gspo_policy_loss and get_policy_loss_fn("cispo") is cispo_policy_loss
     with pytest.raises(ValueError, match="unknown policy loss 'ppo'") as excinfo:

@@ -10,7 +10,8 @@ ValueError that lists the valid ones); this package is the one place that holds 
   num_tokens_B)` (loss tokens per sequence: reinforce_plus_plus whitens over tokens; the others ignore it);
   those that need a value model (`CRITIC_ADV_ESTIMATORS`: gae) are token-level, `fn(token_rewards_BT,
   values_BT, mask_BT, gamma, lam) -> (adv_BT, returns_BT)`, with PPO's clipped `value_loss`;
-- policy losses (`get_policy_loss_fn`): vanilla, gspo, cispo, or a user's 'package.module:function'; one
+- policy losses (`get_policy_loss_fn`): vanilla, gspo, cispo, gpg, sapo, geo_mean, clip_cov, kl_cov, or a
+  user's 'package.module:function'; one
   signature `fn(logp_BT, old_logp_BT, adv_BT, mask_BT, *, clip_ratio_low, clip_ratio_high, clip_ratio_c,
   **params)`. Each declares with its registration (`LossSpec`) its own hyperparameters (`Param`: default,
   range, doc; the config's `algorithm.policy_loss_args`) and the shared settings it prefers (gspo: the
@@ -27,7 +28,8 @@ Papers:
   overlong reward shaping, and dynamic sampling (drop groups whose accuracy has zero spread).
 - Dual clip (Ye et al., 2020): for A < 0 the loss is bounded by -A * c.
 - RLOO (Ahmadian et al., 2024; Kool et al., 2019), REINFORCE++ (Hu, 2025), GSPO (Zheng et al., 2025),
-  CISPO (MiniMax-M1, MiniMax, 2025), truncated / masked importance sampling for the rollout engine's
+  CISPO (MiniMax-M1, MiniMax, 2025), GPG (Chu et al., 2025), SAPO (Gao et al., 2025), GMPO (Zhao et al.,
+  2025), Clip-Cov and KL-Cov (Cui et al., 2025, "The Entropy Mechanism of RL for Reasoning LMs"), truncated / masked importance sampling for the rollout engine's
   mismatch (Yao et al., 2025, "Your efficient RL framework secretly brings you off-policy RL training").
 
 Loss aggregation is split in two so that gradients do not depend on micro-batching: the caller
@@ -35,7 +37,7 @@ computes the normalisers once for the whole mini-batch (over all ranks) with `lo
 and `aggregate_loss` returns each micro-batch's *share*; the shares add up to the mini-batch loss.
 
 The parts: `advantages.py` (estimators, overlong penalty, group filter), `losses.py` (policy losses
-and their declarations), `correction.py` (rollout correction levels), `aggregation.py` (loss
+and their declarations), `surrogates.py` (GPG, SAPO, GMPO, Clip-Cov, KL-Cov), `correction.py` (rollout correction levels), `aggregation.py` (loss
 aggregation, KL, entropy), `distill.py` (on-policy distillation's per-token advantage and top-k
 reverse KL), `logprobs.py` (per-token log-probs from logits), `common.py` (registries).
 """
@@ -79,6 +81,14 @@ from postrl.algorithms.losses import (  # noqa: F401
     gspo_policy_loss,
     cispo_policy_loss,
     value_loss,
+)
+from postrl.algorithms.surrogates import (  # noqa: F401
+    gpg_policy_loss,
+    sapo_policy_loss,
+    geo_mean_policy_loss,
+    clip_cov_policy_loss,
+    kl_cov_policy_loss,
+    token_covariance,
 )
 from postrl.algorithms.correction import (  # noqa: F401
     RolloutCorrectionFn,

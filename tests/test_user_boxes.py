@@ -1,0 +1,49 @@
+"""The out-of-range lookup task of issue 50's reproduction (tests/user_boxes.py, docs/learning.md): training items
+box0 .. box299, held-out box300 .. box399, so no held-out name's digits after `box` occur in training; the SFT
+traces call the tool with the prompt's exact item and box its answer; the tool answers as a `module:function` tool."""
+
+from __future__ import annotations
+
+import re
+
+import pyarrow.parquet as pq
+import pytest
+
+import user_boxes
+from postrl.agents.tools import call_tool, load_tools
+
+
+def test_boxes_task_holds_out_names_outside_the_training_range(tmp_path):
+    paths = user_boxes.write(tmp_path)
+    train = pq.read_table(paths["boxes_train"]).to_pylist()
+    val = pq.read_table(paths["boxes_val"]).to_pylist()
+    assert (len(train), len(val)) == (2400, 100)  # 300 items x 8 repeats; 100 held-out items once each
+    train_items = {r["extra_info"]["item"] for r in train}
+    val_items = {r["extra_info"]["item"] for r in val}
+    assert train_items == {f"box{i}" for i in range(300)} and val_items == {f"box{i}" for i in range(300, 400)}
+    # every held-out name is box3NN; in training `box3` is followed by at most one more digit (box3, box30 .. box39)
+    assert all(re.fullmatch(r"box3[0-9]{2}", item) for item in val_items)
+    assert not any(re.fullmatch(r"box3[0-9]{2}", item) for item in train_items)
+    assert {item for item in train_items if item.startswith("box3")} == {"box3", *(f"box3{d}" for d in range(10))}
+    traced = [r for r in train if len(r["extra_info"]["solution"]) == 3]
+    assert 600 <= len(traced) <= 840  # tool_ratio 0.3 of 2400
+    for r in traced:
+        call, tool, final = r["extra_info"]["solution"]
+        item = r["extra_info"]["item"]
+        assert r["prompt"][0]["content"] == f"What is the stock of item {item}?"
+        assert call["tool_calls"][0]["function"] == {"name": "lookup", "arguments": {"item": item}}
+        assert tool["content"] == r["reward_model"]["ground_truth"] == user_boxes.lookup(item)
+        assert final["content"] == "\\boxed{" + tool["content"] + "}"
+    guesses = [r for r in train if len(r["extra_info"]["solution"]) == 1]
+    assert all(g["extra_info"]["solution"][0]["content"] != "\\boxed{" + g["reward_model"]["ground_truth"] + "}" for g in guesses)
+    with pytest.raises(ValueError, match="must not occur in training"):
+        user_boxes.rows(train_items=range(310), val_items=range(300, 400))
+
+
+def test_boxes_tool_answers_as_a_user_module_function_tool():
+    tools = load_tools(["user_boxes:lookup"])
+    assert tools["lookup"].schema["function"]["parameters"]["required"] == ["item"]
+    answer = call_tool(tools, "lookup", {"item": "box317"})
+    assert answer.status == "ok" and answer.text == user_boxes.lookup("box317") and 1000 <= int(answer.text) <= 9999
+    assert user_boxes.lookup("box217") != answer.text  # the first digit rewritten: another number
+    assert call_tool(tools, "lookup", {"item": "crate317"}).text == "unknown item: crate317"
