@@ -153,3 +153,17 @@ def test_total_epochs_counts_steps_from_the_prompts(tmp_path):
     assert main(["train", "configs/tiny_grpo.yaml", *args, "data.builtin.train_size=8", "trainer.total_epochs=1", "eval.freq=0"]) == 0
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]  # the YAML's train.total_steps (20) is replaced
+
+
+def test_verl_covariance_losses_keep_their_names_and_parameters():
+    # verl's loss_mode names are postrl's registered policy losses; the covariance parameters keep verl's names
+    cfg = load_config(None, [
+        "model.path=builtin:tiny-qwen2", "actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov",
+        "actor_rollout_ref.actor.policy_loss.clip_cov_ratio=0.02", "actor_rollout_ref.actor.policy_loss.clip_cov_ub=4.0",
+    ], check_paths=False)  # fmt: skip
+    assert cfg.algorithm.policy_loss == "clip_cov"
+    assert (cfg.algorithm.policy_loss_args["clip_cov_ratio"], cfg.algorithm.policy_loss_args["clip_cov_ub"]) == (0.02, 4.0)
+    flat = convert_verl(["actor_rollout_ref.actor.policy_loss.loss_mode=sapo"]).flat()
+    assert flat["algorithm.policy_loss"] == "sapo"
+    with pytest.raises(Exception, match="postrl's policy losses"):
+        convert_verl(["actor_rollout_ref.actor.policy_loss.loss_mode=no_such_loss"])

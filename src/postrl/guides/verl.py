@@ -35,6 +35,20 @@ from postrl.guides.rules import (
 SAMPLES_DIR_NOTE = "written to <logging.dir>/samples/ (rollout_step_N.jsonl, val_step_N.jsonl), not to the directory given"
 
 
+def _policy_losses() -> list[str]:
+    from postrl.algorithms import POLICY_LOSSES
+
+    return sorted(POLICY_LOSSES)
+
+
+_POLICY_LOSSES = _policy_losses()
+
+
+def _loss_mode(v):
+    """verl's loss_mode names are postrl's policy-loss names (vanilla, gspo, sapo, gpg, geo_mean, clip_cov, ...)."""
+    return {"algorithm.policy_loss": v} if v in _POLICY_LOSSES else None
+
+
 def _unset(v) -> bool:
     """verl's null (no dump) as a command line or YAML gives it."""
     return v is None or str(v).strip().lower() in ("", "null", "none", "~")
@@ -84,7 +98,10 @@ VERL: dict[str, Rule] = {
     "actor_rollout_ref.actor.use_kl_loss": via(lambda v: {} if _bool(v) else {"algorithm.kl.coef": 0.0}, "false: no KL (coef 0); true: kl_loss_coef (verl's default 0.001)"),
     "actor_rollout_ref.actor.kl_loss_coef": to("algorithm.kl.coef"),
     "actor_rollout_ref.actor.kl_loss_type": via(_kl),
-    "actor_rollout_ref.actor.policy_loss.loss_mode": via(lambda v: {"algorithm.policy_loss": v} if v in ("vanilla", "gspo", "cispo") else None, "postrl's policy losses: vanilla, gspo, cispo", strict=True),
+    "actor_rollout_ref.actor.policy_loss.loss_mode": via(_loss_mode, "postrl's policy losses: " + ", ".join(_POLICY_LOSSES), strict=True),
+    # verl's parameters of its covariance losses, under the same names (algorithms/surrogates.py)
+    **{f"actor_rollout_ref.actor.policy_loss.{k}": to(f"algorithm.policy_loss_args.{k}")
+       for k in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef")},
     "actor_rollout_ref.actor.grad_clip": to("train.grad_clip"),
     "actor_rollout_ref.actor.optim.lr": to("train.lr"),
     "actor_rollout_ref.actor.optim.lr_warmup_steps": via(lambda v: {"train.warmup_steps": int(v)} if int(v) >= 0 else {}, "-1: lr_warmup_steps_ratio decides"),
