@@ -20,7 +20,7 @@ import copy
 import re
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -161,3 +161,12 @@ def summary(model: torch.nn.Module) -> str:
         f"LoRA rank {rank} on {len(layers)} modules: {trainable:,} trainable parameters "
         f"({100 * trainable / total:.2f}% of {total:,}); the base is frozen"
     )
+
+
+def turn_off_best_weights(ck: Any, log: Callable[[str], None]) -> None:
+    """checkpoint.back_off / end_with_best put the best weights back into the policy; with LoRA they are kept merged
+    into the base, and the adapters cannot be put back from them, so both are turned off (keep_best still keeps them)."""
+    if ck.back_off is not None or ck.end_with_best is not None:  # the recipes set end_with_best
+        ck.back_off = ck.end_with_best = None
+        log("[yellow]checkpoint.back_off / end_with_best are off with LoRA: the best weights are kept merged "
+            "into the base, and the adapters cannot be put back from them (keep_best still keeps them).[/yellow]")

@@ -42,9 +42,7 @@ class Trainer:
         self.cfg = cfg
         self.runtime = rt = init_runtime(cfg.train.device, cfg.model.dtype, cfg.train.strategy)
         distributed.init_sequence_parallel(cfg.train.sequence_parallel_size)  # its groups (a collective: every rank)
-        self.console = console or Console()
-        if not rt.is_main:
-            self.console = Console(quiet=True)  # rank 0 prints for the run
+        self.console = (console or Console()) if rt.is_main else Console(quiet=True)  # rank 0 prints for the run
         checkpoint.check_run_dirs(cfg)  # before the model loads: a bad directory costs nothing yet
         self.lock = checkpoint.RunLock(cfg.logging.dir) if rt.is_main else None
         self.algo_name = cfg.algorithm.name
@@ -58,21 +56,13 @@ class Trainer:
         self.reward_fn, self.engine, self.experience = run.reward_fn, run.engine, run.experience
         if lora.is_lora(self.model):
             self.log(lora.summary(self.model))
-            ck = cfg.checkpoint
-            if ck.back_off is not None or ck.end_with_best is not None:  # the recipes set end_with_best
-                ck.back_off = ck.end_with_best = None
-                self.log("[yellow]checkpoint.back_off / end_with_best are off with LoRA: the best weights are kept merged "
-                         "into the base, and the adapters cannot be put back from them (keep_best still keeps them).[/yellow]")
+            lora.turn_off_best_weights(cfg.checkpoint, self.log)
         self.logger = MetricsLogger(cfg.logging.dir, cfg.logging.sinks, cfg.model_dump(mode="json"), enabled=rt.is_main,
                                     metric_names=cfg.logging.metric_names, algo=self.algo_name)  # fmt: skip
-        self.step = 0
-        self.timer = Timer()
-        self._closed = False
-        self.signals = StopOnSignal()
+        self.step, self.timer, self._closed, self.signals = 0, Timer(), False, StopOnSignal()
         self.guards = guards.Guards(cfg, self.log)
         self.history = ValidationHistory(cfg.checkpoint.keep_best)  # the headline validation metric
         self.samples = SampleWriter(cfg, self.tokenizer, self.log, enabled=rt.is_main)  # <logging.dir>/samples/*.jsonl
-
         restored = checkpoint.resume(cfg, len(self.train_examples), self.log)
         if restored is not None:
             self.load_state_dict(restored)
@@ -164,10 +154,9 @@ class Trainer:
         return self._step_metrics(batch, gen_stats, update_stats)
 
     def _collect(self):
-        """The step's batch; when the data stops the run (dynamic sampling exhausted, every reward failing) or a
-        stop signal comes meanwhile (a rollout stuck on an agent program: the step is abandoned; one process
-        only, where no other rank waits in a collective), the steps trained so far are checkpointed first, as they
-        were before this step began."""
+        """The step's batch. When the data stops the run (dynamic sampling exhausted, every reward failing) or a stop
+        signal abandons a rollout stuck on agent programs (one process only: no rank waits in a collective), the
+        steps trained so far are checkpointed first, as they were before this step began."""
         before = {"rng": rng_state(), "sampler": self.sampler.state_dict()}
         try:
             with self.signals.abandonable(not distributed.is_distributed()):
@@ -175,25 +164,20 @@ class Trainer:
         except UserError as exc:
             if (path := self._save_trained(before)) is None:
                 raise  # nothing trained yet, or this step's checkpoint exists
-            raise UserError(
-                *exc.problems, f"The {self.step} step(s) trained so far are saved in {path}; after the fix, the same "
-                "command continues from there (checkpoint.resume: auto).", title=exc.title,
-            ) from None
+            raise UserError(*exc.problems, f"The {self.step} step(s) trained so far are saved in {path}; after the fix, the "
+                            "same command continues from there (checkpoint.resume: auto).", title=exc.title) from None  # fmt: skip
         except StepAbandoned as exc:
             self._save_trained(before)
             self.close()
             done = f"stopped after step {self.step} with a checkpoint in {self.cfg.checkpoint.dir}" if self.step else "stopped before any step"
-            self.log(
-                f"[yellow]{signal.Signals(exc.signum).name} received: {done}; step {self.step + 1}, which was collecting "
-                "its batch, was abandoned; run the same command again to continue (checkpoint.resume: auto).[/yellow]"
-            )
+            self.log(f"[yellow]{signal.Signals(exc.signum).name} received: {done}; step {self.step + 1}, which was collecting its "
+                     "batch, was abandoned; run the same command again to continue (checkpoint.resume: auto).[/yellow]")  # fmt: skip
             raise Stopped(exc.signum) from None
 
     def _save_trained(self, before: dict) -> Path | None:
-        """Checkpoint the steps trained so far with the sampler and RNG of `before` (the step's start), unless
-        nothing was trained or this step's checkpoint exists."""
+        """Checkpoint the steps trained so far, with the RNG and sampler of `before` (the step's start)."""
         if self.step == 0 or self.cfg.checkpoint.save_freq and self.step % self.cfg.checkpoint.save_freq == 0:
-            return None
+            return None  # nothing trained yet, or this step's checkpoint exists
         return checkpoint.save(self.cfg, {**self.state_dict(), **before})
 
     def _stop_for_signal(self, signum: int) -> None:
