@@ -16,6 +16,7 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
+from postrl import algorithms
 from postrl.cli import main
 from postrl.config import Config, build_config
 from postrl.errors import UserError
@@ -187,7 +188,11 @@ _KEY = re.compile(r"\b(?:model|data|rollout|algorithm|reward|train|critic|sft|rm
 
 
 def _exists(dotted: str) -> bool:
-    """A key or section of postrl's config schema (optional sections included)."""
+    """A key or section of postrl's config schema (optional sections included), or a hyperparameter a registered
+    policy loss declares under `algorithm.policy_loss_args` (a mapping the config checks against the loss)."""
+    section, _, arg = dotted.rpartition(".")
+    if section == "algorithm.policy_loss_args":
+        return any(arg in algorithms.policy_loss_spec(fn).params for fn in algorithms.POLICY_LOSSES.values())
     cls: typing.Any = Config
     for part in dotted.split("."):
         if not (isinstance(cls, type) and issubclass(cls, BaseModel)) or part not in cls.model_fields:

@@ -233,10 +233,11 @@ def test_a_pool_collects_as_colocated_does_agent_metrics_and_extra_segments(tmp_
 @pytest.mark.slow
 def test_a_pool_run_stopped_by_sigterm_resumes_and_trains_the_prompts_of_an_uninterrupted_run(tmp_path, cluster):
     """As the worker's resume test (test_async_rollout.py), under SIGTERM: a pool one step off (k = 1, the
-    replicas have step 3's prompts in flight) is sent SIGTERM during step 2 of 4; it stops after that step with
-    a checkpoint, and the same run started again resumes there. The prompts trained, step by step across
-    both processes' runs, are the uninterrupted run's (the sync loop's order: none lost, none twice), and so
-    is the data position of every checkpoint."""
+    replicas have step 3's prompts in flight) is sent SIGTERM while step 2 of 4 collects its batch; the step is
+    abandoned (runtime.StopOnSignal.abandonable), the run stops with step 1's checkpoint, and the same run
+    started again resumes there. The prompts trained, step by step across both processes' runs (the abandoned
+    batch left out), are the uninterrupted run's (the sync loop's order: none lost, none twice), the abandoned
+    step's prompts are the ones trained again, and every checkpoint holds the uninterrupted data position."""
     import os
     import signal
 
@@ -256,7 +257,7 @@ def test_a_pool_run_stopped_by_sigterm_resumes_and_trains_the_prompts_of_an_unin
         def record(step, timer):
             batch, stats = real_next(step, timer)
             trained.append(batch.prompt_ids[:: cfg.rollout.n_samples_per_prompt])
-            if step == 1 and len(trained) == 2:  # during step 2 (index 1): as a scheduler preempts
+            if step == 1 and len(trained) == 2:  # while step 2 (index 1) collects: as a scheduler preempts
                 os.kill(os.getpid(), signal.SIGTERM)
             return batch, stats
 
@@ -266,11 +267,13 @@ def test_a_pool_run_stopped_by_sigterm_resumes_and_trains_the_prompts_of_an_unin
     first = start()
     with pytest.raises(Stopped):
         first.fit()
-    assert first.step == 2 and len(trained) == 2
+    assert first.step == 1 and len(trained) == 2
     again = start()
-    assert again.step == 2
+    assert again.step == 1
     again.fit()
-    assert again.step == 4 and len(trained) == 4
+    assert again.step == 4 and len(trained) == 5
+    abandoned = trained.pop(1)
+    assert abandoned == trained[1]  # collected again after the resume, nothing skipped
     sampler = PromptSampler(len(again.run.examples), cfg.data.shuffle, cfg.data.seed)
     positions = {}
     expected = []
