@@ -299,7 +299,12 @@ def build_tiny_model(name: str = "tiny-qwen2", out_dir: str | Path | None = None
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.pad_token_id
     )
+    # Once torch.distributed is up, transformers writes a model's files on rank 0 only; a cache build is each
+    # process's own (every rank that finds the cache cold builds), so this rank writes the whole model.
+    model.should_save_on_this_rank = lambda is_main_process: True
     for part in (model, tokenizer, *savers):
         part.save_pretrained(tmp)
     (tmp / "postrl_tiny.json").write_text(json.dumps(spec, indent=2))
+    if not (done(tmp) and (tmp / "model.safetensors").is_file()):  # never publish a build that is not whole
+        raise RuntimeError(f"building builtin:{name} left an incomplete model in {tmp}: {sorted(p.name for p in tmp.iterdir())}")
     return publish_dir(tmp, out, done)  # a racing builder that published first wins; its build is reused
