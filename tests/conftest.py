@@ -54,6 +54,19 @@ def tiny_model_path() -> str:
     return str(build_tiny_model())
 
 
+@pytest.fixture(scope="session")
+def sft_model(tmp_path_factory) -> Path:
+    """The `make run` SFT stage, whole (configs/tiny_sft.yaml): the warm start of the learning tests (DAPO, GRPO,
+    LoRA, PPO, the reward model's and the judge's), trained once per session."""
+    from postrl.config import load_config
+    from postrl.sft import run_sft
+
+    tmp = tmp_path_factory.mktemp("sft")
+    configs = TESTS.parent / "configs"
+    run_sft(load_config(configs / "tiny_sft.yaml", ["sft.eval_prompts=0", f"sft.output_dir={tmp}", f"logging.dir={tmp}"]))
+    return tmp / "model"
+
+
 def tiny_overrides(tmp_path: Path, *extra: str) -> list[str]:
     """Overrides for a fast trainer run on the random-init tiny model."""
     return [

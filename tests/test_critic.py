@@ -153,16 +153,6 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 STEPS = 10  # measured: see the docstring
 
 
-@pytest.fixture(scope="module")
-def sft_model(tmp_path_factory) -> Path:
-    """The `make run` SFT stage (as tests/test_learning.py): the warm start of PPO."""
-    from postrl.sft import run_sft
-
-    tmp = tmp_path_factory.mktemp("sft")
-    run_sft(load_config(CONFIGS / "tiny_sft.yaml", ["sft.eval_prompts=0", f"sft.output_dir={tmp}", f"logging.dir={tmp}"]))
-    return tmp / "model"
-
-
 @pytest.mark.slow
 def test_ppo_from_the_sft_model_lifts_held_out_greedy_accuracy_by_15_points(sft_model, tmp_path):
     """configs/tiny_ppo.yaml, shortened to STEPS steps. Measured (200 held-out prompts, greedy): 12.0% after SFT,

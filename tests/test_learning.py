@@ -24,14 +24,6 @@ from postrl.trainer import Trainer
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
-@pytest.fixture(scope="module")
-def sft_model(tmp_path_factory) -> Path:
-    """The `make run` SFT stage, whole: the warm start of the RL tests below."""
-    tmp = tmp_path_factory.mktemp("sft")
-    run_sft(load_config(CONFIGS / "tiny_sft.yaml", ["sft.eval_prompts=0", f"sft.output_dir={tmp}", f"logging.dir={tmp}"]))
-    return tmp / "model"
-
-
 def _held_out(run_dir: Path) -> list[float]:
     return [r["val/arithmetic/acc_mean@1"] for r in read_jsonl(run_dir / "metrics.jsonl") if "val/arithmetic/acc_mean@1" in r]
 
