@@ -12,7 +12,7 @@ import torch
 
 from postrl import algorithms as algo
 from postrl.algorithms.distill import distill_advantages, distill_stats, topk_reverse_kl
-from postrl.config import load_config
+from postrl.checks import load_config
 from postrl.distill import Distiller, check_tokenizer
 from postrl.errors import UserError
 from postrl.trainer import Trainer

@@ -11,8 +11,8 @@ import pytest
 import torch
 from conftest import tiny_overrides
 
+from postrl.checks import load_config
 from postrl.cli import main
-from postrl.config import load_config
 from postrl.diagnose.mismatch import diagnose_mismatch
 from postrl.diagnose.stats import mismatch_metrics, mismatch_sums
 from postrl.rollout import Completion, EngineCapabilities, SamplingParams
