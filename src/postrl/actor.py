@@ -43,7 +43,7 @@ from postrl.runtime import Runtime
 from postrl.schedule import lr_lambda
 
 LOGPROB_KEYS = ("old_logp", "ref_logp", "engine_logp")  # [B, T] tensors sliced with each micro-batch
-VALUE_KEYS = ("values", "returns")  # [B, T], with a critic (critic.py), sliced likewise
+VALUE_KEYS = ("values", "returns")  # [B, T], with a critic (held/critic.py), sliced likewise
 
 
 @dataclass
