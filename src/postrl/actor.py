@@ -30,10 +30,10 @@ from typing import Any, Iterator
 import torch
 
 from postrl import algorithms as algo
+from postrl.algorithms.mismatch import MismatchAccumulator
 from postrl import distributed, moe
 from postrl.distill import TEACHER_KEYS, Distiller
 from postrl import sequence_parallel as sp
-from postrl.diagnose.stats import MismatchAccumulator
 from postrl.errors import UserError
 from postrl.batch import Batch
 from postrl.models import Policy, build_sequences, response_logprobs
@@ -395,7 +395,7 @@ class _WeightedSums:
         self.group = group  # the data-parallel group: one rank per set of rows (sequence parallelism)
         self.sums: dict[str, list[float]] = {}  # key -> [sum of value x weight, sum of weights]
         self.maxima: dict[str, float] = {}
-        self.mismatch = MismatchAccumulator()  # engine vs trainer under verl's names (diagnose/stats.py)
+        self.mismatch = MismatchAccumulator()  # engine vs trainer under verl's names (algorithms/mismatch.py)
 
     def add(self, key: str, value: float, weight: float = 1.0) -> None:
         acc = self.sums.setdefault(key, [0.0, 0.0])
