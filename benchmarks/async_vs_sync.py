@@ -42,7 +42,7 @@ import vs_trl  # noqa: E402  (TRL's peer and the shared setting)
 
 def run(mode: str, k: int, args, out: Path) -> list[dict]:
     """One training run of `args.steps` steps; its per-step metrics."""
-    from postrl.config import load_config
+    from postrl.checks import load_config
     from postrl.trainer import Trainer
 
     overrides = [
@@ -62,7 +62,7 @@ def run(mode: str, k: int, args, out: Path) -> list[dict]:
 
 def run_trl(args, out: Path) -> list[float]:
     """TRL's GRPOTrainer on the same prompts for warmup + steps steps; e2e tokens/s of each kept step."""
-    from postrl.config import load_config
+    from postrl.checks import load_config
 
     recipe = load_config(ROOT / "configs" / "tiny_dapo.yaml", [f"model.path={args.model}"])
     steps: list = []

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from postrl.config import load_config
+from postrl.checks import load_config
 from postrl.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -253,7 +253,7 @@ def postrl_worker(args, phase: dict, work: Path) -> None:
 
     import gpu_step
     from postrl import distributed
-    from postrl.config import load_config
+    from postrl.checks import load_config
     from postrl.memory import estimate_for_config
     from postrl.trainer import Trainer
 

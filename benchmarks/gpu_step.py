@@ -163,7 +163,7 @@ def postrl_overrides(args, model_dir: Path, data: Path, work: Path) -> list[str]
 def run_postrl(args, model_dir: Path, data: Path, work: Path) -> dict:
     import torch
 
-    from postrl.config import load_config
+    from postrl.checks import load_config
     from postrl.metrics import read_jsonl
     from postrl.trainer import Trainer
 

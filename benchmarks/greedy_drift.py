@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import torch  # noqa: E402
 
 import user_tasks  # noqa: E402
-from postrl.config import load_config  # noqa: E402
+from postrl.checks import load_config  # noqa: E402
 
 
 def _generate(model, tok, prompts: list[list[int]], temperature: float, n: int, max_tokens: int, seed: int) -> list[list[list[int]]]:

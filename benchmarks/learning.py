@@ -29,7 +29,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import user_tasks  # noqa: E402
 from rich.console import Console  # noqa: E402
 
-from postrl.config import load_config  # noqa: E402
+from postrl.checks import load_config  # noqa: E402
 
 REWARD = "reward.verifiers=[user_tasks:exact_boxed]"
 

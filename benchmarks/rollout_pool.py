@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(name: str, extra: list[str], args, out: Path) -> list[dict]:
-    from postrl.config import load_config
+    from postrl.checks import load_config
     from postrl.trainer import Trainer
 
     overrides = [

@@ -80,7 +80,7 @@ class Peer:
 
 
 def postrl_peer(engine: str, model: str, prompts: int, workdir: Path, extra: list[str]):
-    from postrl.config import load_config
+    from postrl.checks import load_config
     from postrl.trainer import Trainer
 
     cfg = load_config(

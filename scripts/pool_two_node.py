@@ -62,8 +62,8 @@ def main() -> int:
         else:
             address_file.write_text(before)
     print(f"two-node Ray cluster at {cluster.address}", flush=True)
+    from postrl.checks import load_config
     from postrl.cli import main as postrl_main
-    from postrl.config import load_config
 
     overrides = [f"cluster.ray_address={cluster.address}", "rollout.pool.resources={rollout_node: 1}"]
     train_args = [a for a in args.train_args if a != "--"]

@@ -18,7 +18,8 @@ import pytest
 from postrl.agents.loop import AgentLoop, model_text, model_tokens
 from postrl.agents.render import TurnRenderer
 from postrl.builtin.tiny import build_tiny_model
-from postrl.config import MultiTurnConfig, load_config
+from postrl.checks import load_config
+from postrl.config import MultiTurnConfig
 from postrl.data.traces import encode_trace
 from postrl.errors import UserError
 from postrl.rollout.base import Completion, EngineCapabilities, SamplingParams

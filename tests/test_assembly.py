@@ -30,7 +30,7 @@ def test_postrl_eval_builds_the_engine_with_the_runs_settings(tmp_path, made):
     """`postrl eval` lost model.trust_remote_code once (its own copy of the make_engine call): evaluating a model
     that needs it failed on vLLM. It now builds through build_run: trust_remote_code, the seed, the runtime and
     the modality reach the engine, and the KV cache is sized for eval.max_tokens (max_prompt_length 256 + 6)."""
-    from postrl.config import load_config
+    from postrl.checks import load_config
     from postrl.eval_cli import evaluate_model
 
     cfg = load_config(None, tiny_overrides(tmp_path, "model.trust_remote_code=true", "train.seed=7", "eval.max_prompts=2",

@@ -130,7 +130,7 @@ def test_experience_passes_each_sequences_loss_tokens_to_the_estimator(tmp_path)
     import torch
     from conftest import tiny_overrides
 
-    from postrl.config import load_config
+    from postrl.checks import load_config
     from postrl.data.dataset import PromptSampler
     from postrl.batch import Batch
     from postrl.experience import Experience
@@ -185,7 +185,7 @@ def test_sync_training_stamps_the_trainers_step_and_logs_zero_staleness(tmp_path
 
     from conftest import tiny_overrides
 
-    from postrl.config import load_config
+    from postrl.checks import load_config
     from postrl.trainer import Trainer
 
     cfg = load_config(None, tiny_overrides(tmp_path, "train.total_steps=2", "rollout.max_tokens=4", "checkpoint.save_final=false"))

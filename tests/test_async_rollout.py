@@ -18,7 +18,7 @@ def _rows(run_dir):
 
 
 def _train(tmp_path, name, *extra):
-    from postrl.config import load_config
+    from postrl.checks import load_config
     from postrl.trainer import Trainer
 
     cfg = load_config(None, tiny_overrides(tmp_path / name, "train.deterministic=true", *extra))
@@ -190,7 +190,7 @@ def test_a_killed_worker_is_restarted_and_past_the_limit_the_run_stops_with_a_ch
     import signal
 
     from postrl.placement.worker import AsyncRollout
-    from postrl.config import load_config
+    from postrl.checks import load_config
     from postrl.errors import UserError
     from postrl.trainer import Trainer
 
@@ -222,7 +222,7 @@ def test_a_resumed_async_run_trains_every_prompt_once(tmp_path):
     """One step off (k = 1): the worker has step 2's batch in flight when a 2-step run ends. Resumed to 4
     steps, the run regenerates it from the trained position: after every step the data position equals
     an uninterrupted 4-step run's, so no prompt was skipped or trained twice."""
-    from postrl.config import load_config
+    from postrl.checks import load_config
     from postrl.trainer import Trainer
 
     def positions(name, *steps):
@@ -259,7 +259,7 @@ def test_async_one_step_off_runs_lora_agents_vision_and_dynamic_sampling(tmp_pat
     """Two steps one step off (k = 1 unless set) for each kind of run: the worker serves it, the correction
     is on, every sequence is within the bound, and the trainer's weights moved (LoRA: only the adapters
     travel, and the worker's checksum matched them, or the run would have stopped)."""
-    from postrl.config import load_config
+    from postrl.checks import load_config
     from postrl.trainer import Trainer
 
     cfg = load_config(None, tiny_overrides(tmp_path, "rollout.mode=async", "rollout.max_staleness=1", "train.total_steps=2",

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from postrl import cli
-from postrl.config import RewardConfig, load_config
+from postrl.checks import load_config
+from postrl.config import RewardConfig
 from postrl.errors import UserError
 from postrl.rewards import RewardFunction
 from postrl.rewards.reward_model import ModelScores

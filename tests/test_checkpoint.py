@@ -22,7 +22,7 @@ from rich.console import Console
 from verifiers_for_tests import length_parity
 
 from postrl import checkpoint
-from postrl.config import load_config
+from postrl.checks import load_config
 from postrl.errors import UserError
 from postrl.evaluate import pass_at_k, report_ks
 from postrl.metrics import read_jsonl

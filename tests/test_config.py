@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from postrl.config import build_config, load_config
+from postrl.checks import load_config
+from postrl.config import build_config
 from postrl.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]

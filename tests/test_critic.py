@@ -13,7 +13,7 @@ from rich.console import Console
 from verifiers_for_tests import length_parity
 
 from postrl import algorithms as algo
-from postrl.config import load_config
+from postrl.checks import load_config
 from postrl.metrics import read_jsonl
 from postrl.rewards.registry import register
 from postrl.trainer import Trainer

@@ -12,8 +12,9 @@ import torch
 
 from postrl import algorithms as algo
 from postrl.algorithms.distill import distill_advantages, distill_stats, topk_reverse_kl
-from postrl.config import load_config
-from postrl.distill import Distiller, check_tokenizer
+from postrl.checks import load_config
+from postrl.distill import Distiller
+from postrl.held.teacher import check_tokenizer
 from postrl.errors import UserError
 from postrl.trainer import Trainer
 from tests.conftest import tiny_overrides
@@ -138,7 +139,7 @@ def test_a_teacher_with_another_tokenizer_is_refused_before_any_model_loads(tmp_
     def no_load(*a, **k):
         raise AssertionError("a model was loaded before the tokenizer check")
 
-    for where in ("postrl.models.load_model", "postrl.reference.load_model", "postrl.assembly.load_policy"):
+    for where in ("postrl.models.load_model", "postrl.held.reference.load_model", "postrl.assembly.load_policy"):
         monkeypatch.setattr(where, no_load)
     with pytest.raises(UserError) as err:
         Trainer(cfg)

@@ -23,7 +23,7 @@ import torch
 from conftest import tiny_overrides
 
 from postrl import distributed, launch, partition
-from postrl.config import load_config
+from postrl.checks import load_config
 from postrl.errors import UserError
 from postrl.metrics import read_jsonl
 from postrl.rewards.registry import register

@@ -11,10 +11,10 @@ import pytest
 import torch
 from conftest import tiny_overrides
 
+from postrl.algorithms.mismatch import mismatch_metrics, mismatch_sums
+from postrl.checks import load_config
 from postrl.cli import main
-from postrl.config import load_config
 from postrl.diagnose.mismatch import diagnose_mismatch
-from postrl.diagnose.stats import mismatch_metrics, mismatch_sums
 from postrl.rollout import Completion, EngineCapabilities, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -19,7 +19,7 @@ def _needs(module: str):
 
 
 def _train(tmp_path, program: str, *extra: str) -> list[dict]:
-    from postrl.config import load_config
+    from postrl.checks import load_config
     from postrl.metrics import read_jsonl
     from postrl.trainer import Trainer
 

@@ -312,7 +312,7 @@ def test_the_openai_agent_example_trains_two_steps_and_validates_through_the_end
     random tiny tools model, HF rollout, 2 steps, validation before and after."""
     from pathlib import Path
 
-    from postrl.config import load_config
+    from postrl.checks import load_config
     from postrl.metrics import read_jsonl
     from postrl.trainer import Trainer
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import tiny_overrides
 
-from postrl.config import load_config
+from postrl.checks import load_config
 from postrl.metrics import read_jsonl
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:.*optimizer.step.*:UserWarning")]

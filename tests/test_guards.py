@@ -13,7 +13,7 @@ from rich.console import Console
 
 import postrl.lora
 from postrl import checkpoint, guards
-from postrl.config import load_config
+from postrl.checks import load_config
 from postrl.trainer import Trainer
 
 PARITY = "reward.verifiers=[verifiers_for_tests:length_parity]"

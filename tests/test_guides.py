@@ -9,8 +9,9 @@ import pytest
 import yaml
 
 from conftest import tiny_overrides
+from postrl.checks import load_config
 from postrl.cli import main
-from postrl.config import build_config, load_config
+from postrl.config import build_config
 from postrl.guides import _flatten, convert_file, convert_verl, read_verl_overrides, render_yaml
 
 INPUTS = Path(__file__).resolve().parent / "guides_inputs"

@@ -11,7 +11,7 @@ import pytest
 from rich.console import Console
 
 from postrl import checkpoint, guards
-from postrl.config import load_config
+from postrl.checks import load_config
 
 METRIC = "val/lookup/acc_mean@1"
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from postrl.config import load_config
+from postrl.checks import load_config
 from postrl.metrics import read_jsonl
 from postrl.sft import run_sft
 from postrl.trainer import Trainer

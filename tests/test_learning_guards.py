@@ -12,7 +12,7 @@ from conftest import tiny_overrides
 from rich.console import Console
 
 from postrl import checkpoint
-from postrl.config import load_config
+from postrl.checks import load_config
 from postrl.doctor import advice
 from postrl.evaluate import ValidationHistory
 from postrl.errors import UserError

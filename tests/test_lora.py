@@ -19,7 +19,8 @@ from rich.console import Console
 from verifiers_for_tests import length_parity
 
 from postrl import checkpoint, distributed, lora
-from postrl.config import ModelConfig, load_config
+from postrl.checks import load_config
+from postrl.config import ModelConfig
 from postrl.errors import UserError
 from postrl.memory import QWEN25, estimate
 from postrl.metrics import read_jsonl

@@ -26,7 +26,8 @@ from postrl.algorithms import (
     rollout_correction,
     rollout_loss_mask,
 )
-from postrl.config import build_config, dump_config, load_config
+from postrl.checks import load_config
+from postrl.config import build_config, dump_config
 from postrl.errors import UserError
 from postrl.metrics import read_jsonl
 from postrl.trainer import train

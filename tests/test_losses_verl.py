@@ -20,7 +20,8 @@ import torch
 from conftest import tiny_overrides
 
 from postrl.algorithms import aggregate_loss, get_policy_loss_fn, policy_loss_spec, token_covariance
-from postrl.config import build_config, load_config
+from postrl.checks import load_config
+from postrl.config import build_config
 from postrl.metrics import read_jsonl
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

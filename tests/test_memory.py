@@ -215,7 +215,7 @@ def test_check_config_estimates_the_7b_recipe_at_32k_tokens_with_sequence_parall
 
 
 def test_sequence_parallel_must_divide_the_world_size():
-    from postrl.config import load_config
+    from postrl.checks import load_config
     from postrl.errors import UserError
 
     root = Path(__file__).resolve().parents[1]
@@ -224,7 +224,7 @@ def test_sequence_parallel_must_divide_the_world_size():
 
 
 def test_expert_parallelism_is_the_engines_tensor_parallel_group(capsys):
-    from postrl.config import load_config
+    from postrl.checks import load_config
     from postrl.errors import UserError
 
     root = Path(__file__).resolve().parents[1]

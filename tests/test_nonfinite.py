@@ -11,7 +11,7 @@ import torch
 from conftest import tiny_overrides
 
 from postrl.assembly import build_run
-from postrl.config import load_config
+from postrl.checks import load_config
 from postrl.errors import UserError
 from postrl.metrics import Timer
 

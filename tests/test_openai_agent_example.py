@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from postrl.config import load_config
+from postrl.checks import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 LOOP, AGENT = ROOT / "configs/tiny_tool_dapo.yaml", ROOT / "examples/openai_agent/tiny_tool_dapo_agent.yaml"

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import tiny_overrides
 
-from postrl.config import load_config
+from postrl.checks import load_config
 from postrl.runtime import init_runtime
 
 # The tests wrap optimizer.step to read the gradients; the LR scheduler notices and says so.

@@ -332,7 +332,7 @@ def test_shipped_dataset_configs_are_valid():
 # ------------------------------------------------------------------------- the trainer reads it
 @needs_data
 def test_trainer_trains_on_preprocessed_gsm8k_and_math500(tmp_path):
-    from postrl.config import load_config
+    from postrl.checks import load_config
     from postrl.builtin.tiny import build_tiny_model
     from postrl.trainer import train
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from postrl.config import load_config
+from postrl.checks import load_config
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 RL = [p for p in CONFIGS if not {"sft", "rm"} & set(yaml.safe_load(p.read_text()))]  # postrl sft / postrl rm configs train no policy by RL

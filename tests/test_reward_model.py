@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from conftest import tiny_overrides
-from postrl.config import JudgeConfig, RewardConfig, RewardModelConfig, load_config
+from postrl.checks import load_config
+from postrl.config import JudgeConfig, RewardConfig, RewardModelConfig
 from postrl.errors import UserError
 from postrl.rewards import RewardFunction
 from postrl.rewards.judge import Judge, parse_score

@@ -114,7 +114,7 @@ def test_a_pool_on_another_node_survives_sigkills_and_trains_every_prompt_once(t
 
     import ray
 
-    from postrl.config import load_config
+    from postrl.checks import load_config
     from postrl.data.dataset import PromptSampler
     from postrl.placement.pool import RolloutPool
     from postrl.trainer import Trainer
@@ -185,7 +185,7 @@ def test_a_pool_collects_as_colocated_does_agent_metrics_and_extra_segments(tmp_
     trains the same rows (2 prompts x 2 samples, plus one extra segment row per trajectory pointing at it)."""
     from pathlib import Path
 
-    from postrl.config import load_config
+    from postrl.checks import load_config
     from postrl.metrics import read_jsonl
     from postrl.trainer import Trainer
 
@@ -241,7 +241,7 @@ def test_a_pool_run_stopped_by_sigterm_resumes_and_trains_the_prompts_of_an_unin
     import os
     import signal
 
-    from postrl.config import load_config
+    from postrl.checks import load_config
     from postrl.data.dataset import PromptSampler
     from postrl.errors import Stopped
     from postrl.trainer import Trainer

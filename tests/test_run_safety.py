@@ -22,7 +22,7 @@ from conftest import tiny_overrides
 from safetensors.torch import load_file
 
 from postrl import checkpoint
-from postrl.config import load_config
+from postrl.checks import load_config
 from postrl.errors import UserError
 
 DETERMINISTIC = ("reward.verifiers=[verifiers_for_tests:length_parity]", "train.deterministic=true", "logging.sinks=[jsonl]")

@@ -29,7 +29,7 @@ def tokenizer():
 
 
 def test_a_tool_trajectory_is_written_turn_by_turn_with_its_call_and_the_tools_answer(tokenizer, tmp_path):
-    from postrl.config import load_config
+    from postrl.checks import load_config
     from postrl.data.dataset import PromptExample
 
     loop, _ = _loop(tokenizer, [_call("347 * 28 + 1205", ""), "\\boxed{10921}<|im_end|>"])
@@ -59,7 +59,7 @@ def test_turns_follow_the_loss_mask_and_a_single_turn_is_one_assistant_turn(toke
 def test_a_tiny_agent_run_writes_every_rollout_and_validation_generation(tmp_path):
     """2 steps of the agent loop with the samples on: a rollout file per step with the whole batch, a validation
     file per validation with every held-out prompt, and their rewards and accuracies are the logged metrics'."""
-    from postrl.config import load_config
+    from postrl.checks import load_config
     from postrl.trainer import Trainer
 
     cfg = load_config(None, tiny_overrides(tmp_path, *AGENT, "train.total_steps=2", "eval.before_train=true",
@@ -87,7 +87,7 @@ def test_a_tiny_agent_run_writes_every_rollout_and_validation_generation(tmp_pat
 
 
 def test_verls_sample_keys_turn_the_samples_on():
-    from postrl.config import load_config
+    from postrl.checks import load_config
     from postrl.guides import convert_verl
 
     flat = convert_verl(["trainer.rollout_data_dir=/data/rollouts", "trainer.validation_data_dir=/data/val",

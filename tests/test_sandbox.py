@@ -265,7 +265,7 @@ def test_without_isolation_check_config_and_train_refuse_builtin_python(no_isola
 
 
 def test_every_limit_is_read_from_the_yaml_and_reaches_the_sandbox(tmp_path):
-    from postrl.config import load_config
+    from postrl.checks import load_config
 
     cfg = load_config(None, ["model.path=builtin:tiny-qwen2", "rollout.multi_turn.enable=true", "rollout.multi_turn.tools=[builtin:python]",
                              "rollout.multi_turn.sandbox.max_output_bytes=300", "rollout.multi_turn.sandbox.max_file_mb=1",

@@ -138,7 +138,7 @@ class FirstTurnCallsPython:
 
 
 def test_a_tool_run_on_sandbox_fusion_trains_two_steps(tmp_path):
-    from postrl.config import load_config
+    from postrl.checks import load_config
     from postrl.trainer import Trainer
 
     with FakeSandboxFusion() as service:

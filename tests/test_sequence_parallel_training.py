@@ -24,7 +24,7 @@ import torch
 from conftest import tiny_overrides
 from test_distributed import ScriptedRollout  # also registers the in-process test verifiers
 
-from postrl.config import load_config
+from postrl.checks import load_config
 
 HERE = Path(__file__).resolve().parent
 LAYOUTS = {

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
+from postrl.checks import load_config
 from postrl.cli import main
-from postrl.config import load_config
 from postrl.data.traces import normalize_messages, sft_pair
 from postrl.errors import UserError
 

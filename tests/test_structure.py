@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import tiny_overrides
-from postrl.config import load_config
+from postrl.checks import load_config
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "postrl"
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import tiny_overrides
 
-from postrl.config import load_config
+from postrl.checks import load_config
 from postrl.errors import UserError
 from postrl.metrics import read_jsonl
 from postrl.trainer import Trainer, train

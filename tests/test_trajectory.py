@@ -16,7 +16,7 @@ import torch
 from conftest import tiny_overrides
 
 from postrl.actor import Actor
-from postrl.config import load_config
+from postrl.checks import load_config
 from postrl.batch import Batch, trajectory_mask
 from postrl.experience import batch_metrics
 from postrl.models import build_sequences, load_policy

@@ -26,7 +26,7 @@ EXAMPLE = ROOT / "examples/verifiers_calculator"
 def _example_cfg(tmp_path, *extra: str):
     """examples/verifiers_calculator/ with tiny_tool_dapo's settings, shortened: the random tiny tools model, HF
     rollout, 2 steps of 2 prompts x 2 samples, validation before and after on 4 prompts."""
-    from postrl.config import load_config
+    from postrl.checks import load_config
 
     return load_config(EXAMPLE / "tiny_tool_dapo_verifiers.yaml", [
         "model.path=builtin:tiny-qwen2-tools", "rollout.engine=hf", "rollout.n_samples_per_prompt=2", "rollout.max_tokens=16",
@@ -60,7 +60,8 @@ def test_the_verifiers_calculator_trains_two_steps_and_logs_its_rubric_reward(tm
 
 
 def test_config_errors_are_one_paragraph_each(tmp_path):
-    from postrl.config import RolloutConfig, load_config
+    from postrl.checks import load_config
+    from postrl.config import RolloutConfig
     from postrl.errors import UserError
 
     base = ["model.path=builtin:tiny-qwen2-tools", f"logging.dir={tmp_path}"]

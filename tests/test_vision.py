@@ -15,7 +15,8 @@ import torch
 
 from postrl.builtin.shapes import generate_splits, render
 from postrl.builtin.tiny import build_tiny_model
-from postrl.config import ModelConfig, load_config
+from postrl.checks import load_config
+from postrl.config import ModelConfig
 from postrl.data.dataset import load_prompts
 from postrl.errors import UserError
 from postrl.modality import TEXT

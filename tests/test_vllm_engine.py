@@ -227,7 +227,7 @@ def test_auto_falls_back_to_hf_and_vllm_errors(monkeypatch, tiny_model_path):
 def test_tiny_dapo_run_with_vllm(tmp_path):
     from conftest import tiny_overrides
 
-    from postrl.config import load_config
+    from postrl.checks import load_config
     from postrl.metrics import read_jsonl
     from postrl.trainer import Trainer
 

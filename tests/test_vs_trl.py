@@ -12,7 +12,7 @@ import torch
 from conftest import tiny_overrides
 from rich.console import Console
 
-from postrl.config import load_config
+from postrl.checks import load_config
 from postrl.batch import Batch
 
 trl = pytest.importorskip("trl")

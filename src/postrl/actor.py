@@ -30,10 +30,10 @@ from typing import Any, Iterator
 import torch
 
 from postrl import algorithms as algo
+from postrl.algorithms.mismatch import MismatchAccumulator
 from postrl import distributed, moe
 from postrl.distill import TEACHER_KEYS, Distiller
 from postrl import sequence_parallel as sp
-from postrl.diagnose.stats import MismatchAccumulator
 from postrl.errors import UserError
 from postrl.batch import Batch
 from postrl.models import Policy, build_sequences, response_logprobs
@@ -43,7 +43,7 @@ from postrl.runtime import Runtime
 from postrl.schedule import lr_lambda
 
 LOGPROB_KEYS = ("old_logp", "ref_logp", "engine_logp")  # [B, T] tensors sliced with each micro-batch
-VALUE_KEYS = ("values", "returns")  # [B, T], with a critic (critic.py), sliced likewise
+VALUE_KEYS = ("values", "returns")  # [B, T], with a critic (held/critic.py), sliced likewise
 
 
 @dataclass
@@ -395,7 +395,7 @@ class _WeightedSums:
         self.group = group  # the data-parallel group: one rank per set of rows (sequence parallelism)
         self.sums: dict[str, list[float]] = {}  # key -> [sum of value x weight, sum of weights]
         self.maxima: dict[str, float] = {}
-        self.mismatch = MismatchAccumulator()  # engine vs trainer under verl's names (diagnose/stats.py)
+        self.mismatch = MismatchAccumulator()  # engine vs trainer under verl's names (algorithms/mismatch.py)
 
     def add(self, key: str, value: float, weight: float = 1.0) -> None:
         acc = self.sums.setdefault(key, [0.0, 0.0])

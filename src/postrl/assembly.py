@@ -27,12 +27,13 @@ from typing import Any, Callable
 
 import torch
 
-from postrl import distill, distributed, reference
+from postrl import distributed
 from postrl.algorithms import needs_critic
 from postrl.config import derive_total_steps
 from postrl.data.dataset import PromptSampler, load_train_prompts
 from postrl.evaluate import load_val_sets
 from postrl.experience import Experience
+from postrl.held import reference, teacher
 from postrl.models import Policy, load_policy
 from postrl.rewards import RewardFunction
 from postrl.rollout import RolloutEngine
@@ -119,7 +120,7 @@ def build_run(cfg, role: str, log: Callable[[str], None] | None = None, *, runti
         if role == "trainer" and cfg.train.deterministic:
             torch.use_deterministic_algorithms(True)
     if role == "trainer":
-        distill.check_tokenizer(cfg)  # a teacher with another tokenizer is refused before any model loads
+        teacher.check_tokenizer(cfg)  # a teacher with another tokenizer is refused before any model loads
     rt = runtime or init_runtime(cfg.train.device, cfg.model.dtype, *((cfg.train.strategy,) if trains else ()))
     # Training: fp32 masters whatever model.dtype says, forwards in model.dtype (runtime.py); generation only:
     # the weights in model.dtype.
@@ -170,7 +171,7 @@ def _build_training(run: Run, log: Callable[[str], None]) -> None:
     """The trainer's prompts, reference, actor, critic and validation sets (in this order: the RNG draws of
     a seeded run follow it)."""
     from postrl.actor import Actor
-    from postrl.critic import Critic
+    from postrl.held.critic import Critic
 
     cfg, rt, policy = run.cfg, run.runtime, run.policy
     held = held_models(cfg)
@@ -178,7 +179,7 @@ def _build_training(run: Run, log: Callable[[str], None]) -> None:
     if (said := derive_total_steps(cfg, len(run.examples))) is not None:  # before the actor's LR schedule
         log(said)
     run.ref_model = reference.build(cfg, policy, rt) if held.reference else None
-    run.teacher = distill.build_teacher(cfg, policy, rt)  # on-policy distillation, held as the reference
+    run.teacher = teacher.build_teacher(cfg, policy, rt)  # on-policy distillation, held as the reference
     # FSDP2 shards the model in place (before the optimizer sees its parameters); DDP wraps it.
     train_model = distributed.wrap_model(
         policy.model, cfg.train.strategy, compute_dtype=rt.dtype, reshard_after_forward=cfg.train.reshard_after_forward

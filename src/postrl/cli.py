@@ -36,7 +36,7 @@ def _quiet_console(cfg) -> None:
 
 
 def cmd_train(args) -> int:
-    from postrl.config import load_config
+    from postrl.checks import load_config
 
     if _is_script(args.config):  # a verl launch script: converted in memory, the mapping printed, then trained
         args.config, args.overrides = _from_script(args), []
@@ -53,7 +53,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_sft(args) -> int:
-    from postrl.config import load_config
+    from postrl.checks import load_config
 
     cfg = load_config(args.config, args.overrides)
     _quiet_console(cfg)  # before torch is imported (postrl.console)
@@ -64,7 +64,7 @@ def cmd_sft(args) -> int:
 
 
 def cmd_rm(args) -> int:
-    from postrl.config import load_config
+    from postrl.checks import load_config
     from postrl.rm import run_rm
 
     run_rm(load_config(args.config, args.overrides), console)
@@ -72,7 +72,8 @@ def cmd_rm(args) -> int:
 
 
 def cmd_check_config(args) -> int:
-    from postrl.config import dump_config, load_config
+    from postrl.checks import load_config
+    from postrl.config import dump_config
 
     cfg = load_config(args.config, args.overrides, check_paths=not args.no_path_check)
     console.print(dump_config(cfg), markup=False, highlight=False)
@@ -104,7 +105,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_doctor(args) -> int:
-    from postrl.config import load_config
+    from postrl.checks import load_config
 
     cfg = load_config(args.config, args.overrides)
     _quiet_console(cfg)  # before torch is imported (postrl.console)

@@ -47,7 +47,7 @@ def _checkpoint_config(path: Path) -> tuple[Path, Path] | None:
 
 
 def run_eval(args: Any, console: Any) -> int:
-    from postrl.config import load_config
+    from postrl.checks import load_config
 
     overrides = list(args.overrides)
     config = Path(args.config)

@@ -331,7 +331,7 @@ def estimate(
 
 
 def critic_params(shape: Shape) -> int:
-    """PPO's value model: the policy's backbone (no untied LM head) and a one-label head (critic.py)."""
+    """PPO's value model: the policy's backbone (no untied LM head) and a one-label head (held/critic.py)."""
     return shape.params() - (0 if shape.tied else shape.vocab * shape.hidden) + shape.hidden + 1
 
 

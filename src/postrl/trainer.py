@@ -19,11 +19,12 @@ from typing import Any
 
 import torch
 
-from postrl import checkpoint, distill, distributed, guards, lora, reference
+from postrl import checkpoint, distributed, guards, lora
 from postrl.assembly import build_run
 from postrl.placement.source import open_source
 from postrl.config import Config
-from postrl.critic import CRITIC_DIR
+from postrl.held import reference, teacher
+from postrl.held.critic import CRITIC_DIR
 from postrl.errors import Stopped, UserError
 from postrl.evaluate import ValidationHistory, evaluate
 from postrl.batch import Batch
@@ -139,7 +140,7 @@ class Trainer:
             if self.ref_model is not None:
                 with self.timer("reference_model"), reference.ready(self.ref_model, self.model, self.runtime, self.timer) as ref:
                     local.tensors["ref_logp"] = self.actor.compute_logprobs(ref, local)
-            distill.score(self.teacher, self.actor, self.model, local, self.runtime, self.timer)  # timing/teacher
+            teacher.score(self.teacher, self.actor, self.model, local, self.runtime, self.timer)  # timing/teacher
             update_stats = {}
             if self.critic is not None:  # values, GAE advantages and returns, then the critic's update (verl's order)
                 with self.timer("values"):

@@ -39,7 +39,8 @@ and `aggregate_loss` returns each micro-batch's *share*; the shares add up to th
 The parts: `advantages.py` (estimators, overlong penalty, group filter), `losses.py` (policy losses
 and their declarations), `surrogates.py` (GPG, SAPO, GMPO, Clip-Cov, KL-Cov), `correction.py` (rollout correction levels), `aggregation.py` (loss
 aggregation, KL, entropy), `distill.py` (on-policy distillation's per-token advantage and top-k
-reverse KL), `logprobs.py` (per-token log-probs from logits), `common.py` (registries).
+reverse KL), `mismatch.py` (the engine-vs-trainer gap of each step under verl's names), `logprobs.py`
+(per-token log-probs from logits), `common.py` (registries).
 """
 
 from __future__ import annotations

@@ -175,7 +175,7 @@ def group_keep_mask(metric_B: torch.Tensor, group_size: int) -> torch.Tensor:
     return metric_BG.std(dim=1, unbiased=True) > 0
 
 
-# Estimators that need a value model (the critic, critic.py): token-level, so not of `AdvEstimator`'s
+# Estimators that need a value model (the critic, held/critic.py): token-level, so not of `AdvEstimator`'s
 # signature. The config accepts their names as `algorithm.adv_estimator` too.
 CRITIC_ADV_ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {}
 

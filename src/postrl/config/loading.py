@@ -1,12 +1,11 @@
-"""Loading the run configuration: a YAML file, dotted overrides (and the guides' verl-style ones, translated
+"""Reading the run configuration: a YAML file, dotted overrides (and the guides' verl-style ones, translated
 by postrl.guides), validation with every problem reported at once as a UserError (what, why, how to fix),
-the notes on keys without effect, and the checks of this machine (paths, models, sink packages, tools, sandbox).
+the notes on keys without effect. What this machine lacks for the run is postrl.checks' (it stands above).
 """
 
 from __future__ import annotations
 
 import difflib
-import importlib.util
 import logging
 import typing
 from pathlib import Path
@@ -18,7 +17,6 @@ from pydantic import BaseModel, ValidationError
 from postrl.config.rules import _needs_critic
 from postrl.config.schema import Config
 from postrl.errors import UserError
-from postrl.preflight import looks_like_hub_id
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
@@ -172,9 +170,9 @@ def _split_guides_overrides(overrides: list[str]) -> tuple[list[tuple[str, Any]]
     return list(conv.flat().items()), native
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None, check_paths: bool = True) -> Config:
-    """Load a YAML file, apply dotted overrides, validate; optionally check this machine
-    (`environment_problems`: input paths exist, the logging sinks' packages are installed)."""
+def read_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Load a YAML file, apply dotted overrides, validate, log the notes on keys without effect. Nothing of
+    this machine is checked here: `postrl.checks.load_config` adds that (paths, models, packages, tools)."""
     tree: dict = {}
     source = str(path) if path else "command line"
     if path is not None:
@@ -187,10 +185,6 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, che
     cfg = build_config(tree, source)
     for note in config_notes(cfg):
         logging.getLogger("postrl.config").warning("note: %s", note)
-    if check_paths:
-        problems = environment_problems(cfg)
-        if problems:
-            raise UserError(*problems, title=f"{source}: {len(problems)} problem(s) in the configuration")
     return cfg
 
 
@@ -215,83 +209,6 @@ def config_notes(cfg: Config) -> list[str]:
             "set algorithm.adv_estimator: gae for PPO with a critic."
         )
     return notes
-
-
-def path_problems(cfg: Config) -> list[str]:
-    """Input files and model paths that do not exist (checked before anything starts)."""
-    problems = []
-    mp = cfg.model.path
-    if not mp.startswith("builtin:") and not Path(mp).expanduser().exists() and not looks_like_hub_id(mp):
-        problems.append(
-            f"model.path: '{mp}' does not exist. The policy is loaded from a Hugging Face model directory. "
-            "Fix: point model.path at a directory with config.json (for the tiny default, run "
-            "`postrl sft configs/tiny_sft.yaml` first, as `make run` does), or use 'builtin:tiny-qwen2'."
-        )
-    for key, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
-        for f in files:
-            if not f.startswith(("builtin:", "verifiers:")) and not Path(f).expanduser().exists():
-                problems.append(f"{key}: file '{f}' does not exist. Fix: run `postrl preprocess` or correct the path.")
-    from postrl.preflight import run_model_problems  # every model the run loads: kind, tokenizer, vocab fit
-
-    return problems + [p for p in run_model_problems(cfg) if not (problems and p.startswith(f"model.path: '{mp}' does not"))]
-
-
-def agent_problems(cfg: Config) -> list[str]:
-    """The agent loop's tools and environment imported and shape-checked (a tool's schema from its hints and
-    docstring; an environment's reset and step), as the verifiers are at validation."""
-    mt = cfg.rollout.multi_turn
-    if not mt.enable:
-        return []
-    from postrl.agents.env import load_environment
-    from postrl.agents.tools import load_tools
-
-    problems = []
-    for check, arg in ((load_tools, list(mt.tools)), (load_environment, mt.interaction)):
-        try:
-            if arg:
-                check(arg)
-        except UserError as exc:
-            problems += [p if p.startswith("rollout.") else f"rollout.multi_turn: {p}" for p in exc.problems]
-    return problems
-
-
-def environment_problems(cfg: Config) -> list[str]:
-    """What this machine lacks for the run: missing input paths and models, uninstalled sink packages, tools and
-    environments that do not import, isolation for builtin:python."""
-    return path_problems(cfg) + missing_packages(cfg.logging) + agent_problems(cfg) + sandbox_problems(cfg) + verifiers_problems(cfg)
-
-
-def verifiers_problems(cfg: Config) -> list[str]:
-    """rollout.environment: an interpreter that imports verifiers 0.1.x (the environment itself loads at start)."""
-    if not cfg.rollout.environment:
-        return []
-    from postrl.agents.verifiers_python import interpreter_problems
-
-    return interpreter_problems(cfg.rollout.environment_python)
-
-
-def missing_packages(logging_cfg: Any) -> list[str]:
-    """One problem per logging sink whose optional package is not installed on this machine."""
-    # find_spec, not import: wandb / swanlab take seconds to import and start threads.
-    # Each optional sink's package and the pip extra that installs it carry the sink's name.
-    return [
-        f"logging.sinks: the '{sink}' sink needs the {sink} package, which is not installed here; the run "
-        f"would stop with ModuleNotFoundError after loading the model. Fix: pip install 'postrl[{sink}]', "
-        f"or remove {sink} from logging.sinks."
-        for sink in dict.fromkeys(logging_cfg.sinks)
-        if sink in ("tensorboard", "wandb", "swanlab") and importlib.util.find_spec(sink) is None
-    ]
-
-
-def sandbox_problems(cfg: Config) -> list[str]:
-    """builtin:python on the local backend where this machine cannot isolate it (postrl.agents.sandbox.refusal)."""
-    mt = cfg.rollout.multi_turn
-    if not mt.enable or "builtin:python" not in mt.tools or mt.sandbox.backend != "local":
-        return []
-    from postrl.agents.sandbox import refusal
-
-    why = refusal(mt.sandbox.require_isolation)
-    return [f"rollout.multi_turn.tools: {why}"] if why else []
 
 
 def dump_config(cfg: Config) -> str:

@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import torch
 
+from postrl.algorithms.mismatch import mismatch_metrics, mismatch_sums
 from postrl.diagnose import stats
 from postrl.diagnose.replay import replay
 from postrl.diagnose.verdict import verdict
@@ -158,7 +159,7 @@ def analyse(cfg, tokenizer, batch, trainer: dict, q_rows: list[list[float]], pro
         "probe": probe,
         "sampling": {"top_p": cfg.rollout.top_p, "top_k": cfg.rollout.top_k},
     }
-    report["step_metrics"] = stats.mismatch_metrics(*stats.mismatch_sums(p_BT, q_BT, mask_BT))
+    report["step_metrics"] = mismatch_metrics(*mismatch_sums(p_BT, q_BT, mask_BT))
     grid, lse = trainer["grid"], trainer["lse"][sel]
     at_t = int((grid - trainer["temperature"]).abs().argmin())
     z_y = trainer["temperature"] * (p + lse[:, at_t])  # the sampled token's raw logit
