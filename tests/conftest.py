@@ -58,7 +58,7 @@ def tiny_model_path() -> str:
 def sft_model(tmp_path_factory) -> Path:
     """The `make run` SFT stage, whole (configs/tiny_sft.yaml): the warm start of the learning tests (DAPO, GRPO,
     LoRA, PPO, the reward model's and the judge's), trained once per session."""
-    from postrl.config import load_config
+    from postrl.checks import load_config
     from postrl.sft import run_sft
 
     tmp = tmp_path_factory.mktemp("sft")
