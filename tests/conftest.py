@@ -21,10 +21,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ["OMP_NUM_THREADS"] = "1"
 
 
+# The files that hold the suite's longest tests (see `pytest --durations`), run first: with two workers
+# (`make test`, files kept whole) the quick files then fill in around them instead of one long file running alone
+# at the end.
+FIRST = ("test_learning.py", "test_learning_tools.py", "test_critic.py", "test_gpu_check.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` are skipped, not failed, where CUDA is absent."""
+    """The longest files first; tests marked `gpu` are skipped, not failed, where CUDA is absent."""
     import torch
 
+    items.sort(key=lambda item: FIRST.index(item.path.name) if item.path.name in FIRST else len(FIRST))  # stable
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
@@ -54,6 +61,22 @@ def tiny_model_path() -> str:
     return str(build_tiny_model())
 
 
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """`build(directory)` run once per test session, by whichever test worker (`make test` runs two) asks first;
+    the others wait on a lock and reuse what it wrote. The directory is under the session's shared base temp."""
+    import fcntl
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # one per worker under xdist
+    out, done = shared / name, shared / f"{name}.done"
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            build(out)
+            done.touch()
+    return out
+
+
 @pytest.fixture(scope="session")
 def sft_model(tmp_path_factory) -> Path:
     """The `make run` SFT stage, whole (configs/tiny_sft.yaml): the warm start of the learning tests (DAPO, GRPO,
@@ -61,10 +84,11 @@ def sft_model(tmp_path_factory) -> Path:
     from postrl.checks import load_config
     from postrl.sft import run_sft
 
-    tmp = tmp_path_factory.mktemp("sft")
-    configs = TESTS.parent / "configs"
-    run_sft(load_config(configs / "tiny_sft.yaml", ["sft.eval_prompts=0", f"sft.output_dir={tmp}", f"logging.dir={tmp}"]))
-    return tmp / "model"
+    def build(out: Path) -> None:
+        configs = TESTS.parent / "configs"
+        run_sft(load_config(configs / "tiny_sft.yaml", ["sft.eval_prompts=0", f"sft.output_dir={out}", f"logging.dir={out}"]))
+
+    return built_once(tmp_path_factory, "sft", build) / "model"
 
 
 def tiny_overrides(tmp_path: Path, *extra: str) -> list[str]:
