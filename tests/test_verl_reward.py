@@ -76,6 +76,25 @@ def test_a_wrong_name_or_signature_is_a_config_error(name, message, tmp_path):
         build_config(conv.tree)
 
 
+def test_reward_kwargs_reach_the_function_as_verl_binds_them():
+    conv, cfg = _reward_cfg("scaled_score", "+custom_reward_function.reward_kwargs.scale=3.0",
+                            "+custom_reward_function.reward_kwargs.format_bonus.value=0.25")  # fmt: skip
+    assert cfg.reward.verifiers[0].kwargs == {"scale": 3.0, "format_bonus": {"value": 0.25}}
+    assert not [u for u in conv.unmapped if u.source.startswith("custom_reward_function")]
+    with RewardFunction(cfg.reward) as reward:  # in the worker pool, as any verl reward file
+        out = reward(["#### 72", "#### 71", "seventy-two"], ["72"] * 3, [_row("openai/gsm8k", "72", i) for i in range(3)])
+    assert out.scores == [3.25, 0.25, 0.0] and out.errors == 0
+    _, whole = _reward_cfg("scaled_score", "+custom_reward_function.reward_kwargs={scale: 2}")  # one mapping, as in YAML
+    assert whole.reward.verifiers[0].kwargs == {"scale": 2}
+
+
+def test_a_reward_kwarg_the_function_does_not_take_is_a_config_error():
+    conv = convert_verl(["actor_rollout_ref.model.path=m", f"custom_reward_function.path={REWARD}",
+                         "custom_reward_function.reward_kwargs.scael=2"])  # fmt: skip
+    with pytest.raises(UserError, match=r"kwargs scael, which its function compute_score\(data_source"):
+        build_config(conv.tree)
+
+
 @pytest.mark.slow
 def test_train_takes_a_verl_script(tmp_path, capsys):
     """`postrl train SCRIPT.sh`: converted in memory, the mapping printed, the overrides after it applied."""

@@ -673,6 +673,11 @@ class AlgorithmConfig(Section):
 class VerifierSpec(Section):
     name: str = Field(description="Registered verifier name or 'package.module:function'.")
     weight: float = Field(1.0, description="Weight in the summed reward.")
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra keyword arguments the verifier is called with (verl's custom_reward_function.reward_kwargs); "
+        "the function must take them by name (or **kwargs).",
+    )
 
 
 class RewardModelConfig(Section):
@@ -769,7 +774,7 @@ class RewardConfig(Section):
         # reported by check-config with the other problems, not by train after the model has loaded.
         from postrl.rewards.registry import verifier_problems
 
-        problems = verifier_problems([spec.name for spec in v])
+        problems = verifier_problems([(spec.name, spec.kwargs) for spec in v])
         if problems:
             raise ValueError("\n".join(problems))
         return v

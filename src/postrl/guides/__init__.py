@@ -122,6 +122,21 @@ def _parse(items: list[str]) -> list[tuple[str, Any]]:
     return pairs
 
 
+def _reward_kwargs(given: dict[str, Any]) -> dict[str, Any]:
+    """verl's custom_reward_function.reward_kwargs, given whole (a mapping) or key by key (dotted: nested)."""
+    whole = given.get("custom_reward_function.reward_kwargs")
+    out: dict[str, Any] = dict(whole) if isinstance(whole, dict) else {}
+    head = "custom_reward_function.reward_kwargs."
+    for key, value in given.items():
+        if key.startswith(head):
+            *parents, leaf = key.removeprefix(head).split(".")
+            node = out
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[leaf] = value
+    return out
+
+
 def _unmapped_to_mapped(conv: Conversion, source: str, targets: dict, note: str) -> None:
     """A key listed as unmapped whose meaning a combination gave after all."""
     for i, u in enumerate(conv.unmapped):
@@ -181,6 +196,12 @@ def _verl_combinations(conv: Conversion, given: dict[str, Any]) -> None:
     if path not in (None, "", "null", "None"):  # the user's reward file, called as verl calls it
         name = given.get("custom_reward_function.name") or "compute_score"
         verifiers = [{"name": f"verl:{path}:{name}", "weight": 1.0}]
+        kwargs = _reward_kwargs(given)
+        if kwargs:
+            verifiers[0]["kwargs"] = kwargs
+            for key in given:
+                if key.startswith("custom_reward_function.reward_kwargs"):
+                    _unmapped_to_mapped(conv, key, {}, "passed to the reward function as a keyword argument, as verl binds it (reward.verifiers kwargs)")
         _unmapped_to_mapped(conv, "custom_reward_function.path", {"reward.verifiers": verifiers},
                             "the file's function with verl's signature, in the verifier worker pool (a relative path is read from the directory postrl runs in)")  # fmt: skip
         _unmapped_to_mapped(conv, "custom_reward_function.name", {}, "in reward.verifiers (verl:<path>:<name>)")

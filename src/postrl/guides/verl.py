@@ -243,7 +243,7 @@ VERL_PREFIXES: dict[str, str] = {
     "algorithm.kl_ctrl.": "the adaptive KL controller: postrl's KL-in-reward coefficient is fixed (algorithm.kl_ctrl.kl_coef)",
     "reward_model.model.": "the reward model's other settings: postrl's reward.reward_model (path, micro_batch_size, max_length, dtype)",
     "async_training.checkpoint_engine.": "weights travel from the trainer to the replicas by one torch.distributed broadcast per version, with a checksum (rollout.placement pool; docs/async.md)",
-    "custom_reward_function.reward_kwargs.": "extra keyword arguments of the reward function are not passed: give them defaults in the function",
+    "custom_reward_function.reward_kwargs.": "keyword arguments of custom_reward_function's function: with no custom_reward_function.path there is no function to pass them to",
     "ray_init.": PLACEMENT,
     "ray_kwargs.": PLACEMENT,
 }

@@ -22,6 +22,9 @@ fail score teaches the policy nothing.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
 import logging
 import math
 import pickle
@@ -100,17 +103,46 @@ def get_verifier(name: str) -> Verifier:
     return get_entry(name).fn
 
 
-def verifier_problems(names: Sequence[str]) -> list[str]:
-    """One message per name that does not resolve (config validation reports them with the rest)."""
+def bound_entry(name: str, kwargs: dict | None = None) -> VerifierEntry:
+    """The entry of `name`, its function called with `kwargs` as extra keyword arguments (verl's
+    reward_kwargs); a function that does not take them by name is a UserError."""
+    from postrl.errors import UserError
+
+    entry = get_entry(name)
+    if not kwargs:
+        return entry
+    from postrl.rewards.verl_score import VerlScore
+
+    target = entry.fn.function() if isinstance(entry.fn, VerlScore) else entry.fn  # the user's file's function
+    try:
+        params = inspect.signature(target).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: let the call decide
+        params = {}
+    takes_any = not params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    named = {n for n, p in params.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+    unknown = [k for k in kwargs if not takes_any and k not in named]
+    if unknown:
+        raise UserError(
+            f"verifier '{name}' is given kwargs {', '.join(sorted(unknown))}, which its function "
+            f"{getattr(target, '__name__', target)}{inspect.signature(target)} does not take. Fix: add them to the "
+            "function's parameters (or **kwargs), or remove them from the verifier's kwargs."
+        )
+    return dataclasses.replace(entry, fn=functools.partial(entry.fn, **kwargs), fast=None)
+
+
+def verifier_problems(specs: Sequence[str | tuple[str, dict]]) -> list[str]:
+    """One message per verifier that does not resolve, or does not take its kwargs (config validation reports
+    them with the rest); each item is a name or (name, kwargs)."""
     from postrl.errors import UserError
 
     problems = []
-    for name in dict.fromkeys(names):
+    for spec in specs:
+        name, kwargs = (spec, None) if isinstance(spec, str) else spec
         try:
-            get_entry(name)
+            bound_entry(name, kwargs)
         except UserError as exc:
             problems.extend(exc.problems)
-    return problems
+    return list(dict.fromkeys(problems))
 
 
 # Failure kinds: the status a verifier call ends with, and the metric that counts it.
@@ -190,7 +222,7 @@ class RewardFunction:
         self.cfg = cfg
         self.models = list(models)  # reward model / judge (postrl.rewards.reward_model), added by weight
         self.verifiers: list[tuple[str, float, VerifierEntry]] = [
-            (v.name, float(v.weight), get_entry(v.name)) for v in cfg.verifiers
+            (v.name, float(v.weight), bound_entry(v.name, getattr(v, "kwargs", None))) for v in cfg.verifiers
         ]
         self._memory_limit_mb = memory_limit_mb
         self._pool: "VerifierPool | None" = None

@@ -9,7 +9,9 @@ that from the two keys) and calls it as verl's naive reward manager does, with k
 - solution_str: the completion text (what the policy wrote, special tokens skipped);
 - ground_truth: the row's `reward_model.ground_truth` as stored (not made a string), else postrl's ground truth;
 - extra_info: a copy of the row's `extra_info` dict with `num_turns` and `rollout_reward_scores` added as verl adds
-  them (`num_turns` is None: postrl does not hand turn counts to verifiers; `rollout_reward_scores` {}).
+  them (`num_turns` is None: postrl does not hand turn counts to verifiers; `rollout_reward_scores` {});
+- and `custom_reward_function.reward_kwargs` as further keywords (the verifier's `kwargs` in reward.verifiers),
+  as verl binds them with functools.partial.
 
 The file may also be `pkg://package.module` (verl's form for an importable module). The verifier runs in the
 verifier worker pool under `reward.timeout_s` like any user verifier: `VerlScore` pickles as (path, name) and
@@ -73,14 +75,17 @@ class VerlScore:
     def __reduce__(self):
         return (VerlScore, (self.path, self.name))
 
-    def __call__(self, completion: str, ground_truth: str, row: dict) -> Any:
+    def function(self) -> Callable[..., Any]:
+        return _load(self.path, self.name)
+
+    def __call__(self, completion: str, ground_truth: str, row: dict, **reward_kwargs: Any) -> Any:
         fn = _load(self.path, self.name)
         reward_model = row.get("reward_model")
         truth = reward_model["ground_truth"] if isinstance(reward_model, dict) and "ground_truth" in reward_model else ground_truth
         extra_info = dict(row.get("extra_info") or {})
         extra_info["num_turns"] = None
         extra_info["rollout_reward_scores"] = {}
-        out = fn(data_source=row.get("data_source"), solution_str=completion, ground_truth=truth, extra_info=extra_info)
+        out = fn(data_source=row.get("data_source"), solution_str=completion, ground_truth=truth, extra_info=extra_info, **reward_kwargs)
         return asyncio.run(out) if inspect.isawaitable(out) else out
 
 

@@ -25,3 +25,10 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 def length_score(data_source, solution_str, ground_truth, extra_info=None):
     """A bare float, as verl's simplest example."""
     return len(solution_str) / 100
+
+
+def scaled_score(data_source, solution_str, ground_truth, extra_info=None, scale=1.0, format_bonus=None):
+    """Extra keywords bound from custom_reward_function.reward_kwargs (verl passes them with functools.partial)."""
+    correct = solution_str.split("####")[-1].strip() == str(ground_truth)
+    bonus = format_bonus["value"] if format_bonus and "####" in solution_str else 0.0
+    return scale * float(correct) + bonus
