@@ -97,6 +97,25 @@ def test_the_body_size_is_checked_before_reading_the_body_and_the_session_before
     assert lv.last["status"] == 200
 
 
+def test_text_that_cannot_fit_the_context_is_refused_before_the_engine_thread_renders_it():
+    from postrl.agents.openai_schema import longest_token_chars
+
+    _, tok = tiny()
+    bound = 512 * longest_token_chars(tok)  # live(): a 512-token context
+    with live() as lv:
+        over = {"messages": [{"role": "user", "content": "a " * (bound // 2 + 1)}]}  # + role, user, content: 15
+        r = _post(lv.url, over)
+        assert r.status_code == 400 and f"{bound + 2 + 15} characters of text" in _error(r)["message"], r.text
+        tools = {"messages": QUESTION, "tools": [{"type": "function", "function": {"name": "f", "description": "d" * (bound + 1)}}]}
+        assert "characters of text" in _error(_post(lv.url, tools))["message"]
+        under = {"messages": [{"role": "user", "content": "a " * 600}]}  # within the bound, past the context: the tokens decide
+        r = _post(lv.url, under)
+        assert r.status_code == 400 and "tokens; this run's context is 512" in _error(r)["message"]
+        m = lv.gateway.pop_metrics()
+        assert m["agent/bad_requests"] == 3 and m["agent/engine_calls"] == 0
+    assert lv.last["status"] == 200
+
+
 def _wait_open(lv, n: int) -> None:
     """Until the server's loop has seen the connections open come to `n` (a condition, polled)."""
     deadline = time.monotonic() + 30

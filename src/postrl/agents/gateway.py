@@ -115,7 +115,7 @@ class AgentGateway(EngineWrapper):
             return
         cfg, http = self.cfg, HttpLimits.of(self.cfg)
         gate = Gate(http, self.refused)
-        self._server = Server(make_app(self, Limits.of(cfg), http, self.refused, gate), host=cfg.agent_host, port=cfg.agent_port, gate=gate)
+        self._server = Server(make_app(self, Limits.of(cfg, self.scheduler.max_model_len, self.tokenizer), http, self.refused, gate), host=cfg.agent_host, port=cfg.agent_port, gate=gate)
         where = f"http://{cfg.agent_host}:{self._server.port}/s/<session>/v1"
         if cfg.agent_allow_remote:
             warning = (f"the rollout endpoint serves on {cfg.agent_host} (rollout.agent_allow_remote): whoever reaches that "

@@ -116,10 +116,20 @@ class Limits:
     max_n: int = 8
     max_stop: int = 16
     max_stop_chars: int = 256
+    # the most characters of text (messages, tools, prompt) that can fit the context: rendering a longer body's
+    # chat would hold the engine thread for nothing (its prompt is refused anyway); None: no context known
+    max_text_chars: int | None = None
 
     @classmethod
-    def of(cls, cfg: Any) -> "Limits":
-        return cls(cfg.agent_max_json_depth, cfg.n_samples_per_prompt, cfg.agent_max_stop, cfg.agent_max_stop_chars)
+    def of(cls, cfg: Any, max_model_len: int | None = None, tokenizer: Any = None) -> "Limits":
+        chars = max_model_len * longest_token_chars(tokenizer) if max_model_len and tokenizer is not None else None
+        return cls(cfg.agent_max_json_depth, cfg.n_samples_per_prompt, cfg.agent_max_stop, cfg.agent_max_stop_chars, chars)
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """An upper bound on the characters one token stands for: the longest vocabulary entry (byte-level BPE
+    writes a byte as one character, so no token decodes to more characters than its entry has)."""
+    return max((len(t) for t in tokenizer.get_vocab()), default=1)
 
 
 @dataclass
@@ -167,7 +177,30 @@ def parse(kind: str, raw: bytes, limits: Limits) -> Request:
         where = ".".join(str(x) for x in err["loc"] if not _is_type_tag(x)) or None
         raise BadRequest(f"'{where}': {err['msg']}" if where else err["msg"], where) from None
     check(model, limits)
+    if limits.max_text_chars is not None:
+        chars = text_chars([body.get(k) for k in ("messages", "tools", "prompt")])
+        if chars > limits.max_text_chars:
+            raise BadRequest(
+                f"the request holds {chars} characters of text, more than any prompt this run's context can take "
+                f"({limits.max_text_chars}: the context's tokens times the longest token's characters); send a shorter "
+                "history, or raise data.max_prompt_length / rollout.max_tokens"
+            )
     return Request(kind, model, body)
+
+
+def text_chars(value: Any) -> int:
+    """The characters of every string in a JSON value (keys included), counted without recursion."""
+    total, stack = 0, [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            total += len(v)
+        elif isinstance(v, dict):
+            total += sum(len(k) for k in v)
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return total
 
 
 def check(model: _Sampling, limits: Limits) -> None:
