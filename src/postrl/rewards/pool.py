@@ -13,19 +13,32 @@ replacement in the background. Two limits apply:
 Workers also get an address-space limit, so an input that makes sympy allocate gigabytes fails
 with MemoryError inside the worker instead of exhausting the machine. Workers are started with the
 `spawn` method (safe beside torch threads), once, and reused until `close()`.
+
+Trust flows down only. The parent's calls go to a worker pickled (the verifier function travels by
+name). A worker reads model-written text with sympy, which evaluates what it parses, so its replies
+are hostile input: each is one `send_bytes` frame of JSON, read raw from the pipe (at most
+MAX_REPLY_BYTES, complete within FRAME_TIMEOUT_S; never unpickled) and parsed into a declared
+shape (`Ready` or `Reply`, pydantic, strict). A frame that is too long, cut short, not JSON, not of
+that shape, or for a task the worker was not given ends that worker as a hard time limit does: it
+is killed and replaced, and its call in flight is an error ("verifier worker sent a malformed
+reply: ..."), counted in `malformed_replies`.
 """
 
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import multiprocessing as mp
 import os
+import struct
 import time
 from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable
+from typing import Annotated, Any, Callable, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, TypeAdapter, ValidationError, model_validator
 
 from postrl.rewards.verdict import InvalidVerdict, VerifierResult, to_result
 
@@ -33,6 +46,10 @@ log = logging.getLogger("postrl.rewards")
 
 BOOT_TIMEOUT_S = 180.0  # importing sympy/math-verify on a loaded 2-core machine can take a while
 MAX_BOOT_FAILURES = 3
+MAX_REPLY_BYTES = 64 * 1024  # a worker's frame: a score, a few named metrics and a short message need far less
+MAX_MESSAGE_CHARS = 500  # a worker cuts an error message to this before sending it
+FRAME_TIMEOUT_S = 5.0  # from a frame's first byte to its last (a worker writes a frame at once)
+_FRAME_HEADER = struct.Struct("!i")  # multiprocessing's frame: a signed big-endian length, then the bytes
 
 
 @dataclass
@@ -89,7 +106,7 @@ def _worker_main(conn: Connection, soft_timeout_s: float, memory_limit_mb: int |
     equivalence.disable_signal_timeout()
     import math_verify  # noqa: F401  (warm the import before reporting ready)
 
-    conn.send(("ready", os.getpid()))
+    conn.send_bytes(json.dumps({"kind": "ready", "pid": os.getpid()}).encode())
     while True:
         try:
             msg = conn.recv()
@@ -110,15 +127,116 @@ def _worker_main(conn: Connection, soft_timeout_s: float, memory_limit_mb: int |
         except _SoftTimeout:
             out = Outcome("timeout", message=f"soft time limit ({soft_timeout_s:.2f} s)")
         except InvalidVerdict as exc:
-            out = Outcome("invalid", message=str(exc)[:500])
+            out = Outcome("invalid", message=str(exc))
         except MemoryError:
             out = Outcome("error", message="out of memory in the verifier worker")
         except BaseException as exc:  # noqa: BLE001 - a verifier's bug must not kill the worker
-            out = Outcome("error", message=f"{type(exc).__name__}: {exc}"[:500])
-        try:
-            conn.send((task_id, out))
-        except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable metric value
-            conn.send((task_id, Outcome("error", message=f"result could not be sent back: {exc}"[:500])))
+            out = Outcome("error", message=f"{type(exc).__name__}: {exc}")
+        conn.send_bytes(encode_reply(task_id, out))
+
+
+def encode_reply(task_id: int, out: Outcome) -> bytes:
+    """The worker's frame for `out` (JSON; see `Reply`), or an error outcome's frame when `out` cannot be
+    sent: a metric that is not a number, or a result over MAX_REPLY_BYTES."""
+    try:
+        result = None
+        if out.status == "ok" and out.result is not None:
+            metrics = {_utf8(str(k)): float(v) for k, v in out.result.metrics.items()}
+            result = {"score": float(out.result.score), "metrics": metrics}
+        reply = {"kind": "reply", "task": task_id, "status": out.status, "message": _utf8(out.message[:MAX_MESSAGE_CHARS])}
+        data = json.dumps({**reply, "result": result}).encode()
+        if len(data) <= MAX_REPLY_BYTES:
+            return data
+        why = f"{len(data)} bytes of JSON, at most {MAX_REPLY_BYTES}: return fewer or shorter metrics"
+    except Exception as exc:  # noqa: BLE001 - e.g. a metric value float() refuses
+        why = f"{type(exc).__name__}: {exc}"
+    message = f"result could not be sent back ({why})"[:MAX_MESSAGE_CHARS]
+    return json.dumps({"kind": "reply", "task": task_id, "status": "error", "message": message, "result": None}).encode()
+
+
+def _utf8(text: str) -> str:
+    """`text` with lone surrogates (model text can hold them) replaced: JSON parsers refuse them."""
+    return text.encode("utf-8", "replace").decode("utf-8")
+
+
+# ------------------------------------------------------------------ what a worker may send
+class BadReply(Exception):
+    """A worker's frame that the protocol does not allow; the message says how."""
+
+
+class _Frame(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+
+class Ready(_Frame):
+    """A worker's first frame: it has started and imported math-verify."""
+
+    kind: Literal["ready"]
+    pid: int
+
+
+class ResultFrame(_Frame):
+    """A `VerifierResult`: the score is finite (the worker's `to_result` refused any other); metrics may be any
+    float, as `to_result` lets them be."""
+
+    score: FiniteFloat
+    metrics: dict[str, float]
+
+
+class Reply(_Frame):
+    """The outcome of task `task`: a result exactly when the status is ok."""
+
+    kind: Literal["reply"]
+    task: int
+    status: Literal["ok", "timeout", "error", "invalid"]
+    message: Annotated[str, Field(max_length=MAX_MESSAGE_CHARS)]
+    result: ResultFrame | None
+
+    @model_validator(mode="after")
+    def _result_iff_ok(self) -> "Reply":
+        if (self.result is not None) != (self.status == "ok"):
+            raise ValueError("a result comes with status ok, and only with it")
+        return self
+
+
+_FRAME = TypeAdapter(Annotated[Union[Ready, Reply], Field(discriminator="kind")])
+
+
+def parse_frame(data: bytes) -> Ready | Reply:
+    """A worker's frame in its declared shape; BadReply for anything else (never unpickled: JSON only, depth
+    bounded by pydantic's parser)."""
+    try:
+        return _FRAME.validate_json(data)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False, include_input=False)[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise BadReply(f"{first['msg']}{f' at {where}' if where else ''} ({len(data)} bytes)") from None
+    except Exception as exc:  # noqa: BLE001 - whatever else the parser meets is the frame's fault
+        raise BadReply(f"{type(exc).__name__} while parsing ({len(data)} bytes)") from None
+
+
+def recv_frame(conn: Connection, max_bytes: int, timeout_s: float) -> bytes:
+    """The next frame a worker wrote with `conn.send_bytes`, read from the pipe itself: a frame longer than
+    `max_bytes` is refused before it is read, one that does not arrive whole within `timeout_s` is refused
+    (`Connection.recv_bytes` would wait for it for ever). EOFError when the pipe ends between frames."""
+    deadline = time.monotonic() + timeout_s
+    header = _read_exact(conn, _FRAME_HEADER.size, deadline)
+    (n,) = _FRAME_HEADER.unpack(header)
+    if not 0 <= n <= max_bytes:  # -1: multiprocessing's mark of a frame over 2 GiB
+        raise BadReply(f"a frame of {n if n >= 0 else 'over 2**31'} bytes (at most {max_bytes})")
+    return _read_exact(conn, n, deadline)
+
+
+def _read_exact(conn: Connection, n: int, deadline: float) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        if not wait([conn], timeout=max(0.0, deadline - time.monotonic())):
+            raise BadReply(f"a frame cut short ({len(buf)} of {n} bytes arrived in time)")
+        chunk = os.read(conn.fileno(), n - len(buf))
+        if not chunk:  # the worker ended (mid-frame too: its death, not its message, is what to report)
+            raise EOFError("the worker's pipe ended")
+        buf += chunk
+    return bytes(buf)
 
 
 class _Worker:
@@ -154,6 +272,7 @@ class VerifierPool:
         self._workers: list[_Worker] = []
         self._boot_failures = 0
         self.restarts = 0
+        self.malformed_replies = 0  # frames that broke the protocol (each ended its worker)
 
     # ------------------------------------------------------------------ lifecycle
     def _spawn(self) -> _Worker:
@@ -231,18 +350,35 @@ class VerifierPool:
 
     def _receive(self, w: _Worker, results: list[Outcome | None]) -> None:
         try:
-            msg = w.conn.recv()
+            msg = parse_frame(recv_frame(w.conn, MAX_REPLY_BYTES, FRAME_TIMEOUT_S))
+            if isinstance(msg, Ready) and (w.ready or msg.pid != w.proc.pid):
+                raise BadReply(f"a ready message (pid {msg.pid}) from worker {w.proc.pid}, ready already: {w.ready}")
+            if isinstance(msg, Reply) and msg.task != w.task:
+                raise BadReply(f"a reply for task {msg.task}, while the worker was given {w.task}")
         except (EOFError, OSError):
             self._on_death(w, results)
             return
-        if msg[0] == "ready":
+        except BadReply as exc:
+            self._on_malformed(w, results, str(exc))
+            return
+        if isinstance(msg, Ready):
             w.ready = True
             self._boot_failures = 0
             return
-        task_id, outcome = msg
-        if task_id == w.task:
-            results[task_id] = outcome
+        res = msg.result
+        results[msg.task] = Outcome(msg.status, VerifierResult(res.score, dict(res.metrics)) if res else None, msg.message)
+        w.task = None
+
+    def _on_malformed(self, w: _Worker, results: list[Outcome | None], why: str) -> None:
+        self.malformed_replies += 1
+        log.warning("verifier worker %s sent a malformed reply (%s); restarting it", w.proc.pid, why)
+        if not w.ready:
+            self._boot_failed(w, f"sent a malformed first message: {why}")
+            return
+        if w.task is not None:
+            results[w.task] = Outcome("error", message=f"verifier worker sent a malformed reply: {why}"[:MAX_MESSAGE_CHARS])
             w.task = None
+        self._replace(w)
 
     def _on_death(self, w: _Worker, results: list[Outcome | None]) -> None:
         if not w.ready:
