@@ -197,3 +197,23 @@ def test_vllm_float32_agrees_with_the_trainer_token_by_token_and_over_the_top_k(
     fd = r["full_distribution"]
     assert fd["available"] and fd["topk"] == 10 and fd["overlap"] >= 0.9 and fd["kl_mean"] < 1e-3
     assert r["step_metrics"]["training/rollout_actor_probs_pearson_corr"] > 0.99
+
+
+@pytest.mark.slow
+def test_the_doctor_on_a_pool_whose_trainer_imports_ray_through_vllm_keeps_its_cluster_on_loopback(tmp_path):
+    """The doctor builds the trainer's vLLM engine (which imports ray) before the pool starts its Ray cluster: Ray's
+    switch for a one-machine cluster, read at import, must be set before that (else the pool refuses to start a
+    cluster on the LAN address, and the doctor could not run on a pool)."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "m.json"
+    args = [*tiny_overrides(tmp_path, "train.global_batch_size=2", "rollout.engine=vllm", "rollout.placement=pool", "rollout.pool.replicas=1")]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
+    p = subprocess.run([sys.executable, "-m", "postrl.cli", "doctor", "--mismatch", "configs/tiny_grpo.yaml", *args, "--json", str(out)],
+                       env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["engine"]["placement"] == "pool" and r["engine"]["name"] == "vllm"
+    assert r["verdict"]["kind"] == "rounding" and r["gap"]["max"] < 1e-3, r["verdict"]

@@ -34,6 +34,7 @@ from postrl.data.dataset import PromptSampler, load_train_prompts
 from postrl.evaluate import load_val_sets
 from postrl.experience import Experience
 from postrl.held import reference, teacher
+from postrl.local_cluster import prepare_local_ray
 from postrl.models import Policy, load_policy
 from postrl.rewards import RewardFunction
 from postrl.rollout import RolloutEngine
@@ -114,6 +115,8 @@ def build_run(cfg, role: str, log: Callable[[str], None] | None = None, *, runti
     from postrl.agents.loop import tool_schemas
 
     say = log or (lambda msg: None)
+    if role == "trainer" and cfg.rollout.placement == "pool" and cfg.cluster.ray_address is None:
+        prepare_local_ray()  # before anything (vLLM) imports ray: the pool's cluster binds loopback only
     trains = role in ("trainer", "rollout-worker")  # fp32 master weights (the worker holds the trainer's copy)
     if trains:
         seed_everything(cfg.train.seed)

@@ -53,11 +53,17 @@ def use_loopback() -> None:
     os.environ.update(loopback_env({}))
 
 
+def prepare_local_ray() -> None:
+    """Set Ray's switch for "this machine alone" in this process, for a cluster of the run's own that starts later:
+    Ray reads it once, when it is first imported (vLLM imports ray as the engine is built)."""
+    os.environ[RAY_ONE_MACHINE_ENV] = "0"
+
+
 def import_ray(address: str | None) -> Any:
     """`import ray`, for a cluster of this run's own when `address` is None: Ray reads its switch for "this
     machine alone" when it is imported (RAY_ONE_MACHINE_ENV), so it is set first. ImportError if not installed."""
     if address is None:
-        os.environ[RAY_ONE_MACHINE_ENV] = "0"
+        prepare_local_ray()
     import ray
 
     return ray
