@@ -199,7 +199,7 @@ def decode(data: Any, n_examples: int, cap: int = MAX_REPLY_BYTES) -> Produced |
     try:
         return _REPLY.validate_json(bytes(data), context={"examples": n_examples})
     except ValidationError as exc:
-        lines = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:3]]
+        lines = [": ".join(filter(None, (".".join(map(str, e["loc"])), e["msg"]))) for e in exc.errors()[:3]]
         raise WireError(f"a reply that is not in the declared shape ({len(data)} bytes): " + "; ".join(lines)) from None
 
 
