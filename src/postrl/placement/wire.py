@@ -20,7 +20,8 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, Union
 
 import pydantic_core
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, TypeAdapter, ValidationError, ValidationInfo, model_validator, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, TypeAdapter, ValidationError,
+                      ValidationInfo, model_validator)
 
 from postrl.batch import Batch
 from postrl.rollout.base import Completion
