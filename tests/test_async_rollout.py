@@ -354,3 +354,33 @@ def test_a_worker_that_sends_a_pickle_is_restarted_and_the_payload_never_runs(tm
     assert tr.step == 2 and tr.batches.rollout.restarts == 1
     assert any("sent a bad reply" in m and "declared shape" in m and "restarting it" in m for m in logged), logged
     assert (tmp_path / "run" / "compromised-once").exists() and not (tmp_path / "run" / "pwned").exists()
+
+
+def test_a_frame_over_the_cap_or_a_closed_pipe_is_the_workers_failure(monkeypatch, tmp_path):
+    """The trainer's read of the worker's pipe (AsyncRollout._receive, no worker started): a frame over the cap
+    is refused unread (recv_bytes' maxlength), garbage is refused by the decoder, a closed pipe is the worker's
+    exit; each is WorkerDied (the worker restarted), never an unpickle."""
+    import types
+
+    from postrl.placement import wire
+    from postrl.placement.remote import WorkerDied
+    from postrl.placement.worker import AsyncRollout
+
+    monkeypatch.setattr(wire, "MAX_REPLY_BYTES", 1000)
+    ctx = torch.multiprocessing.get_context("spawn")
+    reader, writer = ctx.Pipe(duplex=False)
+    rollout = AsyncRollout.__new__(AsyncRollout)
+    rollout.reader, rollout.examples = reader, []
+    rollout.proc = types.SimpleNamespace(is_alive=lambda: True, exitcode=None, join=lambda timeout=None: None)
+    rollout.cfg = types.SimpleNamespace(logging=types.SimpleNamespace(dir=str(tmp_path)))
+    writer.send_bytes(b"[" * 2000)
+    with pytest.raises(WorkerDied, match="sent a bad reply: bad message length"):
+        rollout._receive(0)
+    reader, writer = ctx.Pipe(duplex=False)
+    rollout.reader = reader
+    writer.send_bytes(b"[" * 500)
+    with pytest.raises(WorkerDied, match="sent a bad reply: a reply that is not in the declared shape"):
+        rollout._receive(0)
+    writer.close()
+    with pytest.raises(WorkerDied, match="exited with code None without a batch for step 0"):
+        rollout._receive(0)

@@ -357,3 +357,41 @@ def test_a_replica_reply_that_is_a_pickle_is_its_failure_and_never_runs(tmp_path
     chunks = sizes[1:]
     print(f"replies: {len(chunks)} chunks, {min(n for n, _ in chunks)}-{max(n for n, _ in chunks)} bytes, "
           f"decode {1e3 * max(t for _, t in chunks):.2f} ms at most")
+
+
+def test_a_replicas_error_is_a_declared_failure_reply_and_a_data_error_stops_the_run():
+    """Replica.generate and the trainer's RolloutPool._reply over a real TCPStore (no Ray, no model): an error in
+    the replica becomes a Failure reply under its key (a data error: UserError in the trainer with its parts;
+    another: the replica's failure naming it), a call without a reply is a failure too, and keys read are deleted."""
+    import torch.distributed as dist
+
+    from postrl.errors import UserError
+    from postrl.placement import wire
+    from postrl.placement.pool import RolloutPool, _Member
+    from postrl.placement.replica import Replica
+
+    server = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    replica, pool = Replica.__new__(Replica), RolloutPool.__new__(RolloutPool)
+    replica.store, replica.examples, pool.examples = dist.PrefixStore("p", dist.TCPStore("127.0.0.1", server.port, None, False)), [], []
+    m = _Member(0, store=dist.PrefixStore("p", server))
+
+    def raises(exc):
+        def generate(*args):
+            raise exc
+
+        return generate
+
+    replica._generate = raises(UserError("row 7 has no ground truth", "Fix: add an answer column.", title="bad data"))
+    replica.generate(0, 0, 0, [7], 0, "reply/1")
+    m.replies = 1
+    with pytest.raises(UserError, match="row 7 has no ground truth\nFix: add an answer column.") as info:
+        pool._reply(m)
+    assert info.value.title == "bad data" and not server.check(["p/reply/1"])
+    replica._generate = raises(KeyError("boom"))
+    replica.generate(0, 0, 0, [7], 0, "reply/2")
+    m.replies = 2
+    with pytest.raises(wire.WireError, match="KeyError: 'boom'"):
+        pool._reply(m)
+    m.replies = 3  # dealt, but the replica died before replying
+    with pytest.raises(wire.WireError, match="no reply"):
+        pool._reply(m)
