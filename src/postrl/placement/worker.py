@@ -49,8 +49,8 @@ import torch
 from postrl.distributed import RENDEZVOUS_FILE_ENV
 from postrl.errors import UserError
 from postrl.batch import Batch
-from postrl.placement.checksums import PublishedChecksums
 from postrl.placement import wire
+from postrl.placement.checksums import PublishedChecksums
 from postrl.placement.cores import TRAINER, WORKER, CoreShare
 from postrl.placement.remote import WorkerDied
 from postrl.placement.staleness import take_fresh
