@@ -305,3 +305,82 @@ def test_two_trainer_ranks_train_on_the_batches_of_rank_0s_worker(tmp_path):
     for s, r in zip(sync, ranks):
         assert {k: r[k] for k in keys} == pytest.approx({k: s[k] for k in keys}, abs=1e-9), r["step"]
         assert r["async/staleness_max"] == 0.0
+
+
+class _Payload:
+    """Unpickling it creates the directory `path` (what a compromised worker's pickle could do)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        import os
+
+        return (os.mkdir, (self.path,))
+
+
+def _compromised_serve(spec, weights, out, slots, stop, share):
+    """The worker's body in a spawned process: the first worker of the run writes a pickle into the real pipe (as
+    a compromised worker could), later ones are the real worker."""
+    import os
+    import pickle
+    from pathlib import Path
+
+    from postrl.placement import worker
+
+    flag = Path(spec.log_dir) / "compromised-once"
+    if flag.exists():
+        return worker._serve(spec, weights, out, slots, stop, share)
+    flag.write_text("")
+    out.send_bytes(pickle.dumps(_Payload(os.path.join(spec.log_dir, "pwned"))))
+    stop.wait(120)
+
+
+@pytest.mark.slow
+def test_a_worker_that_sends_a_pickle_is_restarted_and_the_payload_never_runs(tmp_path, monkeypatch):
+    """The worker's pipe is read with recv_bytes and decoded into a declared shape (placement/wire.py): a pickle
+    written into it is a bad reply, the worker is restarted (one restart allowed), the run trains its 2 steps,
+    and the payload (a directory it would create) never ran. ~35 s: two worker processes start."""
+    from postrl.checks import load_config
+    from postrl.placement import worker
+    from postrl.trainer import Trainer
+
+    monkeypatch.setattr(worker, "_serve", _compromised_serve)  # the spawned process imports it from this module
+    cfg = load_config(None, tiny_overrides(tmp_path, "rollout.mode=async", "rollout.max_worker_restarts=1", "train.total_steps=2"))
+    tr = Trainer(cfg)
+    logged: list[str] = []
+    tr.batches.rollout.log = lambda msg: (logged.append(msg), tr.log(msg))
+    tr.fit()
+    assert tr.step == 2 and tr.batches.rollout.restarts == 1
+    assert any("sent a bad reply" in m and "declared shape" in m and "restarting it" in m for m in logged), logged
+    assert (tmp_path / "run" / "compromised-once").exists() and not (tmp_path / "run" / "pwned").exists()
+
+
+def test_a_frame_over_the_cap_or_a_closed_pipe_is_the_workers_failure(monkeypatch, tmp_path):
+    """The trainer's read of the worker's pipe (AsyncRollout._receive, no worker started): a frame over the cap
+    is refused unread (recv_bytes' maxlength), garbage is refused by the decoder, a closed pipe is the worker's
+    exit; each is WorkerDied (the worker restarted), never an unpickle."""
+    import types
+
+    from postrl.placement import wire
+    from postrl.placement.remote import WorkerDied
+    from postrl.placement.worker import AsyncRollout
+
+    monkeypatch.setattr(wire, "MAX_REPLY_BYTES", 1000)
+    ctx = torch.multiprocessing.get_context("spawn")
+    reader, writer = ctx.Pipe(duplex=False)
+    rollout = AsyncRollout.__new__(AsyncRollout)
+    rollout.reader, rollout.examples = reader, []
+    rollout.proc = types.SimpleNamespace(is_alive=lambda: True, exitcode=None, join=lambda timeout=None: None)
+    rollout.cfg = types.SimpleNamespace(logging=types.SimpleNamespace(dir=str(tmp_path)))
+    writer.send_bytes(b"[" * 2000)
+    with pytest.raises(WorkerDied, match="sent a bad reply: bad message length"):
+        rollout._receive(0)
+    reader, writer = ctx.Pipe(duplex=False)
+    rollout.reader = reader
+    writer.send_bytes(b"[" * 500)
+    with pytest.raises(WorkerDied, match="sent a bad reply: a reply that is not in the declared shape"):
+        rollout._receive(0)
+    writer.close()
+    with pytest.raises(WorkerDied, match="exited with code None without a batch for step 0"):
+        rollout._receive(0)

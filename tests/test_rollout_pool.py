@@ -283,3 +283,115 @@ def test_a_pool_run_stopped_by_sigterm_resumes_and_trains_the_prompts_of_an_unin
     assert trained == expected
     saved = {it.name: torch.load(it / "dataloader.pt", weights_only=False) for it in sorted((tmp_path / "run" / "checkpoints").glob("iter_*"))}
     assert saved == {name: {"sampler": state} for name, state in positions.items()}
+
+
+class _Payload:
+    """Unpickling it creates the directory `path` (what a compromised replica's pickle could do)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        import os
+
+        return (os.mkdir, (self.path,))
+
+
+@pytest.mark.slow
+def test_a_replica_reply_that_is_a_pickle_is_its_failure_and_never_runs(tmp_path, cluster):
+    """A replica's replies come back as bytes under its key of the trainer's store (never ray.get). The first
+    chunk reply is overwritten there with a pickle (what a compromised replica could write): the trainer refuses
+    it as not in the declared shape, restarts that replica, deals its chunk again, and the 2 steps train the
+    sync loop's prompts; the payload never ran. Also prints each reply's size and decode time (the report's)."""
+    import pickle
+    import time
+
+    from postrl.checks import load_config
+    from postrl.data.dataset import PromptSampler
+    from postrl.placement import wire
+    from postrl.placement.pool import RolloutPool
+    from postrl.trainer import Trainer
+
+    cfg = load_config(None, tiny_overrides(tmp_path, "rollout.placement=pool", "rollout.pool.replicas=2", "rollout.max_staleness=1",
+                                           "rollout.max_worker_restarts=1", "train.total_steps=2"))  # fmt: skip
+    cfg.rollout.pool.resources = {"rollout_node": 1}
+    marker = tmp_path / "pwned"
+    sizes: list[tuple[int, float]] = []
+    real_pop, real_decode = RolloutPool._pop, wire.decode
+
+    def pop(self, m, key):
+        if key.startswith("reply/") and not sizes:
+            m.store.set(key, pickle.dumps(_Payload(str(marker))))  # the bytes a compromised replica sends
+        data = real_pop(self, m, key)
+        if not key.startswith("reply/"):
+            return data
+        start = time.perf_counter()
+        try:
+            real_decode(data, len(self.examples))
+        except wire.WireError:
+            pass
+        sizes.append((len(data), time.perf_counter() - start))
+        return data
+
+    tr = Trainer(cfg)
+    pool = tr.batches.rollout
+    logged: list[str] = []
+    pool.log = lambda msg: (logged.append(msg), tr.log(msg))
+    pool._pop = pop.__get__(pool)
+    trained: list[list[list[int]]] = []
+    real_next = tr.batches.next_batch
+
+    def record(step, timer):
+        batch, stats = real_next(step, timer)
+        trained.append(batch.prompt_ids[:: cfg.rollout.n_samples_per_prompt])
+        return batch, stats
+
+    tr.batches.next_batch = record
+    tr.fit()
+    assert tr.step == 2 and not marker.exists()
+    assert any("failed (a reply that is not in the declared shape" in m and "restarting it" in m for m in logged), logged
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rollout_pool/restarts"] for r in rows if "rollout_pool/restarts" in r][-1] == 1
+    sampler = PromptSampler(len(tr.run.examples), cfg.data.shuffle, cfg.data.seed)
+    assert trained == [[tr.run.examples[i].prompt_ids for i in sampler.next_indices(cfg.train.gen_batch_size)] for _ in range(2)]
+    chunks = sizes[1:]
+    print(f"replies: {len(chunks)} chunks, {min(n for n, _ in chunks)}-{max(n for n, _ in chunks)} bytes, "
+          f"decode {1e3 * max(t for _, t in chunks):.2f} ms at most")
+
+
+def test_a_replicas_error_is_a_declared_failure_reply_and_a_data_error_stops_the_run():
+    """Replica.generate and the trainer's RolloutPool._reply over a real TCPStore (no Ray, no model): an error in
+    the replica becomes a Failure reply under its key (a data error: UserError in the trainer with its parts;
+    another: the replica's failure naming it), a call without a reply is a failure too, and keys read are deleted."""
+    import torch.distributed as dist
+
+    from postrl.errors import UserError
+    from postrl.placement import wire
+    from postrl.placement.pool import RolloutPool, _Member
+    from postrl.placement.replica import Replica
+
+    server = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    replica, pool = Replica.__new__(Replica), RolloutPool.__new__(RolloutPool)
+    replica.store, replica.examples, pool.examples = dist.PrefixStore("p", dist.TCPStore("127.0.0.1", server.port, None, False)), [], []
+    m = _Member(0, store=dist.PrefixStore("p", server))
+
+    def raises(exc):
+        def generate(*args):
+            raise exc
+
+        return generate
+
+    replica._generate = raises(UserError("row 7 has no ground truth", "Fix: add an answer column.", title="bad data"))
+    replica.generate(0, 0, 0, [7], 0, "reply/1")
+    m.replies = 1
+    with pytest.raises(UserError, match="row 7 has no ground truth\nFix: add an answer column.") as info:
+        pool._reply(m)
+    assert info.value.title == "bad data" and not server.check(["p/reply/1"])
+    replica._generate = raises(KeyError("boom"))
+    replica.generate(0, 0, 0, [7], 0, "reply/2")
+    m.replies = 2
+    with pytest.raises(wire.WireError, match="KeyError: 'boom'"):
+        pool._reply(m)
+    m.replies = 3  # dealt, but the replica died before replying
+    with pytest.raises(wire.WireError, match="no reply"):
+        pool._reply(m)

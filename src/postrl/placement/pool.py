@@ -21,6 +21,11 @@ breaks only its own group (its restart forms a new one), at the cost of one send
 trainer. The replica checks the publication number (none missed) and the checksum of what it loaded before
 it samples; the trainer checks every batch's versions and checksums against what it published.
 
+Replies: a replica writes each chunk's reply (and where it runs) as bytes in a declared shape (wire.py) under a key
+of the trainer's store; the trainer waits for the actor's call with `ray.wait` (which fetches nothing) and
+decodes the key, so nothing a replica produced is unpickled here. A call done without a reply (the actor died),
+or a reply that does not decode, is that replica's failure; a failure reply marked as a data error stops the run.
+
 Faults: a replica that dies (its actor's call fails) is restarted up to `rollout.pool.max_restarts` times
 (default rollout.max_worker_restarts), then dropped while the rest go on; the chunks it had are dealt again.
 Every batch carries the sampler position after its prompts, as the worker's do (remote.RemoteSource).
@@ -39,6 +44,7 @@ from postrl.errors import UserError
 from postrl.batch import Batch, concat
 from postrl.experience import DynamicSampling
 from postrl.local_cluster import import_ray, serving_store, start_ray
+from postrl.placement import wire
 from postrl.placement.checksums import PublishedChecksums
 from postrl.placement.remote import WorkerDied
 from postrl.placement.replica import TIMEOUT, Replica, make_group
@@ -63,7 +69,9 @@ class _Member:
     placement: Any = None
     group: Any = None
     where: dict = field(default_factory=dict)
-    task: Any = None  # the ObjectRef of its chunk in flight
+    task: Any = None  # the ObjectRef of its chunk in flight (waited for, never fetched)
+    store: Any = None  # the trainer's store under this connection's prefix: the replica's replies
+    replies: int = 0  # chunks dealt on this connection (the key of each reply)
     chunk: _Chunk | None = None
     restarts: int = 0
     alive: bool = True
@@ -143,9 +151,13 @@ class RolloutPool:
 
         self.generation += 1
         prefix = f"pool/{m.rank}/{self.generation}"
-        m.where = self.ray.get(m.actor.where.remote())
-        m.actor.connect.remote(self.host, self.store.port, prefix, self.backend)
-        m.group = make_group(self.backend, dist.PrefixStore(prefix, self.store), 0)
+        m.store, m.replies = dist.PrefixStore(prefix, self.store), 0
+        self.ray.wait([m.actor.connect.remote(self.host, self.store.port, prefix, self.backend)], num_returns=1, timeout=None)
+        try:
+            m.where = wire.decode_where(self._pop(m, "where")).model_dump()
+        except wire.WireError as exc:
+            raise WorkerDied(f"rollout replica {m.rank} did not start: {exc}") from None
+        m.group = make_group(self.backend, m.store, 0)
         for work in self._send(m):
             work.wait()
 
@@ -197,7 +209,7 @@ class RolloutPool:
                     self.ray.kill(obj) if part == "actor" else self.ray.util.remove_placement_group(obj)
             except Exception:  # noqa: BLE001 - already gone
                 pass
-        m.actor = m.placement = m.group = None
+        m.actor = m.placement = m.group = m.store = None
         m.sent = 0
 
     # --------------------------------------------------------------------------- weights
@@ -258,22 +270,42 @@ class RolloutPool:
             if m.alive and m.task is None and self.queue:
                 chunk = self.queue.pop(0)
                 m.chunk, m.dealt = chunk, time.perf_counter()
-                m.task = m.actor.generate.remote(chunk.index, chunk.gen, chunk.lo, chunk.rows, chunk.index - self.k)
+                m.replies += 1
+                m.task = m.actor.generate.remote(chunk.index, chunk.gen, chunk.lo, chunk.rows, chunk.index - self.k, f"reply/{m.replies}")
 
-    def _take(self, m: _Member, out: dict) -> None:
+    def _pop(self, m: _Member, key: str) -> bytes:
+        """The bytes replica `m` left under `key` (then deleted); WireError when it left none."""
+        if not m.store.check([key]):
+            raise wire.WireError("no reply (its process exited or its call failed)")
+        data = m.store.get(key)
+        m.store.delete_key(key)
+        return data
+
+    def _reply(self, m: _Member) -> wire.Chunk:
+        """The reply of `m`'s chunk, decoded; WireError for none, a bad one or a failure (UserError: a data error)."""
+        got = wire.decode(self._pop(m, f"reply/{m.replies}"), len(self.examples))
+        if isinstance(got, wire.Failure):
+            if got.user_error:
+                raise UserError(*got.problems, title=got.title or "postrl cannot continue")  # it would recur on any replica
+            raise wire.WireError(got.message[:300])
+        if not isinstance(got, wire.Chunk):
+            raise wire.WireError(f"a reply of kind {got.kind!r} where a chunk was due")
+        return got
+
+    def _take(self, m: _Member, out: wire.Chunk) -> None:
         chunk, m.task, m.chunk = m.chunk, None, None
         b = next(o for o in self.open if o.index == chunk.index)
-        self.sums.verify(out["checksums"], f"rollout replica {m.rank}")  # what it sampled with is what was published
-        batch: Batch = out["batch"]
+        self.sums.verify(out.checksums, f"rollout replica {m.rank}")  # what it sampled with is what was published
+        batch = out.batch.to_batch(self.examples)
         b.pending[chunk.gen][chunk.lo] = batch
-        b.sampling.count(out["failures"])
-        if out["agent"] is not None:
-            b.sampling.agent_metrics(batch.size, out["agent"])
-        for key, s in out["seconds"].items():
+        b.sampling.count(out.failures)
+        if out.agent is not None:
+            b.sampling.agent_metrics(batch.size, out.agent)
+        for key, s in out.seconds.items():
             b.seconds[key] = b.seconds.get(key, 0.0) + s
-        m.tokens += out["tokens"]
-        m.busy += out["busy"]
-        m.load_s += out["load_s"]
+        m.tokens += out.tokens
+        m.busy += out.busy
+        m.load_s += out.load_s
         m.lag.extend(chunk.index - v for v in batch.versions)
         if all(x is not None for x in b.pending[chunk.gen].values()):
             b.sampling.add(concat([b.pending[chunk.gen][lo] for lo in sorted(b.pending[chunk.gen])]))
@@ -302,11 +334,9 @@ class RolloutPool:
             for ref in ready:
                 m = busy[ref]
                 try:
-                    out = self.ray.get(ref)
-                except (self.ray.exceptions.RayActorError, self.ray.exceptions.RayTaskError) as exc:
-                    if isinstance(getattr(exc, "cause", None), UserError):
-                        raise exc.cause from None  # a data error would recur on any replica
-                    self._failed(m, _why(exc))
+                    out = self._reply(m)  # never ray.get: what the replica returned is not unpickled
+                except wire.WireError as exc:
+                    self._failed(m, str(exc))
                     continue
                 self._take(m, out)
         b = self.open.pop(0)
@@ -376,10 +406,3 @@ def _import_ray(address: str | None):
         ) from None
     return ray
 
-
-def _why(exc: BaseException) -> str:
-    """One line for a replica's failure: an error it raised (its last traceback line), or how its actor died."""
-    lines = [x.strip() for x in str(exc).splitlines() if x.strip()]
-    if isinstance(getattr(exc, "cause", None), BaseException):
-        return f"{type(exc.cause).__name__}: {exc.cause}"
-    return f"{type(exc).__name__}: {lines[-1] if lines else ''}"[:300]

@@ -1,10 +1,13 @@
 """The replica's side of pool.py (`rollout.placement: pool`): the weights it receives from the
 trainer's group, checked by publication number and checksum, and the Ray actor's body that generates the
-prompt chunks it is dealt with the assembly's rollout-worker role (engine, agents, rewards)."""
+prompt chunks it is dealt with the assembly's rollout-worker role (engine, agents, rewards). Its replies (where it
+runs, each chunk, a failure) go to the trainer as bytes in a declared shape (wire.py) under keys of the trainer's
+TCP store, never through Ray's object store (which the trainer would unpickle)."""
 
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import threading
 import time
@@ -12,6 +15,7 @@ from typing import Any
 
 import torch
 
+from postrl.placement import wire
 from postrl.placement.transport import checksum
 from postrl.placement.versioned import NeverStop, versioned
 
@@ -109,6 +113,7 @@ class Replica:
         self.cfg, self.examples = cfg, examples
         self.weights: ReceivedWeights | None = None
         self.slots = slots
+        self.store: Any = None  # the trainer's store under this connection's prefix: replies go there
 
         def received(run) -> ReceivedWeights:
             self.weights = ReceivedWeights(slots, torch.device("cpu") if run.runtime.device.type == "cpu" else run.runtime.device)
@@ -117,26 +122,36 @@ class Replica:
         wrap = versioned(cfg, examples, received, NeverStop(), os.getppid())
         self.run = build_run(cfg, "rollout-worker", examples=examples, prepare=lambda model: None, wrap=wrap)
 
-    def where(self) -> dict:
-        import ray
-
-        return {"node": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
-
     def connect(self, host: str, port: int, prefix: str, backend: str) -> None:
-        """Join the trainer's group (in a thread: the trainer sends to it from now on)."""
+        """Join the trainer's store (where it runs under key 'where') and group (in a thread: the trainer sends
+        to it from now on)."""
+        import ray
         import torch.distributed as dist
 
         from postrl.local_cluster import join_store
 
+        self.store = store = dist.PrefixStore(prefix, join_store(host, port, TIMEOUT))  # on loopback: groups over lo
+        self._reply("where", json.dumps({"node": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}).encode())
+
         def serve():
-            store = dist.PrefixStore(prefix, join_store(host, port, TIMEOUT))  # a store on loopback: groups over lo
             self.weights.receive_forever(make_group(backend, store, 1))
 
         threading.Thread(target=serve, daemon=True, name="postrl-weights").start()
 
-    def generate(self, index: int, gen: int, lo: int, rows: list[int], min_version: int) -> dict:
-        """Generate and score prompts `rows` (chunk `lo` of generation batch `gen` of batch `index`) with
-        weights of `min_version` or newer."""
+    def _reply(self, key: str, data: bytes) -> None:
+        self.store.set(key, data)
+        self.store.check([key])  # a round trip: the store holds it before this call returns (the trainer waits for that)
+
+    def generate(self, index: int, gen: int, lo: int, rows: list[int], min_version: int, key: str) -> None:
+        """Generate and score prompts `rows` (chunk `lo` of generation batch `gen` of batch `index`) with weights of
+        `min_version` or newer; the reply (wire.Chunk, or wire.Failure when it raised) goes to store key `key`."""
+        try:
+            data = wire.encode_chunk(self._generate(index, gen, lo, rows, min_version), self.examples)
+        except Exception as exc:  # noqa: BLE001 - the trainer restarts this replica, or stops on a data error
+            data = wire.encode_failure(exc)
+        self._reply(key, data)
+
+    def _generate(self, index: int, gen: int, lo: int, rows: list[int], min_version: int) -> dict:
         from postrl.experience import new_failures, sampling_seed
         from postrl.metrics import Timer
 

@@ -20,6 +20,12 @@ Partial rollout (`rollout.partial_rollout`): generation runs in chunks of
 continue the unfinished sequences; every token records the version that sampled it
 (`Completion.token_versions`), the sequence's version is its oldest token's.
 
+The worker sends each batch back as bytes in a declared shape (placement/wire.py) down a pipe the trainer
+reads with `recv_bytes` (never unpickled: the worker runs user agent programs over model output); a semaphore
+of k + 1 slots bounds the batches made and not yet taken (the worker waits for a slot), and a thread of the
+worker's writes them, so making the next batch goes on while the trainer reads. A reply that does not decode
+is the worker's failure.
+
 A worker that dies or raises is restarted from the trained position up to `rollout.max_worker_restarts`
 times; past that (and at once for a data error the worker reports, which would recur) the run stops
 with a checkpoint of the steps trained so far (remote.RemoteSource, trainer.py).
@@ -31,6 +37,7 @@ import contextlib
 import os
 import queue
 import signal
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -42,6 +49,7 @@ import torch
 from postrl.distributed import RENDEZVOUS_FILE_ENV
 from postrl.errors import UserError
 from postrl.batch import Batch
+from postrl.placement import wire
 from postrl.placement.checksums import PublishedChecksums
 from postrl.placement.cores import TRAINER, WORKER, CoreShare
 from postrl.placement.remote import WorkerDied
@@ -52,30 +60,6 @@ from postrl.placement.versioned import POLL_S, StopRequested, versioned
 _RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT",
              "TORCHELASTIC_RUN_ID", RENDEZVOUS_FILE_ENV)  # fmt: skip
 WORKER_LOG = "rollout_worker.log"  # the worker's traceback when it fails, in logging.dir
-
-
-@dataclass
-class Produced:
-    """One training batch from the worker: batch `index` (the step it is for), its scored groups, the
-    collection's metrics, the worker's time split, the sampler position after its prompts, and the
-    checksum of every weight version it sampled with."""
-
-    index: int
-    batch: Batch
-    stats: dict[str, float]
-    seconds: dict[str, float]
-    sampler: dict
-    checksums: dict[int, float]
-
-
-@dataclass
-class WorkerFailure:
-    """What a failing worker sends before it exits: a UserError's parts, or another error's text."""
-
-    message: str
-    problems: tuple = ()
-    title: str | None = None
-    user_error: bool = False
 
 
 @dataclass
@@ -90,14 +74,42 @@ class _Spec:
     quiet: bool = True
 
 
-def _serve(spec: _Spec, weights: SharedWeights, out: Any, stop: Any, share: CoreShare) -> None:
-    """The worker process: build the policy copy, engine and rewards, then produce batches until stopped."""
+class _Sender:
+    """The worker's thread that writes its replies down the pipe in order (the pipe blocks while the trainer
+    has not read the last one; the worker goes on making the next batch meanwhile)."""
+
+    def __init__(self, conn: Any):
+        self.conn, self.items = conn, queue.Queue()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="postrl-rollout-sender")
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (data := self.items.get()) is not None:
+            try:
+                self.conn.send_bytes(data)
+            except OSError:  # the trainer closed its end
+                return
+
+    def put(self, data: bytes) -> None:
+        self.items.put(data)
+
+    def flush(self, stop: Any, parent: int) -> None:
+        """Wait until everything queued is sent, or the trainer stops reading (stop set, or it exited)."""
+        self.items.put(None)
+        while self.thread.is_alive() and not stop.is_set() and os.getppid() == parent:
+            self.thread.join(POLL_S)
+
+
+def _serve(spec: _Spec, weights: SharedWeights, out: Any, slots: Any, stop: Any, share: CoreShare) -> None:
+    """The worker process: build the policy copy, engine and rewards, then produce batches until stopped; each is
+    sent (encoded, wire.py) once a slot of the k + 1 is free."""
     from postrl.metrics import Timer
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the trainer stops us
     for name in _RANK_ENV:  # rank 0's process-group settings: the worker is a job of its own (vLLM reads some)
         os.environ.pop(name, None)
     engine = reward_fn = None
+    sender = _Sender(out)
     try:
         if spec.quiet:
             from postrl.console import quiet_console
@@ -111,15 +123,11 @@ def _serve(spec: _Spec, weights: SharedWeights, out: Any, stop: Any, share: Core
             batch, stats = experience.collect(index, timer)
             stats.update(engine.load_stats)
             stats["async/rollout_idle_s"] = idle
-            produced = Produced(index, batch, stats, dict(timer.seconds), sampler.state_dict(), dict(engine.checksums))
-            with engine.share.waiting(WORKER) if engine.share else contextlib.nullcontext():  # while the queue is full
-                while True:
+            data = wire.encode_batch(index, batch, spec.examples, stats, dict(timer.seconds), sampler.state_dict(), dict(engine.checksums))
+            with engine.share.waiting(WORKER) if engine.share else contextlib.nullcontext():  # while every slot is taken
+                while not slots.acquire(timeout=POLL_S):
                     engine.check_stop()
-                    try:
-                        out.put(produced, timeout=POLL_S)
-                        break
-                    except queue.Full:
-                        continue
+            sender.put(data)
     except StopRequested:
         pass
     except BaseException as exc:  # reported to the trainer, which restarts the worker or stops with a checkpoint
@@ -129,10 +137,8 @@ def _serve(spec: _Spec, weights: SharedWeights, out: Any, stop: Any, share: Core
             (Path(spec.log_dir) / WORKER_LOG).write_text(text)
         except OSError:
             pass
-        if isinstance(exc, UserError):
-            out.put(WorkerFailure(str(exc), exc.problems, exc.title, user_error=True))
-        else:
-            out.put(WorkerFailure(f"{type(exc).__name__}: {exc}"))
+        sender.put(wire.encode_failure(exc))
+        sender.flush(stop, spec.parent)
     finally:
         for part in (reward_fn, engine):
             if part is not None:
@@ -140,7 +146,7 @@ def _serve(spec: _Spec, weights: SharedWeights, out: Any, stop: Any, share: Core
                     part.close()
                 except Exception:  # noqa: BLE001 - exiting anyway
                     pass
-        out.cancel_join_thread()  # the trainer may have stopped reading: exit without flushing
+        # the trainer may have stopped reading: exit without flushing (the sender thread is a daemon)
 
 
 def _build(spec: _Spec, weights: SharedWeights, stop, share: CoreShare):
@@ -188,12 +194,14 @@ class AsyncRollout:
         self._start(sampler, step)
 
     def _start(self, sampler: dict, step: int) -> None:
-        self.queue = self.ctx.Queue(maxsize=self.k + 1)
+        self.reader, writer = self.ctx.Pipe(duplex=False)  # read with recv_bytes only: nothing is unpickled
+        self.slots = self.ctx.Semaphore(self.k + 1)  # batches made and not taken: the worker waits when none is free
         self.stop = self.ctx.Event()
         self.share.flags[WORKER] = 0  # a worker that died waiting lends nothing
         spec = _Spec(self.cfg, self.examples, sampler, step, self.threads, os.getpid(), self.cfg.logging.dir, not self.cfg.logging.verbose)
-        self.proc = self.ctx.Process(target=_serve, args=(spec, self.weights, self.queue, self.stop, self.share), name="postrl-rollout")
+        self.proc = self.ctx.Process(target=_serve, args=(spec, self.weights, writer, self.slots, self.stop, self.share), name="postrl-rollout")
         self.proc.start()
+        writer.close()  # the worker's end: its exit is the reader's EOF
 
     def borrow_in(self, *models: torch.nn.Module) -> None:
         """Each forward of these models (the policy, the reference) runs on the worker's threads too while it waits."""
@@ -209,26 +217,38 @@ class AsyncRollout:
 
     def next_batch(self, step: int) -> tuple[Batch, dict[str, float], dict[str, float], dict]:
         """The batch of `step` (waits for it): the batch, its metrics, the worker's time split, the sampler
-        position after it. Raises WorkerDied / UserError when the worker fails."""
+        position after it. Raises WorkerDied / UserError when the worker fails; a reply that does not decode
+        (wire.py) is the worker's failure."""
         start = time.perf_counter()
         with self.share.waiting(TRAINER):  # a worker blocked on the full queue wakes up as this takes a batch
-            while True:
-                try:
-                    got = self.queue.get(timeout=POLL_S)
-                    break
-                except queue.Empty:
-                    if not self.proc.is_alive():
-                        raise WorkerDied(f"the rollout worker exited with code {self.proc.exitcode} without a batch for step {step}",
-                                         self._traceback())
-        if isinstance(got, WorkerFailure):
+            got = self._receive(step)
+        if isinstance(got, wire.Failure):
             if got.user_error:
-                raise UserError(*got.problems, title=got.title)
+                raise UserError(*got.problems, title=got.title or "postrl cannot continue")
             raise WorkerDied(f"the rollout worker failed: {got.message}", self._traceback())
-        assert got.index == step, f"the rollout worker sent batch {got.index} for step {step}"
+        if not isinstance(got, wire.Produced) or got.index != step:
+            raise WorkerDied(f"the rollout worker sent {getattr(got, 'kind', '?')} {getattr(got, 'index', '')} for step {step}")
+        self.slots.release()
         self.sums.verify(got.checksums, "the rollout worker")  # the sync guard of the transport: every version
-        batch, tail = take_fresh(got.batch, step, self.k, self.G, self.log, time.perf_counter() - start, self.queue.qsize())
+        queued = self.k + 1 - self.slots.get_value()  # made and not taken
+        batch, tail = take_fresh(got.batch.to_batch(self.examples), step, self.k, self.G, self.log, time.perf_counter() - start, queued)
         stats = {**got.stats, **tail}
         return batch, stats, got.seconds, got.sampler
+
+    def _receive(self, step: int) -> wire.Produced | wire.Failure | wire.Chunk:
+        """The worker's next reply, decoded; WorkerDied when it exited, closed the pipe or sent a bad reply."""
+        while not self.reader.poll(POLL_S):
+            if not self.proc.is_alive():
+                raise WorkerDied(f"the rollout worker exited with code {self.proc.exitcode} without a batch for step {step}",
+                                 self._traceback())  # fmt: skip
+        try:
+            return wire.decode(self.reader.recv_bytes(wire.MAX_REPLY_BYTES), len(self.examples))
+        except EOFError:
+            self.proc.join(POLL_S * 10)
+            raise WorkerDied(f"the rollout worker exited with code {self.proc.exitcode} without a batch for step {step}",
+                             self._traceback()) from None  # fmt: skip
+        except (OSError, wire.WireError) as exc:  # recv_bytes' "bad message length": over the cap
+            raise WorkerDied(f"the rollout worker sent a bad reply: {exc}") from None
 
     def _traceback(self) -> str:
         return f" (its traceback, if it raised: {Path(self.cfg.logging.dir) / WORKER_LOG})"
@@ -248,11 +268,12 @@ class AsyncRollout:
         deadline = time.monotonic() + 60
         while self.proc.is_alive() and time.monotonic() < deadline:
             try:
-                self.queue.get(timeout=0.2)  # a worker blocked on a full queue
-            except queue.Empty:
-                pass
+                if self.reader.poll(0.2):
+                    self.reader.recv_bytes(wire.MAX_REPLY_BYTES)  # a worker blocked sending: read and dropped
+            except (EOFError, OSError):  # it exited, or the pipe holds a bad frame: wait for it, then kill it
+                self.proc.join(max(0.0, deadline - time.monotonic()))
         if self.proc.is_alive():
             self.proc.kill()
         self.proc.join()
-        self.queue.close()
+        self.reader.close()
         self.proc = None

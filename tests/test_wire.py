@@ -1,0 +1,102 @@
+"""What a rollout process sends the trainer (placement/wire.py, DESIGN.md section 13): bytes parsed into declared
+shapes, never unpickled. A Batch with every kind of field round-trips exactly; garbage, a pickle, an oversize
+frame, wrong types and deep nesting are refused with a clear error, and a pickle's payload never runs."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import struct
+
+import pytest
+import torch
+
+from postrl.batch import Batch
+from postrl.data.dataset import PromptExample
+from postrl.placement import wire
+from postrl.rollout.base import Completion
+
+EXAMPLES = [PromptExample([1, 2], "3", {}, "x"), PromptExample([1], "4", {}, "x", {"image_grid_thw": torch.tensor([[1, 2, 2]])})]
+
+
+def _batch() -> Batch:
+    seg = Completion(0, [5, 6], True, logprobs=[-0.1, 0.2], loss_mask=[1, 0], turn_spans=[(0, 1)], tool_calls=1, env_reward=0.5,
+                     version=2, token_versions=[2, 2], prompt_ids=[1, 2], top_logprobs=[([1, 2], [-0.5, -1.5]), ([3], [0.1])])  # fmt: skip
+    return Batch(
+        prompt_ids=[[1, 2], [1]], response_ids=[[3, 4], [5]], loss_masks=[[1, 1], [1]], turns=[1, 2], finished=[True, False],
+        scores=[1.0, 0.1 + 0.2], rewards=[float("nan"), -0.0], verifier_metrics=[{"acc": 1}, {"acc": 5e-324}],
+        engine_logprobs=[[-1e-300, 1 / 3], None], multi_modal=[None, EXAMPLES[1].multi_modal], versions=[0, None],
+        token_versions=[None, [1]], segments=[[seg], None], owners=[None, 0],
+    )  # fmt: skip
+
+
+def _bits(xs) -> list[bytes]:
+    return [struct.pack("d", x) for x in xs]
+
+
+def test_a_batch_with_every_field_kind_round_trips_exactly():
+    b = _batch()
+    data = wire.encode_batch(3, b, EXAMPLES, {"a": 0.1 + 0.7, "n": 2}, {"rollout": 1e-9}, {"epoch": 1, "position": 4, "seed": None},
+                             {0: 0.125, 1: 2 / 3})  # fmt: skip
+    got = wire.decode(data, len(EXAMPLES))
+    assert isinstance(got, wire.Produced) and got.index == 3
+    back = got.batch.to_batch(EXAMPLES)
+    assert back.multi_modal[1] is EXAMPLES[1].multi_modal and back.multi_modal[0] is None  # the trainer's own images
+    assert _bits(back.scores + back.rewards + back.engine_logprobs[0]) == _bits(b.scores + b.rewards + b.engine_logprobs[0])
+    assert back.segments == b.segments and back.verifier_metrics == b.verifier_metrics
+    assert type(back.verifier_metrics[0]["acc"]) is int  # ints stay ints
+    for name in ("prompt_ids", "response_ids", "loss_masks", "turns", "finished", "versions", "token_versions", "owners"):
+        assert getattr(back, name) == getattr(b, name), name
+    assert got.stats == {"a": 0.1 + 0.7, "n": 2} and got.checksums == {0: 0.125, 1: 2 / 3} and got.sampler["seed"] is None
+    chunk = wire.decode(wire.encode_chunk({"batch": b, "failures": {"reward/calls": 4}, "seconds": {}, "busy": 1.5, "idle": 0.0,
+                                           "load_s": 0.0, "checksums": {}, "tokens": 7, "agent": None}, EXAMPLES), 2)  # fmt: skip
+    assert isinstance(chunk, wire.Chunk) and chunk.tokens == 7 and chunk.batch.to_batch(EXAMPLES).size == 2
+
+
+class _Payload:
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.mkdir, (self.path,))
+
+
+def test_garbage_pickles_oversize_wrong_types_and_deep_nesting_are_refused(tmp_path):
+    good = wire.encode_batch(0, _batch(), EXAMPLES, {}, {}, {}, {})
+    marker = tmp_path / "pwned"
+    bad = {
+        "garbage": b"\x00\xffnot json",
+        "a pickle": pickle.dumps(_Payload(str(marker))),
+        "a pickle inside json": b'{"kind": "failure", "message": ' + repr(pickle.dumps(_Payload(str(marker)))).encode() + b"}",
+        "a string for ints": good.replace(b'"turns":[1,2]', b'"turns":["1",2]'),
+        "a bool for an int": good.replace(b'"turns":[1,2]', b'"turns":[true,2]'),
+        "rows that disagree": good.replace(b'"turns":[1,2]', b'"turns":[1]'),
+        "an unknown field": good.replace(b'"index":0', b'"index":0,"__class__":"os.system"'),
+        "an unknown kind": b'{"kind": "pickle", "data": "x"}',
+        "an example out of range": good.replace(b'"multi_modal":[null,1]', b'"multi_modal":[null,9]'),
+        "deep nesting": b'{"kind": "failure", "message": "x", "problems": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        "nested segments": good.replace(b'"segments":null,"top', b'"segments":[],"top'),
+    }
+    for what, data in bad.items():
+        assert data != good, what
+        with pytest.raises(wire.WireError, match="declared shape"):
+            wire.decode(data, len(EXAMPLES))
+    with pytest.raises(wire.WireError, match=f"over the cap of {len(good) - 1} bytes"):
+        wire.decode(good, len(EXAMPLES), cap=len(good) - 1)
+    with pytest.raises(wire.WireError, match="over the cap"):
+        wire.encode_batch(0, _batch(), EXAMPLES, {}, {}, {}, {}, cap=100)
+    with pytest.raises(wire.WireError, match="must be bytes"):
+        wire.decode(_batch(), 2)
+    with pytest.raises(wire.WireError, match="not one of the run's prompt examples"):
+        wire.encode_batch(0, _batch(), [EXAMPLES[0]], {}, {}, {}, {})
+    assert not marker.exists()  # the payload never ran
+    assert isinstance(wire.decode(good, len(EXAMPLES)), wire.Produced)
+
+
+def test_a_user_error_travels_as_its_parts():
+    from postrl.errors import UserError
+
+    got = wire.decode(wire.encode_failure(UserError("row 3 has no answer", "fix it", title="bad data")), 0)
+    assert isinstance(got, wire.Failure) and got.user_error and got.problems == ["row 3 has no answer", "fix it"] and got.title == "bad data"
+    other = wire.decode(wire.encode_failure(KeyError("x")), 0)
+    assert not other.user_error and other.message == "KeyError: 'x'"
