@@ -159,7 +159,10 @@ def test_a_pool_on_another_node_survives_sigkills_and_trains_every_prompt_once(t
     rows = [r for r in rows if "async/staleness_max" in r]
     assert len(rows) == 4 and all(r["async/staleness_max"] <= 1 for r in rows)
     assert rows[-1]["rollout_pool/replicas_alive"] == 1 and rows[-1]["rollout_pool/restarts"] == 1
-    assert all(r["async/dropped_stale_groups"] == 0 and r["rollout_pool/tokens_per_s"] > 0 for r in rows)
+    assert all(r["async/dropped_stale_groups"] == 0 for r in rows)
+    # tokens are counted as replies arrive: a step whose window took no reply (its batch came in during the previous
+    # step's wait, as after a restart under load) logs 0, so only the run as a whole must have generated
+    assert all(r["rollout_pool/tokens_per_s"] >= 0 for r in rows) and sum(r["rollout_pool/tokens_per_s"] for r in rows) > 0
     sampler = PromptSampler(len(tr.run.examples), cfg.data.shuffle, cfg.data.seed)
     expected = [[tr.run.examples[i].prompt_ids for i in sampler.next_indices(cfg.train.gen_batch_size)] for _ in range(4)]
     assert trained == expected
