@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from postrl.placement import wire
+import postrl.placement.wire as wire
 from postrl.placement.transport import checksum
 from postrl.placement.versioned import NeverStop, versioned
 

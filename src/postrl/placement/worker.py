@@ -49,7 +49,7 @@ import torch
 from postrl.distributed import RENDEZVOUS_FILE_ENV
 from postrl.errors import UserError
 from postrl.batch import Batch
-from postrl.placement import wire
+import postrl.placement.wire as wire
 from postrl.placement.checksums import PublishedChecksums
 from postrl.placement.cores import TRAINER, WORKER, CoreShare
 from postrl.placement.remote import WorkerDied
