@@ -100,3 +100,14 @@ def test_a_user_error_travels_as_its_parts():
     assert isinstance(got, wire.Failure) and got.user_error and got.problems == ["row 3 has no answer", "fix it"] and got.title == "bad data"
     other = wire.decode(wire.encode_failure(KeyError("x")), 0)
     assert not other.user_error and other.message == "KeyError: 'x'"
+
+
+def test_the_declared_shapes_hold_every_field_of_what_they_carry():
+    """A field added to Batch or Completion must be added to the wire's models too (else it would be lost on the way back)."""
+    from dataclasses import fields
+
+    from postrl.batch import Batch
+    from postrl.rollout.base import Completion
+
+    assert set(wire.BatchMsg.model_fields) == {f.name for f in fields(Batch)}
+    assert set(wire._Segment.model_fields) == {f.name for f in fields(Completion)}
