@@ -40,11 +40,11 @@ from typing import Any
 
 import torch
 
+import postrl.placement.wire as wire
 from postrl.errors import UserError
 from postrl.batch import Batch, concat
 from postrl.experience import DynamicSampling
 from postrl.local_cluster import import_ray, serving_store, start_ray
-import postrl.placement.wire as wire
 from postrl.placement.checksums import PublishedChecksums
 from postrl.placement.remote import WorkerDied
 from postrl.placement.replica import TIMEOUT, Replica, make_group

@@ -46,10 +46,10 @@ from typing import Any
 
 import torch
 
+import postrl.placement.wire as wire
 from postrl.distributed import RENDEZVOUS_FILE_ENV
 from postrl.errors import UserError
 from postrl.batch import Batch
-import postrl.placement.wire as wire
 from postrl.placement.checksums import PublishedChecksums
 from postrl.placement.cores import TRAINER, WORKER, CoreShare
 from postrl.placement.remote import WorkerDied
