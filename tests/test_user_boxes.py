@@ -47,3 +47,18 @@ def test_boxes_tool_answers_as_a_user_module_function_tool():
     assert answer.status == "ok" and answer.text == user_boxes.lookup("box317") and 1000 <= int(answer.text) <= 9999
     assert user_boxes.lookup("box217") != answer.text  # the first digit rewritten: another number
     assert call_tool(tools, "lookup", {"item": "crate317"}).text == "unknown item: crate317"
+
+
+def test_wide_held_out_set_spans_every_block_outside_the_training_range():
+    """`--val 300:1000:3`: 234 held-out names box3NN .. box9NN, 3 or 4 in each block of ten (box30X .. box99X), so
+    the held-out accuracy averages over 70 blocks where box300 .. box399 has 10 (docs/learning.md, issue 50)."""
+    got = user_boxes.rows(val_items=user_boxes.items("300:1000:3"))
+    val = [r["extra_info"]["item"] for r in got["val"]]
+    assert len(val) == 234 and val[:3] == ["box300", "box303", "box306"] and val[-1] == "box999"
+    blocks = {}
+    for item in val:
+        blocks[item[:5]] = blocks.get(item[:5], 0) + 1
+    assert len(blocks) == 70 and set(blocks.values()) == {3, 4}
+    # no training name has three digits starting with 3 .. 9
+    assert not any(re.fullmatch(r"box[3-9][0-9]{2}", r["extra_info"]["item"]) for r in got["train"])
+    assert user_boxes.items("10:100") == range(10, 100)

@@ -14,14 +14,15 @@ SFT data come from a mixed teacher: a fraction `tool_ratio` of the training rows
 rest a wrong guess (a random number). The reward is `user_tasks:exact_boxed`; the tool `user_boxes:lookup`.
 
     python tests/user_boxes.py OUT_DIR      writes OUT_DIR/boxes_{train,val}.parquet
+    python tests/user_boxes.py OUT_DIR --val 300:1000:3      held-out box300, box303, .. box999 (234 items)
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import random
 import re
-import sys
 from pathlib import Path
 
 TOOL = "lookup"
@@ -90,6 +91,17 @@ def write(out_dir: str | Path, **knobs) -> dict[str, Path]:
     return paths
 
 
+def items(text: str) -> range:
+    """`A:B` or `A:B:STEP` -> range(A, B, STEP), as Python slices them."""
+    return range(*(int(part) for part in text.split(":")))
+
+
 if __name__ == "__main__":
-    for name, path in write(sys.argv[1]).items():
+    parser = argparse.ArgumentParser(description="Write the boxes task's parquet files.")
+    parser.add_argument("out_dir")
+    parser.add_argument("--train", type=items, default=range(300), help="training items box<i>, i in A:B[:STEP] (0:300)")
+    parser.add_argument("--repeats", type=int, default=8, help="rows per training item (8)")
+    parser.add_argument("--val", type=items, default=range(300, 400), help="held-out items, A:B[:STEP] (300:400)")
+    args = parser.parse_args()
+    for name, path in write(args.out_dir, train_items=args.train, val_items=args.val, repeats=args.repeats).items():
         print(name, path)
