@@ -5,6 +5,7 @@ traces call the tool with the prompt's exact item and box its answer; the tool a
 from __future__ import annotations
 
 import re
+from collections import Counter
 
 import pyarrow.parquet as pq
 import pytest
@@ -55,9 +56,7 @@ def test_wide_held_out_set_spans_every_block_outside_the_training_range():
     got = user_boxes.rows(val_items=user_boxes.items("300:1000:3"))
     val = [r["extra_info"]["item"] for r in got["val"]]
     assert len(val) == 234 and val[:3] == ["box300", "box303", "box306"] and val[-1] == "box999"
-    blocks = {}
-    for item in val:
-        blocks[item[:5]] = blocks.get(item[:5], 0) + 1
+    blocks = Counter(item[:5] for item in val)  # box30X .. box99X
     assert len(blocks) == 70 and set(blocks.values()) == {3, 4}
     # no training name has three digits starting with 3 .. 9
     assert not any(re.fullmatch(r"box[3-9][0-9]{2}", r["extra_info"]["item"]) for r in got["train"])
