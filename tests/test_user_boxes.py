@@ -61,3 +61,21 @@ def test_wide_held_out_set_spans_every_block_outside_the_training_range():
     # no training name has three digits starting with 3 .. 9
     assert not any(re.fullmatch(r"box[3-9][0-9]{2}", r["extra_info"]["item"]) for r in got["train"])
     assert user_boxes.items("10:100") == range(10, 100)
+
+
+def test_mix_shuffles_names_of_the_held_out_length_into_a_few_training_names():
+    """`--train 30:40 --repeats 240 --mix 200:300 --mix-repeats 8`: 2400 prompts on box30 .. box39 and 800 on
+    box200 .. box299, shuffled together, none held out: the RL names then include three-digit ones, so the
+    `box30X -> box30` shortening no longer earns the full reward (docs/learning.md, issue 50)."""
+    got = user_boxes.mixed(train_items=range(30, 40), repeats=240, mix_items=user_boxes.items("200:300"), mix_repeats=8)
+    train = [r["extra_info"]["item"] for r in got["train"]]
+    counts = Counter(train)
+    assert len(train) == 3200
+    assert counts == {**{f"box{i}": 240 for i in range(30, 40)}, **{f"box{i}": 8 for i in range(200, 300)}}
+    assert [r["extra_info"]["index"] for r in got["train"]] == list(range(3200))
+    assert 0.15 < sum(len(item) == 6 for item in train[:400]) / 400 < 0.35  # shuffled: a quarter three-digit throughout
+    assert [r["extra_info"]["item"] for r in got["val"]] == [f"box{i}" for i in range(300, 400)]
+    plain = dict(train_items=range(30, 40), repeats=240)
+    assert user_boxes.mixed(**plain) == user_boxes.rows(**plain)  # no mix: the rows as before, row for row
+    with pytest.raises(ValueError, match="must not occur in training"):
+        user_boxes.mixed(mix_items=range(350, 360))

@@ -15,6 +15,8 @@ rest a wrong guess (a random number). The reward is `user_tasks:exact_boxed`; th
 
     python tests/user_boxes.py OUT_DIR      writes OUT_DIR/boxes_{train,val}.parquet
     python tests/user_boxes.py OUT_DIR --val 300:1000:3      held-out box300, box303, .. box999 (234 items)
+    python tests/user_boxes.py OUT_DIR --train 30:40 --repeats 240 --mix 200:300 --mix-repeats 8
+        RL on ten names box30 .. box39, with 800 prompts on box200 .. box299 mixed in (names of the held-out length)
 """
 
 from __future__ import annotations
@@ -77,6 +79,19 @@ def rows(
     }
 
 
+def mixed(mix_items: range | None = None, mix_repeats: int = 8, **knobs) -> dict[str, list[dict]]:
+    """`rows(**knobs)`, with box<i> for i in `mix_items` (each in `mix_repeats` rows) shuffled into training."""
+    got = rows(**knobs)
+    if mix_items is None:
+        return got
+    more = rows(train_items=mix_items, val_items=knobs.get("val_items", range(300, 400)), repeats=mix_repeats, seed=1)
+    train = got["train"] + more["train"]
+    random.Random("mix").shuffle(train)
+    for index, row in enumerate(train):
+        row["extra_info"]["index"] = index
+    return {"train": train, "val": got["val"]}
+
+
 def write(out_dir: str | Path, **knobs) -> dict[str, Path]:
     """boxes_{train,val}.parquet; returns {"boxes_<split>": path}."""
     import pyarrow as pa
@@ -85,7 +100,7 @@ def write(out_dir: str | Path, **knobs) -> dict[str, Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {}
-    for split, split_rows in rows(**knobs).items():
+    for split, split_rows in mixed(**knobs).items():
         paths[f"boxes_{split}"] = path = out_dir / f"boxes_{split}.parquet"
         pq.write_table(pa.Table.from_pylist(split_rows), path)
     return paths
@@ -102,6 +117,9 @@ if __name__ == "__main__":
     parser.add_argument("--train", type=items, default=range(300), help="training items box<i>, i in A:B[:STEP] (0:300)")
     parser.add_argument("--repeats", type=int, default=8, help="rows per training item (8)")
     parser.add_argument("--val", type=items, default=range(300, 400), help="held-out items, A:B[:STEP] (300:400)")
+    parser.add_argument("--mix", type=items, default=None, help="more training items box<i>, i in A:B[:STEP], shuffled")
+    parser.add_argument("--mix-repeats", type=int, default=8, help="rows per --mix item (8)")
     args = parser.parse_args()
-    for name, path in write(args.out_dir, train_items=args.train, val_items=args.val, repeats=args.repeats).items():
+    knobs = dict(train_items=args.train, val_items=args.val, repeats=args.repeats)
+    for name, path in write(args.out_dir, **knobs, mix_items=args.mix, mix_repeats=args.mix_repeats).items():
         print(name, path)
