@@ -29,6 +29,7 @@ from pathlib import Path
 
 TOOL = "lookup"
 ITEM = re.compile(r"box[0-9]{1,4}")
+HELD_OUT = range(300, 400)  # box300 .. box399
 
 
 def lookup(item: str) -> str:
@@ -65,7 +66,7 @@ def make_row(item: str, index: int, split: str, uses_tool: bool, rng: random.Ran
 
 
 def rows(
-    train_items: range = range(300), val_items: range = range(300, 400), repeats: int = 8, tool_ratio: float = 0.3, seed: int = 0
+    train_items: range = range(300), val_items: range = HELD_OUT, repeats: int = 8, tool_ratio: float = 0.3, seed: int = 0
 ) -> dict[str, list[dict]]:
     """Training: box<i> for i in `train_items`, each in `repeats` rows (shuffled); held-out: box<i> for i in `val_items`."""
     if set(train_items) & set(val_items):
@@ -84,7 +85,7 @@ def mixed(mix_items: range | None = None, mix_repeats: int = 8, **knobs) -> dict
     got = rows(**knobs)
     if mix_items is None:
         return got
-    more = rows(train_items=mix_items, val_items=knobs.get("val_items", range(300, 400)), repeats=mix_repeats, seed=1)
+    more = rows(train_items=mix_items, val_items=knobs.get("val_items", HELD_OUT), repeats=mix_repeats, seed=1)
     train = got["train"] + more["train"]
     random.Random("mix").shuffle(train)
     for index, row in enumerate(train):
@@ -116,10 +117,13 @@ if __name__ == "__main__":
     parser.add_argument("out_dir")
     parser.add_argument("--train", type=items, default=range(300), help="training items box<i>, i in A:B[:STEP] (0:300)")
     parser.add_argument("--repeats", type=int, default=8, help="rows per training item (8)")
-    parser.add_argument("--val", type=items, default=range(300, 400), help="held-out items, A:B[:STEP] (300:400)")
+    parser.add_argument("--val", type=items, default=HELD_OUT, help="held-out items, A:B[:STEP] (300:400)")
     parser.add_argument("--mix", type=items, default=None, help="more training items box<i>, i in A:B[:STEP], shuffled")
     parser.add_argument("--mix-repeats", type=int, default=8, help="rows per --mix item (8)")
     args = parser.parse_args()
-    knobs = dict(train_items=args.train, val_items=args.val, repeats=args.repeats)
-    for name, path in write(args.out_dir, **knobs, mix_items=args.mix, mix_repeats=args.mix_repeats).items():
+    paths = write(
+        args.out_dir, train_items=args.train, val_items=args.val, repeats=args.repeats,
+        mix_items=args.mix, mix_repeats=args.mix_repeats,
+    )
+    for name, path in paths.items():
         print(name, path)
