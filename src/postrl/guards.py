@@ -138,10 +138,10 @@ def heldout_collapse(
         "cosine): on issue 50's reproduction (ten training names, no KL), where the constant rate ended 29-36 points "
         "below its best on 3 seeds of 3, it ended within 2 points of its best on all 3, 39-68 points above the start; "
         "over every variant measured it ended within 5 points of its best on 13 of 15 runs, at a best lower than the "
-        "constant rate's on 12 of them. kl_cov and a KL ten times larger did not stop the falls. If "
-        "steps are left, going on brought most falls back, not all (12 of the shipped recipe's 21 runs to step 60 "
-        "ended at their best). What the samples point to is data: training prompts whose entities have the held-out "
-        "ones' form (docs/learning.md).",
+        "constant rate's on 12 of them. kl_cov and a KL ten times larger did not stop the falls. If steps are left, "
+        "going on brought most falls back, not all (12 of the shipped recipe's 21 runs to step 60 ended at their "
+        "best). What the samples point to is data: training prompts whose entities have the held-out ones' form "
+        "(docs/learning.md).",
         b,
     )
 
