@@ -42,13 +42,56 @@ class Reading:
 _ANNOTATION = re.compile(r"^(?P<value>\S(?:.*?\S)?)\s+(?:<-|<=|←|#)(?P<note>.*)$", re.S)
 
 
+MAX_YAML_NODES = 100_000  # nodes of one YAML document or value, aliases expanded (an alias bomb is refused, not walked)
+
+
+class TooLarge(ValueError):
+    """A YAML text whose aliases expand past MAX_YAML_NODES (the message says where)."""
+
+
+def _expanded_size(node: yaml.Node) -> int:
+    """Nodes of the tree `node` stands for with every alias expanded, in time linear in the graph (memoised by node)."""
+    sizes: dict[int, int] = {}
+    stack: list[tuple[yaml.Node, bool]] = [(node, False)]
+    while stack:  # post-order without recursion: a deep document costs no Python stack
+        n, done = stack.pop()
+        if id(n) in sizes:
+            continue
+        kids = [c for kv in n.value for c in kv] if isinstance(n, yaml.MappingNode) else n.value if isinstance(n, yaml.SequenceNode) else []
+        if done:
+            sizes[id(n)] = min(1 + sum(sizes.get(id(c), 0) for c in kids), MAX_YAML_NODES + 1)
+        else:
+            stack.append((n, True))
+            stack += [(c, False) for c in kids if id(c) not in sizes]
+    return sizes[id(node)]
+
+
+def compose_bounded(text: str) -> yaml.Node | None:
+    """The YAML node graph of `text`, refused (TooLarge) when its aliases expand past MAX_YAML_NODES."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+    finally:
+        loader.dispose()
+    if node is not None and _expanded_size(node) > MAX_YAML_NODES:
+        raise TooLarge(f"its YAML aliases (*name) expand to more than {MAX_YAML_NODES:,} values, more than postrl reads")
+    return node
+
+
+def safe_load_bounded(text: str) -> Any:
+    """yaml.safe_load, after `compose_bounded` has checked what the aliases expand to."""
+    compose_bounded(text)
+    return yaml.safe_load(text)
+
+
 def yaml_value(raw: str) -> Any:
-    """A `key=value` value as YAML reads it (True a bool, 0.28 a float, [a,b] a list), else the text."""
+    """A `key=value` value as YAML reads it (True a bool, 0.28 a float, [a,b] a list), else the text; TooLarge
+    for a value whose aliases expand past MAX_YAML_NODES."""
     if raw == "":
         return ""
     try:
-        return yaml.safe_load(raw)
-    except yaml.YAMLError:
+        return safe_load_bounded(raw)
+    except (yaml.YAMLError, RecursionError):
         return raw
 
 
@@ -63,38 +106,39 @@ def strip_annotation(value: Any) -> tuple[Any, str | None]:
 
 
 # ------------------------------------------------------------------------------------------- shell
+MAX_OPEN_LINES = 1000  # lines one quote or substitution may span (each new line rescans it)
+
+
 def _logical_lines(text: str) -> tuple[list[list[tuple[int, str]]], list[str]]:
-    """Each command as its (line number, text) pieces, with comments removed and continuations joined."""
+    """Each command as its (line number, text) pieces, with comments removed and continuations joined; a quote or
+    substitution left open runs on to the next line (postrl.guides.shell.skip decides what is quoted)."""
+    from postrl.guides.shell import ShellError, skip
+
     out: list[list[tuple[int, str]]] = []
     notes: list[str] = []
     buf: list[tuple[int, str]] = []
-    quote = None
+    resume, opened = 0, None  # where the scan of the pending text goes on; the line a construct opened on
     for n, line in enumerate(text.splitlines(), 1):
-        kept, i = [], 0
-        while i < len(line):
-            c = line[i]
-            if quote:
-                if c == quote:
-                    quote = None
-                elif c == "\\" and quote == '"' and i + 1 < len(line):
-                    kept.append(c)
-                    i += 1
-                    c = line[i]
-            elif c in "'\"":
-                quote = c
-            elif c == "\\" and i + 1 < len(line):
-                kept.append(c)
-                i += 1
-                c = line[i]
-            elif c == "#" and (i == 0 or line[i - 1].isspace()):
+        pending = "".join(t for _, t in buf)
+        full, start, i, comment = pending + line, len(pending), resume, None
+        while i < len(full):
+            if full[i] == "#" and i >= start and (i == 0 or full[i - 1].isspace()):
+                comment = i
                 break
-            kept.append(c)
-            i += 1
-        body = "".join(kept).rstrip()
-        cut = len(body) < len(line.rstrip()) and not line.lstrip().startswith("#")
-        if quote:  # a quoted value runs on to the next line
-            buf.append((n, body + "\n"))
+            try:
+                i = skip(full, i)
+            except ShellError as exc:
+                if "unterminated" not in str(exc) or (opened is not None and n - opened > MAX_OPEN_LINES):
+                    i = len(full)  # read as written: the expansion says what is wrong
+                    continue
+                break
+        if i < len(full) and comment is None:  # a quote or substitution runs on to the next line
+            buf.append((n, line + "\n"))
+            resume, opened = i, opened or n
             continue
+        resume, opened = 0, None
+        body = (full[:comment] if comment is not None else full)[start:].rstrip()
+        cut = comment is not None and not line.lstrip().startswith("#")
         if body.endswith("\\") and not body.endswith("\\\\"):
             if cut and body[:-1].rstrip() != body[:-1]:
                 notes.append(
@@ -102,11 +146,12 @@ def _logical_lines(text: str) -> tuple[list[list[tuple[int, str]]], list[str]]:
                     "reach the trainer); read as the continuation the guide means"
                 )
             buf.append((n, body[:-1] + " "))
+            resume = len(pending) + len(body) - 1 + 1
             continue
         buf.append((n, body))
         if "".join(t for _, t in buf).strip():
             out.append(buf)
-        buf = []
+        buf, resume = [], 0
     if "".join(t for _, t in buf).strip():
         out.append(buf)
     return out, notes
@@ -135,13 +180,12 @@ def dedupe(reading: Reading, label: str = "line") -> None:
 def load_yaml_lines(text: str, where: str) -> tuple[Any, dict[tuple, int], list[str]]:
     """(the YAML as safe_load reads it, line of every mapping key by its path, refusals for duplicate keys)."""
     try:
-        loader = yaml.SafeLoader(text)
-        try:
-            node = loader.get_single_node()
-        finally:
-            loader.dispose()
+        node = compose_bounded(text)
     except yaml.YAMLError as exc:
         raise UserError(f"{where} is not valid YAML: {exc}. Fix the syntax at the line shown.") from None
+    except (TooLarge, RecursionError) as exc:
+        why = exc if isinstance(exc, TooLarge) else "it nests deeper than postrl reads"
+        raise UserError(f"{where}: {why}. Fix: write the values out (no anchors / aliases), or convert a smaller file.") from None
     if node is None:
         return None, {}, []
     lines: dict[tuple, int] = {}
@@ -166,5 +210,8 @@ def load_yaml_lines(text: str, where: str) -> tuple[Any, dict[tuple, int], list[
                 lines[(*path, i)] = v.start_mark.line + 1
                 walk(v, (*path, i))
 
-    walk(node, ())
-    return yaml.safe_load(text), lines, refused
+    try:
+        walk(node, ())
+        return yaml.safe_load(text), lines, refused
+    except RecursionError:
+        raise UserError(f"{where}: it nests deeper than postrl reads. Fix: write a flatter file.") from None

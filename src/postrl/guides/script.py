@@ -11,18 +11,39 @@ checkpoint paths) the command's name stands in for its output, with a note.
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 from dataclasses import dataclass, field
 
-from postrl.guides.reading import Item, Reading, _logical_lines, yaml_value
-from postrl.guides.shell import Scope, ShellError, Unknown, case_matches, condition_value, expand, split_commands
+from postrl.errors import UserError
+from postrl.guides.reading import Item, Reading, TooLarge, _logical_lines, yaml_value
+from postrl.guides.shell import (
+    Exhausted,
+    Scope,
+    ShellError,
+    Unknown,
+    case_matches,
+    condition_value,
+    expand,
+    kleene_and,
+    kleene_or,
+    split_commands,
+    top_level,
+    unquote,
+    words,
+)
 
 _ASSIGN = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.S)
 _FUNCTION = re.compile(r"(?:function\s+)?[A-Za-z_][A-Za-z0-9_.-]*\s*\(\)\s*\{?$|function\s+[A-Za-z_][A-Za-z0-9_.-]*\s*\{?$")
 _LOOPS = ("for", "while", "until", "select")
 _KEY = re.compile(r"~?[A-Za-z_][A-Za-z0-9_.\-/@]*")  # a Hydra key (after its + / ++ prefix)
+# Commands whose arguments are text, paths or tests, never the trainer's overrides: `echo "A=b"` prints A=b.
+TEXT_COMMANDS = frozenset({
+    "echo", "printf", "cat", "tee", "read", "test", "[", "[[", ":", "true", "false", "exit", "return", "cd", "pushd",
+    "popd", "mkdir", "rm", "cp", "mv", "ln", "touch", "chmod", "chown", "ls", "sleep", "wait", "kill", "set", "unset",
+    "shift", "trap", "ulimit", "source", ".", "logger", "sed", "awk", "grep", "date", "hostname", "nvidia-smi",
+    "npu-smi", "pip", "pip3", "git", "wget", "curl", "eval", "alias", "command", "type", "which", "basename", "dirname",
+})  # fmt: skip
 
 
 @dataclass
@@ -38,45 +59,6 @@ class _Frame:
     patterns: list[str] = field(default_factory=list)
 
 
-def _words(text: str) -> list[tuple[int, str]]:
-    """(offset, raw word) of a command: split at blanks outside quotes, $(...), ${...} and `...`."""
-    out, start, quote, i, depth = [], None, None, 0, 0
-    while i < len(text):
-        c = text[i]
-        if start is None and not c.isspace():
-            start = i
-        if quote:
-            if c == quote:
-                quote = None
-            elif c == "\\" and quote == '"':
-                i += 1
-        elif c in "'\"`":
-            quote = c
-        elif c == "\\":
-            i += 1
-        elif c == "$" and text[i + 1 : i + 2] in ("(", "{"):
-            depth += 1
-            i += 1
-        elif c in "({" and depth:
-            depth += 1
-        elif c in ")}" and depth:
-            depth -= 1
-        elif c.isspace() and not depth and start is not None:
-            out.append((start, text[start:i]))
-            start = None
-        i += 1
-    if start is not None:
-        out.append((start, text[start:]))
-    return out
-
-
-def _unquote(word: str) -> str:
-    try:
-        return " ".join(shlex.split(word))
-    except ValueError:
-        return word
-
-
 class _Reader:
     def __init__(self, env: dict[str, str]):
         from postrl.guides.verl import NAMES, VERL, VERL_HEADS
@@ -84,15 +66,19 @@ class _Reader:
         self.table, self.names = VERL, NAMES
         self.heads = (*VERL_HEADS, "data.", "algorithm.")
         self.given = dict(env)
-        self.scope = Scope({**os.environ, **env})
+        self.scope = Scope(dict(env))  # the script's own assignments and --env only: the environment is never read
         self.reading = Reading()
         self.frames: list[_Frame] = []
         self.unset_refused: set[str] = set()
+        self.stopped = False  # an `exit` the shell takes for certain: nothing after it runs
+        self.said: tuple[int, str] | None = None  # the last line an echo / printf printed (an exit's message)
 
     def expand(self, word: str, n: int) -> str:
         """The word expanded; a construct postrl does not read makes it unknown (refused only where it matters)."""
         try:
             return expand(word, self.scope, n)
+        except Exhausted:
+            raise
         except ShellError as exc:
             key, value = re.match(r"([^=$`'\"\\]+=)?(.*)", word, re.S).groups()  # NAME= / key= stays readable
             return (key or "") + self.scope.mark(Unknown(f"`{value[:60]}` ({str(exc).split('. Fix:')[0]})", n))
@@ -102,6 +88,84 @@ class _Reader:
         return self.frames[-1].mode if self.frames else "on"
 
     # ----------------------------------------------------------------------------------- control
+    def and_or(self, chain: list[tuple[str, list[tuple[int, str]]]]) -> None:
+        """Commands joined by `&&` / `||`: each runs as bash would decide from the statuses before it. A test's
+        status is evaluated (unknown when its values are); any other command is taken to succeed (the path a
+        launch script is written for); a command whose turn is unknown runs in an unknown branch."""
+        first = "".join(t for _, t in chain[0][1]).split(None, 1)[:1]
+        if len(chain) == 1 or (first and first[0] in ("if", "elif", "while", "until")):
+            self.command([p for _, pieces in chain for p in pieces] if len(chain) == 1 else self._joined(chain))
+            return
+        status, why = True, None
+        for op, pieces in chain:
+            if (op == "&&" and status is False) or (op == "||" and status is True):
+                continue  # bash skips it
+            unsure = bool(op) and status is None  # its turn depends on a test postrl could not decide
+            if unsure:
+                u = why or Unknown("a test postrl does not evaluate", pieces[0][0])
+                self.frames.append(_Frame("list", self.mode, pieces[0][0], mode="off" if self.mode == "off" else "unknown", unknown=u))
+            try:
+                value, u = self.status(pieces)
+                if value is None and u is None:  # not a test: run it; it is taken to succeed
+                    self.command(pieces)
+                    value = True
+            finally:
+                if unsure:
+                    self.frames.pop()
+            status = kleene_and(status, value) if op == "&&" else kleene_or(status, value) if op == "||" else value
+            why = u or why
+
+    def _joined(self, chain: list[tuple[str, list[tuple[int, str]]]]) -> list[tuple[int, str]]:
+        out: list[tuple[int, str]] = []
+        for op, pieces in chain:
+            if op:
+                out.append((pieces[0][0], op))
+            out += pieces
+        return out
+
+    def status(self, pieces: list[tuple[int, str]]) -> tuple[bool | None, Unknown | None]:
+        """(status, why unknown) of one command of an and-or list: a test's value; True for any other command."""
+        text = "".join(t for _, t in pieces).strip()
+        negate = text.startswith("! ")
+        text = text[2:].strip() if negate else text
+        head = text.split(None, 1)[0] if text else ""
+        if head in ("true", ":"):
+            value, unknown = True, None
+        elif head == "false":
+            value, unknown = False, None
+        elif head in ("[", "[[", "test"):
+            value, unknown = self.test(text, pieces[0][0])
+        else:
+            return None, None  # not a test: the caller runs it (and takes it to succeed)
+        return (value if value is None or not negate else not value), unknown
+
+    def test(self, text: str, n: int) -> tuple[bool | None, Unknown | None]:
+        """A test command's value as bash finds it, or (None, why) when a value in it is unknown."""
+        value = self.expand(text, n)
+        unknown = self.scope.unknowns_in(value)
+        try:
+            result = condition_value([w for _, w in words(value)])
+        except ShellError:
+            result = None
+        if result is not None:  # decided by known values (an unknown one the result does not depend on is fine)
+            return result, None
+        return None, unknown[0] if unknown else Unknown(f"the condition `{text[:60]}` (a test postrl does not evaluate)", n)
+
+    def condition_of(self, cond: str, n: int) -> tuple[bool | None, Unknown | None]:
+        """An `if` / `elif` condition: tests joined by `&&` / `||` (left to right, equal precedence, as bash), each
+        with an optional `!`; three-valued (false && ?, true || ? are decided)."""
+        parts = split_commands(cond)
+        value, why, op = None, None, None
+        for start, end, sep in parts:
+            text = cond[start:end].strip()
+            v, u = self.status([(n, text)])
+            if v is None and u is None:  # a command, not a test: its status is not known
+                u = Unknown(f"the command `{text[:60]}` in a condition (postrl runs nothing)", n)
+            value = v if op is None else kleene_and(value, v) if op == "&&" else kleene_or(value, v)
+            why = why or (u if v is None else None)
+            op = sep if sep in ("&&", "||") else None
+        return value, (why if value is None else None)
+
     def command(self, pieces: list[tuple[int, str]]) -> None:
         text = "".join(t for _, t in pieces).strip()
         n = pieces[0][0]
@@ -149,7 +213,28 @@ class _Reader:
             return
         if self.mode == "off":
             return
+        if first in ("exit", "return") and not any(f.kind == "function" for f in self.frames):
+            self.exit(text, n)
+            return
         self.simple(pieces)
+
+    def exit(self, text: str, n: int) -> None:
+        """`exit N` read where bash would: certain -> the script ends there (N != 0: refused, with the message it
+        printed); in a branch postrl cannot choose -> noted, and the rest is read as where it does not exit."""
+        code = unquote(self.expand(text.split(None, 1)[1], n)) if len(text.split()) > 1 else "0"
+        if self.mode == "unknown":
+            u = self.frames[-1].unknown
+            self.reading.notes.append(f"line {n}: `{text}` runs only if {self._chosen(u)} says so; postrl reads on, as where it does not")
+            return
+        self.stopped = True
+        if code.strip() == "0":
+            self.reading.notes.append(f"line {n}: `{text}`: the script ends here, as bash would; nothing after it runs")
+            return
+        said = f" after printing '{self.said[1]}' (line {self.said[0]})" if self.said else ""
+        self.reading.refused.append(
+            f"line {n}: the script stops here with `{text}`{said}, as bash would with these values, so it trains "
+            f"nothing. Fix: the values that lead here (--env, or the script itself)."
+        )
 
     def open_case(self, word: str, n: int) -> None:
         frame = _Frame("case", self.mode, n)
@@ -158,7 +243,7 @@ class _Reader:
             unknown = self.scope.unknowns_in(value)
             if unknown or frame.outer == "unknown":
                 frame.unknown = unknown[0] if unknown else self.frames[-1].unknown  # (the enclosing frame's)
-            frame.value = _unquote(value)
+            frame.value = unquote(value)
         self.frames.append(frame)
 
     def clause(self, frame: _Frame, text: str, n: int, pieces: list) -> None:
@@ -200,14 +285,9 @@ class _Reader:
             frame.mode = "unknown"
             return
         cond = cond.rstrip().removesuffix("then").rstrip().removesuffix(";").rstrip()
-        value = self.expand(cond, n)
-        unknown = self.scope.unknowns_in(value)
-        try:
-            result = None if unknown else condition_value(shlex.split(value))
-        except ValueError:
-            result = None
+        result, why = self.condition_of(cond, n)
         if result is None:
-            frame.unknown = unknown[0] if unknown else Unknown(f"the condition `{cond[:60]}` (a test postrl does not evaluate)", n)
+            frame.unknown = why or Unknown(f"the condition `{cond[:60]}` (a test postrl does not evaluate)", n)
             frame.mode = "unknown"
             where = f"the `if` at line {n}"
             if where not in frame.unknown.chooses:
@@ -244,8 +324,12 @@ class _Reader:
             return next(m for s, m in reversed(starts) if s <= offset)
 
         tokens: list[tuple[str, int]] = []
-        for offset, word in _words(text):
+        for offset, word in words(text):
             n = line_at(offset)
+            if word == "|":  # a pipe: the next command's words
+                self.tokens(tokens)
+                tokens = []
+                continue
             try:
                 tokens += [(tok, n) for tok in shlex.split(self.expand(word, n), posix=True)]
             except ValueError as exc:
@@ -269,6 +353,12 @@ class _Reader:
                 continue
             if not head_done and declare and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", tok):
                 continue  # `export NAME` of a variable set before
+            if not head_done and not sep and tok in TEXT_COMMANDS:  # its arguments are text, never overrides
+                shown = self.scope.substitute(" ".join(t for t, _ in tokens[k:] if not re.fullmatch(r"\d*[<>]+&?\S*", t)))
+                if tok in ("echo", "printf"):
+                    self.said = (n, shown.split(None, 1)[1][:120] if " " in shown else "")
+                r.notes.append(f"line {n}: the command `{shown[:80]}`: skipped (not configuration)")
+                return
             if sep and not tok.startswith("-") and _KEY.fullmatch(key):
                 head_done = True
                 if self.mode == "unknown":
@@ -321,8 +411,9 @@ class _Reader:
                 if u.var not in self.unset_refused:
                     self.unset_refused.add(u.var or "")
                     r.refused.append(
-                        f"line {n}: ${u.var} is not set (neither by the script nor in the environment), so its value is unknown. "
-                        f"Fix: pass --env {u.var}=VALUE to convert-config, or export {u.var}."
+                        f"line {n}: ${u.var} is not set by the script (postrl reads the environment only for the names passed with "
+                        f"--env), so its value is unknown. Fix: pass --env {u.var}=VALUE to convert-config / postrl train, or --env "
+                        f"{u.var} to take your environment's value."
                     )
                 return
         if unknown and key in self.names:
@@ -353,54 +444,96 @@ class _Reader:
             return "write the value in the file"
         choices = f" (the script chooses by it among: {', '.join(u.choices)})" if u.choices else ""
         value = u.choices[0] if len(u.choices) == 1 else "VALUE"
-        return f"pass --env {u.var}={value} to convert-config / postrl train, or export {u.var}{choices}"
+        return f"pass --env {u.var}={value} to convert-config / postrl train (--env {u.var} alone takes your environment's value){choices}"
+
+
+def _heredoc(line: str) -> str | None:
+    """The terminator of a here-document a line opens (`cat <<EOF`, `<<-'EOF'`), found outside quotes and
+    comments; None if it opens none."""
+    try:
+        for i, c in top_level(line):
+            if c == "#" and (i == 0 or line[i - 1].isspace()):
+                return None
+            if line.startswith("<<", i) and not line.startswith("<<<", i):
+                m = re.match(r"<<-?\s*(['\"]?)\\?([A-Za-z_][A-Za-z0-9_]*)\1", line[i:])
+                return m[2] if m else None
+    except ShellError:
+        return None
+    return None
 
 
 def _blank_heredocs(text: str) -> tuple[str, list[str]]:
-    """The text with here-document bodies (`cat <<EOF ... EOF`) blanked, lines kept; a note for each."""
-    out, notes, end, first = [], [], None, 0
+    """The text with here-document bodies blanked (they are a command's input, never configuration), lines kept."""
+    out, notes, end, first, tabs = [], [], None, 0, False
     for n, line in enumerate(text.splitlines(), 1):
         if end is not None:
-            if line.strip() == end:
+            if (line.lstrip("\t") if tabs else line) == end:
                 notes.append(f"line {first}: a here-document (lines {first + 1}-{n}): the input of a command, not configuration")
                 end = None
             out.append("")
             continue
-        m = None if line.lstrip().startswith("#") else re.search(r"<<-?\s*(['\"]?)([A-Za-z_][A-Za-z0-9_]*)\1", line.replace("<<<", "   "))
-        if m:
-            end, first = m[2], n
+        end = _heredoc(line)
+        if end is not None:
+            first, tabs = n, "<<-" in line
         out.append(line)
     return "\n".join(out), notes
 
 
 def read_script(text: str, env: dict[str, str] | None = None) -> Reading:
-    """A verl launch script or override file as a shell would read it: `key=value` items with their lines.
+    """A verl launch script or override file as bash would read it: `key=value` items with their lines.
 
-    Variables come from `env` (`--env KEY=VALUE`), the script's own assignments (`MODEL=...`,
-    `export MODEL=...`), then the environment. A command word and its flags are skipped with a note
-    (the module after `-m` is kept as `Reading.entry`); a verl key written `key value` is refused."""
+    Variables come from `env` (`--env KEY=VALUE`) and the script's own assignments (`MODEL=...`, `export
+    MODEL=...`); the process environment is never read. A command word and its flags are skipped with a note (the
+    module after `-m` is kept as `Reading.entry`); the arguments of echo, printf and the like are text; a verl
+    key written `key value` is refused. Every evaluation is bounded (postrl.guides.shell): a bound hit is refused
+    like any line postrl cannot read."""
     reader = _Reader(dict(env or {}))
     text, heredocs = _blank_heredocs(text)
     lines, reader.reading.notes = _logical_lines(text)
     reader.reading.notes += heredocs
     for pieces in lines:
+        if reader.stopped:
+            break
         joined = "".join(t for _, t in pieces)
-        for start, end in split_commands(joined):
-            sub, pos = [], 0
-            for m, t in pieces:  # the command's own pieces, with their lines
-                lo, hi = max(start - pos, 0), min(end - pos, len(t))
-                if lo < hi:
-                    sub.append((m, t[lo:hi]))
-                pos += len(t)
+        try:
+            spans = split_commands(joined)
+        except ShellError as exc:
+            spans = [(0, len(joined), "")]
+        chain: list[tuple[str, list]] = []
+        op = ""
+        for start, end, sep in spans:
+            chain.append((op, _cut(pieces, start, end)))
+            op = sep if sep in ("&&", "||") else ""
+            if op:
+                continue
+            sub = [p for _, c in chain for p in c]
             try:
-                reader.command(sub)
-            except ShellError as exc:
+                reader.and_or(chain)
+            except Exhausted as exc:
+                reader.reading.refused.append(f"line {sub[0][0]}: {exc}. Fix: write the values out in the file.")
+                reader.stopped = True
+            except (ShellError, TooLarge, UserError) as exc:
                 first, last = sub[0][0], sub[-1][0]
                 where = f"line {first}" if first == last else f"lines {first}-{last}"
-                why = str(exc).rstrip(".")
+                why = (" ".join(exc.problems) if isinstance(exc, UserError) else str(exc)).rstrip(".")
                 fix = "" if "Fix:" in why else ". Fix: write the value in the file (postrl runs nothing of the script)"
                 reader.reading.refused.append(f"{where}: {why}{fix}.")
-    for frame in reader.frames:
-        reader.reading.refused.append(f"line {frame.line}: this {frame.kind} is never closed. Fix: close it ({'esac' if frame.kind == 'case' else 'fi'}).")
+            chain = []
+            if reader.stopped:
+                break
+    if not reader.stopped:
+        for frame in reader.frames:
+            reader.reading.refused.append(f"line {frame.line}: this {frame.kind} is never closed. Fix: close it ({'esac' if frame.kind == 'case' else 'fi'}).")
     reader.reading.notes.sort(key=lambda note: int(re.match(r"line (\d+)", note)[1]) if re.match(r"line \d+", note) else 0)
     return reader.reading
+
+
+def _cut(pieces: list[tuple[int, str]], start: int, end: int) -> list[tuple[int, str]]:
+    """The pieces (with their lines) of the command at [start, end) of their joined text."""
+    sub, pos = [], 0
+    for m, t in pieces:
+        lo, hi = max(start - pos, 0), min(end - pos, len(t))
+        if lo < hi:
+            sub.append((m, t[lo:hi]))
+        pos += len(t)
+    return sub
