@@ -167,7 +167,8 @@ def test_binary_directory_and_output_paths(tmp_path, capsys):
     assert code == 2 and "cannot write" in _out(capsys)  # under a file: refused, no traceback
 
 
-def test_overrides_after_the_file_apply_or_refuse(tmp_path, capsys):
+def test_overrides_after_the_file_apply_or_refuse(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("DATA_DIR", raising=False)
     out = tmp_path / "c.yaml"
     args = ["convert-config", str(INPUTS / "verl_dapo_qwen25_32b.sh"), "actor_rollout_ref.rollout.n=4", "train.seed=7", "-o", str(out)]
     assert main(args) == 0
@@ -178,7 +179,9 @@ def test_overrides_after_the_file_apply_or_refuse(tmp_path, capsys):
     assert main(["convert-config", str(INPUTS / "verl_dapo_qwen25_32b.sh"), "no.such_key=1"]) == 2
     assert "names neither a key of" in _out(capsys)
     assert main(["convert-config", str(SEEDS / "seed001_verl_grpo_script.sh"), "--env", "DATA_DIR"]) == 2
-    assert "--env DATA_DIR: not of the form KEY=VALUE" in _out(capsys)
+    assert "--env DATA_DIR: DATA_DIR is not set in your environment" in _out(capsys)  # --env NAME alone reads it from there
+    assert main(["convert-config", str(SEEDS / "seed001_verl_grpo_script.sh"), "--env", "DATA-DIR=/d"]) == 2
+    assert "--env DATA-DIR=/d: not of the form NAME=VALUE or NAME" in _out(capsys)
     assert main(["convert-config", str(SEEDS / "seed001_verl_grpo_script.sh"), "--env", "DATA_DIR=/d", "-o", str(out)]) == 0
     assert build_config(yaml.safe_load(out.read_text())).data.train_files == ["/d/gsm8k/train.parquet"]
 

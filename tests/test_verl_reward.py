@@ -101,7 +101,11 @@ def test_train_takes_a_verl_script(tmp_path, capsys):
     run = tmp_path / "run"
     argv = ["train", str(VERL / "tiny_custom_reward.sh"), "--env", f"REWARD_FILE={REWARD}", "trainer.total_training_steps=2",
             "data.builtin.train_size=16", "eval.after_train=false", "logging.progress=false", f"logging.dir={run}"]  # fmt: skip
-    assert main(argv) == 0
+    assert main(argv) == 2  # the reward file is the user's code: nothing of a script runs unless allowed
+    printed = " ".join(capsys.readouterr().out.split())
+    assert f"reward.verifiers[0] = 'verl:{REWARD}:compute_score': imports and calls this reward function" in printed
+    assert "run again with --allow-code" in printed and not (run / "metrics.jsonl").exists()
+    assert main([*argv, "--allow-code"]) == 0
     printed = " ".join(capsys.readouterr().out.split())
     assert "# from custom_reward_function.path" in printed and "max_tokens: 12 # from data.max_response_length" in printed
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -39,8 +39,9 @@ def cmd_train(args) -> int:
     from postrl.checks import load_config
 
     if _is_script(args.config):  # a verl launch script: converted in memory, the mapping printed, then trained
-        args.config, args.overrides = _from_script(args), []
-    cfg = load_config(args.config, args.overrides)
+        cfg, args.config, args.overrides = (*_from_script(args), [])
+    else:
+        cfg = load_config(args.config, args.overrides)
     _quiet_console(cfg)  # before torch is imported (postrl.console)
     if args.nproc and args.nproc > 1 or cfg.cluster.launcher != "local" or args.ray_address or "LOCAL_RANK" in os.environ:
         from postrl.launch import launch  # starts torchrun / Ray, or runs one rank under them
@@ -171,15 +172,31 @@ def _is_script(config: str) -> bool:
     return Path(config).suffix not in (".yaml", ".yml", ".json") and Path(config).is_file()
 
 
-def _from_script(args) -> str:
-    """Convert a verl script for `postrl train`: print the mapping, write it beside the run, return its path."""
+def _from_script(args):
+    """Convert a verl script for `postrl train`: print the mapping, refuse settings that run code without
+    --allow-code, write the YAML beside the run (launched ranks read it), and return (the validated config, its path).
+    The run is built from the validated tree; the written YAML reads back as that same tree (render_yaml checks)."""
     from pathlib import Path
 
+    from postrl.checks import environment_problems
     from postrl.config import build_config
+    from postrl.guides import code_keys
 
-    conv, source, text = _convert(args.config, args.env, args.overrides, None)
+    conv, source, text = _convert(args.config, args.env, args.overrides, None, allow_code=args.allow_code)
     console.print(text, markup=False, highlight=False, soft_wrap=True)
-    out = Path(build_config(conv.tree, f"{source} converted").logging.dir) / "converted_from_verl.yaml"
+    code = code_keys(conv.tree)
+    if code and not args.allow_code:
+        raise UserError(
+            *(f"{key} = {value!r}: {what}." for key, value, what in code),
+            f"Fix: read the settings above and the code they name; if you trust it, run again with --allow-code "
+            f"(`postrl train {args.config} --allow-code`), or remove them from {source}.",
+            title=f"{source} sets {len(code)} setting(s) that run code other than postrl's, and nothing of a script runs unless you allow it",
+        )
+    cfg = build_config(conv.tree, f"{source} converted")
+    problems = environment_problems(cfg)
+    if problems:
+        raise UserError(*problems, title=f"{source} converted: {len(problems)} problem(s) in the configuration")
+    out = Path(cfg.logging.dir) / "converted_from_verl.yaml"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text)
@@ -187,19 +204,28 @@ def _from_script(args) -> str:
         raise UserError(f"cannot write {out}: {exc.strerror}. Fix: set logging.dir=<a directory you may write to>.") from None
     console.print(f"{source}: {len(conv.mapped)} keys mapped, {len(conv.unmapped)} not mapped (listed above); training with {out}",
                   markup=False, highlight=False, soft_wrap=True)  # fmt: skip
-    return str(out)
+    return cfg, str(out)
 
 
-def _convert(source_arg: str, env_args: list[str], overrides: list[str], base: str | None):
-    """(conversion, source name, postrl YAML) of a MindSpeed-RL YAML, a verl script or override list, or an
-    inline verl command line; validated (a problem names the source line its postrl key came from)."""
-    from postrl.config import _is_config_key, build_config, parse_overrides, read_yaml_mapping
-    from postrl.guides import Mapped, _build_tree, _flatten, convert_file, convert_verl, render_yaml
-
-    bad = [e for e in env_args if not e.partition("=")[0].isidentifier() or "=" not in e]
+def _env(env_args: list[str]) -> dict[str, str]:
+    """--env NAME=VALUE, or --env NAME: the value of NAME in this process's environment (read only when named)."""
+    bad = [e for e in env_args if not e.partition("=")[0].isidentifier()]
     if bad:
-        raise UserError(*(f"--env {e}: not of the form KEY=VALUE (a shell variable's name, then its value). Fix: e.g. --env DATA_DIR=/data." for e in bad))
-    env = dict(e.partition("=")[::2] for e in env_args)
+        raise UserError(*(f"--env {e}: not of the form NAME=VALUE or NAME (a shell variable's name). Fix: e.g. --env DATA_DIR=/data." for e in bad))
+    missing = [e for e in env_args if "=" not in e and e not in os.environ]
+    if missing:
+        raise UserError(*(f"--env {e}: {e} is not set in your environment, so there is no value to take. Fix: --env {e}=VALUE." for e in missing))
+    return {(k := e.partition("=")[0]): (e.partition("=")[2] if "=" in e else os.environ[k]) for e in env_args}
+
+
+def _convert(source_arg: str, env_args: list[str], overrides: list[str], base: str | None, allow_code: bool = False):
+    """(conversion, source name, postrl YAML) of a MindSpeed-RL YAML, a verl script or override list, or an
+    inline verl command line; validated (a problem names the source line its postrl key came from) without
+    importing the user's code unless `allow_code`."""
+    from postrl.config import _is_config_key, build_config, parse_overrides, read_yaml_mapping
+    from postrl.guides import Mapped, _build_tree, _flatten, convert_file, convert_verl, inert, render_yaml
+
+    env = _env(env_args)
     if source_arg == "-" or "=" in source_arg:  # verl overrides on the command line
         conv, source = convert_verl([source_arg, *overrides] if source_arg != "-" else overrides, "the command line"), "the command line"
     else:
@@ -221,7 +247,7 @@ def _convert(source_arg: str, env_args: list[str], overrides: list[str], base: s
         )
     text = render_yaml(conv, source)
     try:
-        build_config(conv.tree, f"{source} converted")  # a conversion that does not validate is a bug or a bad value: say so now
+        build_config(conv.tree if allow_code else inert(conv.tree), f"{source} converted")  # a bad value: say so now
     except UserError as exc:  # name the source line each postrl key came from
         origin = {k: (f"line {conv.lines[m.source]}: " if m.source in conv.lines else "") + m.source for m in conv.mapped for k in m.targets}
         raise UserError(*(_with_origin(p, origin) for p in exc.problems), title=exc.title) from None
@@ -268,7 +294,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="GRPO / DAPO training (CONFIG may be a verl launch script: converted first)")
     _config_args(p)
-    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="a verl script's variable ($KEY, ${KEY})")
+    p.add_argument("--env", action="append", default=[], metavar="NAME[=VALUE]",
+                   help="a verl script's variable ($NAME); NAME alone takes its value from your environment (read for no other name)")
+    p.add_argument("--allow-code", action="store_true",
+                   help="a verl script may set what runs code (trust_remote_code, reward functions, tools, agents): allow it")
     p.add_argument("--nproc", type=int, default=0, help="processes on this machine (torchrun underneath)")
     p.add_argument("--ray-address", default=None, help="run through Ray Train on this cluster")
     p.set_defaults(fn=cmd_train)
@@ -318,7 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("source", help="MindSpeed-RL YAML, a file of verl key=value overrides, or the first override itself")
     p.add_argument("overrides", nargs="*", default=[], help="more verl overrides (key=value)")
     p.add_argument("-o", "--out", default=None, help="write the postrl YAML here (default: print it)")
-    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="a variable the script uses ($KEY, ${KEY})")
+    p.add_argument("--env", action="append", default=[], metavar="NAME[=VALUE]",
+                   help="a variable the script uses ($NAME); NAME alone takes its value from your environment (read for no other name)")
     p.add_argument("--base", default=None, metavar="CONFIG", help="a postrl config the converted keys go over (for fragments)")
     p.set_defaults(fn=cmd_convert_config)
     p = sub.add_parser("tiny-model", help="build (or find in the cache) the tiny Qwen2 model")

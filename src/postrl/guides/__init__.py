@@ -13,6 +13,7 @@ table is documented in docs/guides.md.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
@@ -452,13 +453,76 @@ def split_overrides(overrides: list[str], is_postrl_key: Callable[[str], bool]) 
 
 
 # ------------------------------------------------------------------------------------------- output
+def code_keys(tree: dict) -> list[tuple[str, Any, str]]:
+    """(postrl key, value, what it runs) of every setting in `tree` that imports or runs code other than postrl's:
+    `postrl train SCRIPT.sh` asks for --allow-code before it trains with them, convert-config lists them apart."""
+    flat = _flatten(tree)
+    out: list[tuple[str, Any, str]] = []
+    if flat.get("model.trust_remote_code") is True:
+        out.append(("model.trust_remote_code", True, "runs the Python files of the model's repository (from_pretrained)"))
+    for i, v in enumerate(flat.get("reward.verifiers") or []):
+        name = v.get("name") if isinstance(v, dict) else v
+        if isinstance(name, str) and ":" in name:
+            out.append((f"reward.verifiers[{i}]", name, "imports and calls this reward function"))
+    for i, tool in enumerate(flat.get("rollout.multi_turn.tools") or []):
+        if isinstance(tool, str) and not tool.startswith("builtin:"):
+            out.append((f"rollout.multi_turn.tools[{i}]", tool, "imports and calls this tool"))
+    for key, what in (("rollout.multi_turn.interaction", "imports this environment class"), ("rollout.agent", "runs this agent program"),
+                      ("rollout.environment", "imports this environment")):  # fmt: skip
+        if flat.get(key):
+            out.append((key, flat[key], what))
+    for key in ("algorithm.policy_loss", "algorithm.adv_estimator"):
+        if isinstance(flat.get(key), str) and ":" in flat[key]:
+            out.append((key, flat[key], "imports this function"))
+    return out
+
+
+def inert(tree: dict) -> dict:
+    """A copy of `tree` without the settings that import code (`code_keys`; the user's tools stand as
+    builtin:calculator), for validating a conversion without running anything of the user's."""
+    import copy
+
+    out = copy.deepcopy(tree)
+    for key, _, _ in code_keys(tree):
+        *parents, leaf = key.split("[")[0].split(".")
+        node = out
+        for k in parents:
+            node = node[k]
+        if node.pop(leaf, None) is not None and leaf == "tools":
+            node[leaf] = ["builtin:calculator"]
+    return out
+
+
+def same_tree(a: Any, b: Any) -> bool:
+    """Equal as data (NaN equals NaN; 1 and 1.0 and True differ)."""
+    return json.dumps(a, sort_keys=True, default=repr) == json.dumps(b, sort_keys=True, default=repr)
+
+
+def _comment(text: Any) -> str:
+    """Text safe inside a YAML comment: every line break and other unprintable character written as an escape."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+
+
+class _Dumper(yaml.SafeDumper):
+    """One-line YAML values: a string with a line break or another unprintable character is double-quoted with escapes."""
+
+
+_Dumper.add_representer(str, lambda d, v: d.represent_scalar("tag:yaml.org,2002:str", v, style='"' if not v.isprintable() else None))
+
+
+def _one_line(v: Any) -> str:
+    text = yaml.dump(v, Dumper=_Dumper, default_flow_style=True, width=10**9, allow_unicode=True).strip()
+    return text[:-4].rstrip() if text.endswith("\n...") else text.removesuffix("...").rstrip()
+
+
 def render_yaml(conv: Conversion, source: str) -> str:
-    """The postrl YAML: one comment per mapped key (its source), then the keys not mapped with what postrl offers."""
+    """The postrl YAML: one comment per mapped key (its source), the settings that run code apart, then the keys
+    not mapped with what postrl offers. Read back, its data is exactly `conv.tree` (checked here)."""
     origin: dict[str, list[str]] = {}
     for m in conv.mapped:
         for k in m.targets:
             origin.setdefault(k, []).append(m.source + (f" ({m.note})" if m.note else ""))
-    lines = [f"# postrl configuration converted from {source} ({conv.dialect}) by `postrl convert-config`.",
+    lines = [f"# postrl configuration converted from {_comment(source)} ({conv.dialect}) by `postrl convert-config`.",
              "# Check it with `postrl check-config` (the keys postrl did not map are listed at the end)."]  # fmt: skip
 
     def emit(node: dict, path: str, indent: int) -> None:
@@ -466,28 +530,33 @@ def render_yaml(conv: Conversion, source: str) -> str:
             key = f"{path}{k}"
             pad = "  " * indent
             if isinstance(v, dict) and v:
-                lines.append(f"{pad}{k}:")
+                lines.append(f"{pad}{_one_line(k)}:")
                 emit(v, key + ".", indent + 1)
             else:
-                text = yaml.safe_dump(v, default_flow_style=True, width=10_000).strip()
-                text = text[:-4].rstrip() if text.endswith("\n...") else text.removesuffix("...").rstrip()
-                comment = f"  # from {'; '.join(origin[key])}" if key in origin else ""
-                lines.append(f"{pad}{k}: {text}{comment}")
+                comment = f"  # from {_comment('; '.join(origin[key]))}" if key in origin else ""
+                lines.append(f"{pad}{_one_line(k)}: {_one_line(v)}{comment}")
 
     emit(conv.tree, "", 0)
+    code = code_keys(conv.tree)
+    if code:
+        lines.append("")
+        lines.append(f"# Settings that run code other than postrl's ({len(code)}): `postrl train SCRIPT.sh` asks for --allow-code.")
+        lines += [f"#   {key} = {_comment(repr(value))}: {what}" for key, value, what in code]
     silent = [m for m in conv.mapped if not m.targets]
     if silent:
         lines.append("")
         lines.append(f"# Mapped with nothing to set ({len(silent)} keys): postrl's behaviour already is what they ask.")
         for m in silent:
-            lines.append(f"#   {m.source} = {m.value!r}" + (f": {m.note}" if m.note else ""))
+            lines.append(f"#   {_comment(m.source)} = {_comment(repr(m.value))}" + (f": {_comment(m.note)}" if m.note else ""))
     if conv.unmapped:
         lines.append("")
         lines.append(f"# Not mapped ({len(conv.unmapped)} keys): what postrl offers instead.")
         for u in conv.unmapped:
-            lines.append(f"#   {u.source} = {u.value!r}: {u.instead}")
+            lines.append(f"#   {_comment(u.source)} = {_comment(repr(u.value))}: {_comment(u.instead)}")
     if conv.notes:
         lines.append("")
         lines.append(f"# Read, with nothing to convert ({len(conv.notes)} notes).")
-        lines += [f"#   {n}" for n in conv.notes]
-    return "\n".join(lines) + "\n"
+        lines += [f"#   {_comment(n)}" for n in conv.notes]
+    text = "\n".join(lines) + "\n"
+    assert same_tree(yaml.safe_load(text) or {}, conv.tree), "the rendered YAML does not read back as the converted tree"
+    return text
