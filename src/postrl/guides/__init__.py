@@ -33,7 +33,7 @@ from postrl.guides.rules import (
     _bool,
 )
 from postrl.guides.reading import Item, Reading, dedupe, load_yaml_lines, strip_annotation, yaml_value
-from postrl.guides import fully_async
+from postrl.guides import fully_async, verl_tools
 from postrl.guides.script import read_script
 from postrl.guides.verl import VERL, VERL_HEADS, VERL_PREFIXES  # noqa: F401
 from postrl.guides.mindspeed import MINDSPEED, MINDSPEED_PREFIXES, MINDSPEED_SECTIONS  # noqa: F401
@@ -147,9 +147,11 @@ def _unmapped_to_mapped(conv: Conversion, source: str, targets: dict, note: str)
             return
 
 
-def convert_verl(overrides: list[str] | dict[str, Any] | list[Item], where: str = "the verl overrides", entry: str | None = None) -> Conversion:
+def convert_verl(overrides: list[str] | dict[str, Any] | list[Item], where: str = "the verl overrides", entry: str | None = None,
+                 script_dir: Path | None = None) -> Conversion:
     """A verl override list (`key=value` items, Hydra's `+` / `++` prefixes allowed) in postrl's names; `entry`
-    is the module the script runs (verl's fully_async entry point reads keys of its own)."""
+    is the module the script runs (verl's fully_async entry point reads keys of its own); `script_dir` is where
+    a relative tool config is looked for after the working directory (verl_tools)."""
     if isinstance(overrides, dict):
         reading = Reading([Item(k, v) for k, v in overrides.items()])
     elif overrides and isinstance(overrides[0], Item):
@@ -168,11 +170,21 @@ def convert_verl(overrides: list[str] | dict[str, Any] | list[Item], where: str 
         _apply(conv, VERL, VERL_PREFIXES, key, value)
     try:
         _verl_combinations(conv, given)
+        verl_tools.carry(conv, given, script_dir)
         if fully_async.is_fully_async(entry):
             fully_async.combine(conv, given)
     except (BadValue, ValueError, TypeError) as exc:
         conv.refused.append(f"{exc}. Fix: write the value alone.")
     return _finish(conv, where)
+
+
+# verl's losses that aggregate per sequence whatever actor.loss_agg_mode says (verl/trainer/ppo/core_algos.py):
+# postrl's follow algorithm.loss_agg_mode, so a converted run sets the mode verl uses.
+SEQUENCE_AGGREGATED = {
+    "sapo": "verl's compute_policy_loss_sapo always aggregates seq-mean-token-mean",
+    "geo_mean": "verl's compute_policy_loss_geo_mean always takes the mean over sequences of its per-sequence loss, "
+    "which is postrl's seq-mean-token-mean",
+}
 
 
 def _verl_combinations(conv: Conversion, given: dict[str, Any]) -> None:
@@ -189,6 +201,25 @@ def _verl_combinations(conv: Conversion, given: dict[str, Any]) -> None:
             m.note = "ignored: use_kl_loss is false"
         if m.source == "reward_model.model.path" and not _bool(given.get("reward_model.enable", False)):
             m.targets, m.note = {}, "ignored: reward_model.enable is not true (as in verl)"
+    for key in [k for k in given if k.startswith("data.custom_cls.")]:
+        conv.unmapped = [u for u in conv.unmapped if u.source != key]
+        if key == "data.custom_cls.path" and given[key] not in (None, "", "null", "None"):
+            conv.refused.append(
+                f"{_where(conv, key)} = {given[key]!r}: verl builds the prompts with this dataset class (data.custom_cls.name), "
+                "code postrl does not run; training on postrl's reading of the files instead would train other prompts. "
+                "Fix: write the rows the class makes into parquet / JSONL in the verl schema (prompt as chat messages, "
+                "reward_model.ground_truth; `postrl preprocess` has handlers) and drop data.custom_cls.*."
+            )
+        elif key != "data.custom_cls.path":
+            conv.mapped.append(Mapped(key, given[key], {}, "see data.custom_cls.path"))
+    loss_mode = given.get("actor_rollout_ref.actor.policy_loss.loss_mode")
+    if loss_mode in SEQUENCE_AGGREGATED:  # verl aggregates these per sequence whatever loss_agg_mode says
+        why = SEQUENCE_AGGREGATED[loss_mode]
+        for m in conv.mapped:
+            if m.source == "actor_rollout_ref.actor.loss_agg_mode":
+                m.targets, m.note = {}, f"ignored, as in verl: {why}"
+        conv.mapped.append(Mapped(f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode} (its aggregation)", loss_mode,
+                                  {"algorithm.loss_agg_mode": "seq-mean-token-mean"}, why))  # fmt: skip
     if "trainer.total_training_steps" in given:  # verl: total_training_steps wins over total_epochs
         for m in conv.mapped:
             if m.source == "trainer.total_epochs":
@@ -385,14 +416,14 @@ def convert_file(path: str | Path, env: dict[str, str] | None = None, overrides:
         if dups:
             raise UserError(*dups, title=f"{path}: {len(dups)} key(s) given twice")
         items = [Item(k, v, lines.get(tuple(k.split(".")))) for k, v in _flatten(tree).items()]
-        return _with_verl_overrides(items, extra, str(path))
+        return _with_verl_overrides(items, extra, str(path), script_dir=p.parent)
     if isinstance(tree, list):  # a YAML list of overrides (Hydra's override file)
         bad = [f"line {lines.get((i,), '?')}: item {v!r} is not of the form key=value. Fix: write it like actor_rollout_ref.rollout.n=8."
                for i, v in enumerate(tree) if not (isinstance(v, str) and "=" in v)]  # fmt: skip
         if bad:
             raise UserError(*bad, title=f"{path}: {len(bad)} list item(s) are not verl overrides")
         items = [Item(k.lstrip("+"), yaml_value(v), lines.get((i,))) for i, (k, _, v) in enumerate(x.partition("=") for x in tree)]
-        return _with_verl_overrides(items, extra, str(path))
+        return _with_verl_overrides(items, extra, str(path), script_dir=p.parent)
     reading = read_script(text, env)
     reading.check(str(path))
     if not reading.items:
@@ -400,7 +431,7 @@ def convert_file(path: str | Path, env: dict[str, str] | None = None, overrides:
             f"{path} is neither a MindSpeed-RL YAML (megatron_training / actor_config / rl_config / generate_config "
             "sections, or their keys) nor a list of verl overrides (key=value). Fix: pass one of those."
         )
-    conv = _with_verl_overrides(reading.items, extra, str(path), reading.entry)
+    conv = _with_verl_overrides(reading.items, extra, str(path), reading.entry, p.parent)
     conv.notes[:0] = reading.notes
     return conv
 
@@ -415,7 +446,7 @@ VERL_DEFAULTS: dict[str, tuple[str, Any]] = {
 }
 
 
-def _with_verl_overrides(items: list[Item], extra: list[Item], where: str, entry: str | None = None) -> Conversion:
+def _with_verl_overrides(items: list[Item], extra: list[Item], where: str, entry: str | None = None, script_dir: Path | None = None) -> Conversion:
     """The file's items with the command line's verl keys replacing theirs; postrl keys left in `rest`."""
     dedupe_file = Reading(list(items))
     dedupe(dedupe_file)
@@ -427,7 +458,7 @@ def _with_verl_overrides(items: list[Item], extra: list[Item], where: str, entry
             items = [i for i in items if i.key != it.key] + [it]
         else:
             rest.append(f"{it.key}={it.raw}")
-    conv = convert_verl(items, where, entry)
+    conv = convert_verl(items, where, entry, script_dir)
     flat = conv.flat()
     for verl_key, (key, value) in VERL_DEFAULTS.items():  # a whole script: what verl runs when it names nothing
         if key == "reward.verifiers" and "custom_reward_function.path" in {i.key for i in items}:

@@ -450,6 +450,8 @@ def _variable(name: str, scope: Scope, line: int, depth: int, text: str) -> int:
         return 0
     try:  # the shell evaluates a variable that holds an expression
         return arithmetic(value, scope, line, depth + 1)
+    except (Exhausted, _UnknownUsed):
+        raise
     except ShellError:
         raise ShellError(f"'$(({text}))' reads {name}={value!r}, which is not an integer") from None
 
@@ -488,7 +490,10 @@ _INTS = {"-eq": int.__eq__, "-ne": int.__ne__, "-lt": int.__lt__, "-le": int.__l
 
 
 def _single_test(words: list[str], pattern: str | None = None) -> bool | None:
-    """`[ ... ]` / `test ...` with one primary, `!` in front; `pattern`: the raw right side of `[[ == ]]`."""
+    """`[ ... ]` / `test ...` with one primary, `!` in front; `pattern`: the raw right side of `[[ == ]]`. A word
+    holding an unknown value (its mark) makes the primary unknown."""
+    if any(MARK in w for w in words) or (pattern is not None and MARK in pattern):
+        return None
     if words and words[0] == "!" and len(words) > 1:
         inner = _single_test(words[1:], pattern)
         return None if inner is None else not inner
