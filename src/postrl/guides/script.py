@@ -247,10 +247,13 @@ class _Reader:
         self.frames.append(frame)
 
     def clause(self, frame: _Frame, text: str, n: int, pieces: list) -> None:
-        m = re.match(r"\(?\s*((?:[^)'\"]|'[^']*'|\"[^\"]*\")+)\)\s*(.*)$", text, re.S)
-        if not m:
+        body = text.strip().removeprefix("(")
+        close = next((i for i, c in top_level(body) if c == ")"), None)
+        if close is None or not body[:close].strip():
             raise ShellError(f"'{text[:60]}' is neither a case pattern `pat)` nor `esac`")
-        patterns = [p.strip() for p in re.split(r"\|(?=(?:[^'\"]|'[^']*'|\"[^\"]*\")*$)", m[1])]
+        bars = [-1] + [i for i, c in top_level(body[:close]) if c == "|"] + [close]
+        patterns = [body[a + 1 : b].strip() for a, b in zip(bars, bars[1:])]
+        shown, rest = body[:close].strip(), body[close + 1 :].strip()
         frame.in_clause = True
         frame.patterns += patterns
         if frame.outer == "off":
@@ -263,11 +266,11 @@ class _Reader:
                 frame.unknown.chooses.append(where)
         elif not frame.decided and case_matches(frame.value, [expand(p, self.scope, n) for p in patterns]):
             frame.mode, frame.decided = "on", True
-            self.reading.notes.append(f"line {n}: case `{frame.value}` takes the branch `{m[1].strip()})`, as the shell would")
+            self.reading.notes.append(f"line {n}: case `{frame.value}` takes the branch `{shown})`, as the shell would")
         else:
             frame.mode = "off"
-        if m[2].strip():
-            self.command([(n, m[2].strip())])
+        if rest:
+            self.command([(n, rest)])
 
     def condition(self, keyword: str, cond: str, n: int) -> None:
         if keyword == "if":
@@ -497,7 +500,7 @@ def read_script(text: str, env: dict[str, str] | None = None) -> Reading:
         joined = "".join(t for _, t in pieces)
         try:
             spans = split_commands(joined)
-        except ShellError as exc:
+        except ShellError:  # an unterminated quote: the command as one (its expansion says what is wrong)
             spans = [(0, len(joined), "")]
         chain: list[tuple[str, list]] = []
         op = ""
