@@ -10,7 +10,14 @@ module expands words as the shell would, with three differences that keep it saf
 - a command substitution `$(...)` or `` `...` `` is never run: it becomes an `Unknown` value, carried through
   the variables it flows into; where it is used, the reader decides (a name: a placeholder with a note; a
   setting that decides what is trained: refused, naming the `--env VAR=...` that settles it);
-- a variable that is not set is an error (the shell would give an empty string or 0).
+- a variable that is not set is an error (the shell would give an empty string or 0);
+- every evaluation is bounded: MAX_STEPS for the whole script (variables that expand into each other), words of
+  at most 10 x MAX_WORD characters (measured before they are built), MAX_TERMS operators and MAX_DEPTH levels.
+
+One scanner (`skip`, with `closing`, `top_level`, `split_commands`, `words`, `quoted_parts`) decides what is
+quoted or substituted for every reader in postrl.guides. bashlex (a port of bash's parser) was considered: it is
+GPL-3.0 (postrl is Apache-2.0) and parses without expanding, and the expansion, with its bounds and its unknown
+values, is what this module is for.
 """
 
 from __future__ import annotations
