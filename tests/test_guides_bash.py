@@ -154,6 +154,10 @@ def test_a_yaml_alias_bomb_is_refused(tmp_path):
                     + ", ".join(f"&b{i} [" + ", ".join(["*a" if i == 0 else f"*b{i - 1}"] * 10) + "]" for i in range(8)) + "]'\n")  # fmt: skip
     assert "expand to more than" in r.refused[0]
     assert time.monotonic() - start < 5
+    huge = tmp_path / "huge.sh"
+    huge.write_bytes(b"#" * (9 << 20))
+    with pytest.raises(UserError, match="larger than 8 MB"):
+        convert_file(huge)
     ok = tmp_path / "ok.yaml"  # anchors that expand to little are read as YAML reads them
     ok.write_text("base: &b {clip_ratio: 0.2}\nactor_config: *b\n")
     assert load_yaml_lines(ok.read_text(), "ok")[0]["actor_config"] == {"clip_ratio": 0.2}

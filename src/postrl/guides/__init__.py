@@ -381,6 +381,9 @@ def _mindspeed_override(tree: dict, key: str, value: Any) -> bool:
     return True
 
 
+MAX_SOURCE_BYTES = 8 << 20  # a launch script or config is kilobytes; a file past this is not one
+
+
 def convert_file(path: str | Path, env: dict[str, str] | None = None, overrides: list[str] | None = None) -> Conversion:
     """Detect the dialect of a file: a YAML mapping of MindSpeed-RL's keys, else a verl script or override list.
 
@@ -392,6 +395,8 @@ def convert_file(path: str | Path, env: dict[str, str] | None = None, overrides:
         raise UserError(f"'{path}' is a directory. Fix: pass the MindSpeed-RL YAML or the verl script inside it.")
     if not p.exists():
         raise UserError(f"'{path}' does not exist. Fix: pass a MindSpeed-RL YAML or a file of verl overrides (key=value).")
+    if p.stat().st_size > MAX_SOURCE_BYTES:
+        raise UserError(f"{path} is larger than {MAX_SOURCE_BYTES >> 20} MB, more than a launch script or config postrl reads. Fix: pass the script or YAML itself.")
     data = p.read_bytes()
     try:
         text = data.decode("utf-8")
