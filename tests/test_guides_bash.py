@@ -75,6 +75,11 @@ def test_an_exit_in_a_branch_postrl_cannot_choose_is_noted_not_taken():
     assert [(i.key, i.value) for i in reading.items] == [("trainer.experiment_name", "e")] and not reading.refused
     assert any(n.startswith("line 2: `exit 3` runs only if the condition `[ -d /opt/x ]`") for n in reading.notes)
     assert read_script("exit 0\npython3 -m x trainer.experiment_name=e\n").items == []  # exit 0: nothing after it runs
+    probe = "command -v nvidia-smi && DEVICE=cuda || DEVICE=npu\npython3 -m m trainer.device=$DEVICE\n"
+    [refusal] = read_script(probe).refused  # a probe's status is unknown: so is what it chooses
+    assert "the command `command -v nvidia-smi` (postrl runs nothing, so whether it succeeds is unknown)" in refusal
+    assert "pass --env DEVICE=VALUE" in refusal
+    assert [i.value for i in read_script(probe, {"DEVICE": "cuda"}).items] == ["cuda"]
 
 
 @pytest.mark.parametrize("test, value", [

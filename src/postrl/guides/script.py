@@ -44,6 +44,12 @@ TEXT_COMMANDS = frozenset({
     "shift", "trap", "ulimit", "source", ".", "logger", "sed", "awk", "grep", "date", "hostname", "nvidia-smi",
     "npu-smi", "pip", "pip3", "git", "wget", "curl", "eval", "alias", "command", "type", "which", "basename", "dirname",
 })  # fmt: skip
+# Commands taken to succeed before `&&` / `||` (a launch script's setup: `cd "$DIR" || exit 1` reads on).
+SETUP_COMMANDS = frozenset({
+    "cd", "pushd", "popd", "mkdir", "cp", "mv", "ln", "touch", "chmod", "chown", "rm", "echo", "printf", "export", "set",
+    "unset", "source", ".", "sleep", "wait", "tee", "cat", "shift", "trap", "ulimit", "alias", "logger", "local", "declare",
+    "readonly",
+})  # fmt: skip
 
 
 @dataclass
@@ -90,8 +96,10 @@ class _Reader:
     # ----------------------------------------------------------------------------------- control
     def and_or(self, chain: list[tuple[str, list[tuple[int, str]]]]) -> None:
         """Commands joined by `&&` / `||`: each runs as bash would decide from the statuses before it. A test's
-        status is evaluated (unknown when its values are); any other command is taken to succeed (the path a
-        launch script is written for); a command whose turn is unknown runs in an unknown branch."""
+        status is evaluated (unknown when its values are); an assignment and a setup command (`cd`, `mkdir`,
+        `export`, ...: SETUP_COMMANDS) are taken to succeed, the path a launch script is written for; any other
+        command's status is unknown (`command -v nvidia-smi && DEVICE=gpu || DEVICE=npu` leaves DEVICE unknown).
+        A command whose turn is unknown runs in an unknown branch."""
         first = "".join(t for _, t in chain[0][1]).split(None, 1)[:1]
         if len(chain) == 1 or (first and first[0] in ("if", "elif", "while", "until")):
             self.command([p for _, pieces in chain for p in pieces] if len(chain) == 1 else self._joined(chain))
@@ -106,9 +114,9 @@ class _Reader:
                 self.frames.append(_Frame("list", self.mode, pieces[0][0], mode="off" if self.mode == "off" else "unknown", unknown=u))
             try:
                 value, u = self.status(pieces)
-                if value is None and u is None:  # not a test: run it; it is taken to succeed
+                if value is None and u is None:  # not a test: run it (postrl runs nothing of it)
                     self.command(pieces)
-                    value = True
+                    value, u = self.succeeds(pieces)
             finally:
                 if unsure:
                     self.frames.pop()
@@ -122,6 +130,14 @@ class _Reader:
                 out.append((pieces[0][0], op))
             out += pieces
         return out
+
+    def succeeds(self, pieces: list[tuple[int, str]]) -> tuple[bool | None, Unknown | None]:
+        """The status of a command that is not a test: True for assignments and setup commands, else unknown."""
+        text = "".join(t for _, t in pieces).strip()
+        head = next((w for _, w in words(text) if not _ASSIGN.match(w)), None)
+        if head is None or unquote(head) in SETUP_COMMANDS:
+            return True, None
+        return None, Unknown(f"the command `{text[:60]}` (postrl runs nothing, so whether it succeeds is unknown)", pieces[0][0])
 
     def status(self, pieces: list[tuple[int, str]]) -> tuple[bool | None, Unknown | None]:
         """(status, why unknown) of one command of an and-or list: a test's value; True for any other command."""
