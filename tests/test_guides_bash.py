@@ -54,6 +54,7 @@ def test_the_guard_stops_the_script_where_bash_would():
     text = str(exc.value)
     assert "line 13: the script stops here with `exit 1` after printing 'INFER_BACKEND=trtllm is only supported with DEVICE=gpu' (line 12)" in text
     assert len(exc.value.problems) == 1  # nothing after the exit is read
+    assert "stops here with `exit 2`, as bash would" in read_script('echo ""\n[ "$#" -lt 1 ] && exit 2\n').refused[0]  # no arguments
 
 
 def test_a_guard_on_an_unknown_device_decides_by_the_known_side(tmp_path):
@@ -211,3 +212,4 @@ def test_the_scope_starts_from_the_script_and_env_only(monkeypatch):
     assert "hf_secret" not in " ".join(r.refused + r.notes) and "--env HF_TOKEN" in r.refused[0]
     assert [i.value for i in read_script("python3 -m m trainer.experiment_name=$HF_TOKEN\n", {"HF_TOKEN": "run1"}).items] == ["run1"]
     assert Scope({}).values == {}
+    assert [i.value for i in read_script("D=${DATA_ROOT:-$PWD}\npython3 -m m trainer.default_local_dir=$D/ckpt\n").items] == [f"{Path.cwd()}/ckpt"]

@@ -11,6 +11,7 @@ checkpoint paths) the command's name stands in for its output, with a note.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 from dataclasses import dataclass, field
@@ -72,7 +73,8 @@ class _Reader:
         self.table, self.names = VERL, NAMES
         self.heads = (*VERL_HEADS, "data.", "algorithm.")
         self.given = dict(env)
-        self.scope = Scope(dict(env))  # the script's own assignments and --env only: the environment is never read
+        # the script's own assignments and --env only (the environment is never read), and $PWD, which bash itself sets
+        self.scope = Scope({"PWD": os.getcwd(), **env})
         self.reading = Reading()
         self.frames: list[_Frame] = []
         self.unset_refused: set[str] = set()
@@ -246,7 +248,7 @@ class _Reader:
         if code.strip() == "0":
             self.reading.notes.append(f"line {n}: `{text}`: the script ends here, as bash would; nothing after it runs")
             return
-        said = f" after printing '{self.said[1]}' (line {self.said[0]})" if self.said else ""
+        said = f" after printing '{self.said[1]}' (line {self.said[0]})" if self.said and self.said[1] else ""
         self.reading.refused.append(
             f"line {n}: the script stops here with `{text}`{said}, as bash would with these values, so it trains "
             f"nothing. Fix: the values that lead here (--env, or the script itself)."
@@ -375,7 +377,7 @@ class _Reader:
             if not head_done and not sep and tok in TEXT_COMMANDS:  # its arguments are text, never overrides
                 shown = self.scope.substitute(" ".join(t for t, _ in tokens[k:] if not re.fullmatch(r"\d*[<>]+&?\S*", t)))
                 if tok in ("echo", "printf"):
-                    self.said = (n, shown.split(None, 1)[1][:120] if " " in shown else "")
+                    self.said = (n, shown.partition(" ")[2].strip()[:120])
                 r.notes.append(f"line {n}: the command `{shown[:80]}`: skipped (not configuration)")
                 return
             if sep and not tok.startswith("-") and _KEY.fullmatch(key):
