@@ -213,3 +213,4 @@ def test_the_scope_starts_from_the_script_and_env_only(monkeypatch):
     assert [i.value for i in read_script("python3 -m m trainer.experiment_name=$HF_TOKEN\n", {"HF_TOKEN": "run1"}).items] == ["run1"]
     assert Scope({}).values == {}
     assert [i.value for i in read_script("D=${DATA_ROOT:-$PWD}\npython3 -m m trainer.default_local_dir=$D/ckpt\n").items] == [f"{Path.cwd()}/ckpt"]
+    assert [i.value for i in read_script('D="$(pwd)"\npython3 -m m trainer.default_local_dir=$D/c\n').items] == [f"{Path.cwd()}/c"]
