@@ -215,7 +215,11 @@ def _env(env_args: list[str]) -> dict[str, str]:
     missing = [e for e in env_args if "=" not in e and e not in os.environ]
     if missing:
         raise UserError(*(f"--env {e}: {e} is not set in your environment, so there is no value to take. Fix: --env {e}=VALUE." for e in missing))
-    return {(k := e.partition("=")[0]): (e.partition("=")[2] if "=" in e else os.environ[k]) for e in env_args}
+    env = {}
+    for e in env_args:
+        name, given, value = e.partition("=")
+        env[name] = value if given else os.environ[name]
+    return env
 
 
 def _convert(source_arg: str, env_args: list[str], overrides: list[str], base: str | None, allow_code: bool = False):
