@@ -149,3 +149,11 @@ def test_a_converted_sapo_or_geo_mean_trains_verls_aggregation(tmp_path, loss_mo
     assert _loss(loss_mode, "token-mean", adv_row1) == pytest.approx(token_mean, abs=1e-7)  # what the script's mode would give
     [m] = [m for m in conv.mapped if m.source == "actor_rollout_ref.actor.loss_agg_mode"]
     assert m.targets == {} and m.note.startswith("ignored, as in verl: verl's compute_policy_loss_")
+
+
+def test_errors_print_a_scripts_control_characters_as_escapes(tmp_path, capsys):
+    src = tmp_path / "run.sh"
+    src.write_text(f"python3 -m verl.trainer.main_ppo {TINY} actor_rollout_ref.rollout.n=$(echo '\x1b[2J')\n")  # a real ESC
+    assert main(["convert-config", str(src)]) == 2
+    printed = capsys.readouterr().out
+    assert "\x1b[2J" not in printed and "\\x1b[2J" in printed

@@ -375,9 +375,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def print_user_error(exc: UserError) -> None:
-    console.print(f"[bold red]error:[/bold red] {exc.title}")
+    from rich.markup import escape
+
+    console.print(f"[bold red]error:[/bold red] {escape(_printable(exc.title))}")
     for problem in exc.problems:
-        console.print(f"  - {problem}", markup=False, highlight=False)
+        console.print(f"  - {_printable(problem)}", markup=False, highlight=False)
+
+
+def _printable(text: str) -> str:
+    """Text from a user's file shown on a terminal: control characters (an escape sequence in a script) as escapes."""
+    return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in str(text))
 
 
 def main(argv: list[str] | None = None) -> int:
