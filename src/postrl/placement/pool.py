@@ -118,6 +118,7 @@ class RolloutPool:
         self.backend = self.acc.backend
         self.host, self.store = serving_store(TIMEOUT)  # on 127.0.0.1 for a local cluster (local_cluster.py)
         self.packer = SharedWeights(model, torch.multiprocessing.get_context("spawn"))
+        self.vocab = wire.vocab_size(model)  # every reply's token ids are checked against it
         self.sums = PublishedChecksums(self.k)
         self.version, self.header = -1, (0, 0.0)  # newest published; its publication number and checksum
         self.restarts = 0  # whole-pool restarts (remote.RemoteSource counts them)
@@ -283,7 +284,7 @@ class RolloutPool:
 
     def _reply(self, m: _Member) -> wire.Chunk:
         """The reply of `m`'s chunk, decoded; WireError for none, a bad one or a failure (UserError: a data error)."""
-        got = wire.decode(self._pop(m, f"reply/{m.replies}"), len(self.examples))
+        got = wire.decode(self._pop(m, f"reply/{m.replies}"), len(self.examples), vocab=self.vocab)
         if isinstance(got, wire.Failure):
             if got.user_error:
                 raise UserError(*got.problems, title=got.title or "postrl cannot continue")  # it would recur on any replica

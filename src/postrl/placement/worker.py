@@ -186,6 +186,7 @@ class AsyncRollout:
         self.G = cfg.rollout.n_samples_per_prompt
         self.ctx = torch.multiprocessing.get_context("spawn")
         self.weights = SharedWeights(model, self.ctx)
+        self.vocab = wire.vocab_size(model)  # every reply's token ids are checked against it
         self.share = CoreShare(self.ctx, threads, lend)
         self.sums = PublishedChecksums(self.k)
         self.restarts = 0
@@ -242,7 +243,7 @@ class AsyncRollout:
                 raise WorkerDied(f"the rollout worker exited with code {self.proc.exitcode} without a batch for step {step}",
                                  self._traceback())  # fmt: skip
         try:
-            return wire.decode(self.reader.recv_bytes(wire.MAX_REPLY_BYTES), len(self.examples))
+            return wire.decode(self.reader.recv_bytes(wire.MAX_REPLY_BYTES), len(self.examples), vocab=self.vocab)
         except EOFError:
             self.proc.join(POLL_S * 10)
             raise WorkerDied(f"the rollout worker exited with code {self.proc.exitcode} without a batch for step {step}",
