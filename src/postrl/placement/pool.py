@@ -143,7 +143,7 @@ class RolloutPool:
         m.actor = actor_cls.options(
             num_cpus=p.cpus_per_replica, resources={self.acc.ray_resource: p.devices_per_replica} if p.devices_per_replica and self.acc.ray_resource != "GPU" else None,
             num_gpus=p.devices_per_replica if self.acc.ray_resource == "GPU" else 0, max_concurrency=2,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(m.placement), name=None,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(m.placement), name=None, runtime_env=_runtime_env(self.cfg),
         ).remote(self.cfg, self.examples_ref, self.packer.slots, p.cpus_per_replica)  # fmt: skip
 
     def _connect(self, m: _Member) -> None:
@@ -395,6 +395,20 @@ class RolloutPool:
         for m in self.members:
             self._kill(m)
         self.members = []
+
+
+def _runtime_env(cfg: Any) -> dict:
+    """The replicas' Ray runtime environment: every name of this process's environment outside the rollout processes'
+    allowlist (agents/child_env.py) set empty, so that the actor's process starts without the trainer's HF_TOKEN,
+    WANDB_API_KEY or cloud keys (a Ray worker inherits its raylet's environment, which a local cluster took from this
+    process, and Ray cannot unset a name); Replica then removes them and takes the allowlisted HOME and caches."""
+    import os
+
+    from postrl.agents.child_env import child_env
+    from postrl.placement.worker import passthrough
+
+    kept = child_env(passthrough(cfg), rollout=True)
+    return {"env_vars": {name: "" for name in os.environ if name not in kept}}
 
 
 def _import_ray(address: str | None):
