@@ -212,6 +212,7 @@ def test_workers_start_from_a_scrubbed_environment_plus_the_listed_names(tokeniz
     assert c.env_reward == 1.0
     assert not {"HF_TOKEN", "WANDB_API_KEY", "AWS_SECRET_ACCESS_KEY"} & set(env)
     assert (env["MY_SERVICE_KEY"], env["LC_ALL"], env["PYTHONHASHSEED"], env["PATH"]) == ("listed", "C.UTF-8", "7", os.environ["PATH"])
-    assert env["HOME"] != str(home) and os.path.isdir(env["HOME"]) and not os.listdir(env["HOME"])
+    assert env["HOME"] != str(home) and os.path.isdir(env["HOME"])
+    assert not os.path.exists(os.path.join(env["HOME"], ".cache", "huggingface", "token"))
     assert set(env) <= ALLOWED | THREADS_AND_DEVICES | {"MY_SERVICE_KEY", "HOME", "HF_HUB_CACHE", "HF_DATASETS_CACHE", "POSTRL_CACHE"} | {
         k for k in env if k.startswith(("LC_", "PYTHON"))}

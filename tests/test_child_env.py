@@ -18,7 +18,7 @@ def env_probe(completion: str, ground_truth: str, row: dict) -> dict:
     home = Path(os.environ.get("HOME", "/nonexistent"))
     return {"score": 1.0, "hf_token": float("HF_TOKEN" in os.environ), "aws": float("AWS_SECRET_ACCESS_KEY" in os.environ),
             "token_file": float((home / ".cache" / "huggingface" / "token").exists()),
-            "hub_token": float(huggingface_hub.get_token() is not None), "home_empty": float(not any(home.iterdir())),
+            "hub_token": float(huggingface_hub.get_token() is not None), "home_moved": float(str(home) != row["home"]),
             "listed": float(os.environ.get("MY_VERIFIER_KEY") == "listed"),
             "hub_cache": float(os.environ.get("HF_HUB_CACHE") == row["hub_cache"]),
             "threads": float(os.environ.get("OMP_NUM_THREADS") == "1")}  # fmt: skip
@@ -43,12 +43,12 @@ def test_a_verifier_worker_sees_no_token_and_an_empty_home(trainer_secrets):
 
     pool = VerifierPool(1, 60.0, passthrough=("MY_VERIFIER_KEY",))
     try:
-        row = {"hub_cache": str(trainer_secrets / ".cache" / "huggingface" / "hub")}
+        row = {"hub_cache": str(trainer_secrets / ".cache" / "huggingface" / "hub"), "home": str(trainer_secrets)}
         (out,) = pool.run([Call(env_probe, "x", "1", row)])
     finally:
         pool.close()
     assert out.status == "ok", out
-    assert out.result.metrics == {"hf_token": 0.0, "aws": 0.0, "token_file": 0.0, "hub_token": 0.0, "home_empty": 1.0, "listed": 1.0,
+    assert out.result.metrics == {"hf_token": 0.0, "aws": 0.0, "token_file": 0.0, "hub_token": 0.0, "home_moved": 1.0, "listed": 1.0,
                                   "hub_cache": 1.0, "threads": 1.0, "acc": 1.0}  # fmt: skip
     # and without the listing, the user's name stays behind too
     pool = VerifierPool(1, 60.0)
@@ -71,7 +71,7 @@ def test_the_rollout_processes_keep_engine_settings_but_no_credential(trainer_se
     env = child_env(["MY_VERIFIER_KEY"], rollout=True)
     assert (env["VLLM_ENABLE_V1_MULTIPROCESSING"], env["CUDA_VISIBLE_DEVICES"], env["MY_VERIFIER_KEY"]) == ("0", "1", "listed")
     assert not {"HF_TOKEN", "AWS_SECRET_ACCESS_KEY", "VLLM_API_KEY", "HF_HOME"} & set(env)
-    assert env["HOME"] != str(trainer_secrets) and not os.listdir(env["HOME"])
+    assert env["HOME"] != str(trainer_secrets) and not os.path.exists(os.path.join(env["HOME"], ".cache", "huggingface", "token"))
     assert env["HF_HUB_CACHE"] == str(trainer_secrets / ".cache" / "huggingface" / "hub")
     blanked = _runtime_env(cfg)["env_vars"]  # what a replica's Ray worker process starts with
     assert blanked["HF_TOKEN"] == blanked["AWS_SECRET_ACCESS_KEY"] == blanked["VLLM_API_KEY"] == ""
@@ -85,3 +85,43 @@ def test_a_passthrough_name_that_is_not_a_variable_name_is_refused_by_check_conf
     for key in ("reward.env_passthrough", "rollout.agent_env_passthrough"):
         with pytest.raises(UserError, match="not the name of an environment variable"):
             load_config(None, ["model.path=builtin:tiny-qwen2", f"{key}=['MY KEY=1']"])
+
+
+def _report() -> float:
+    """Write what this process sees to $PROBE_OUT/<pid>.json (PROBE_OUT passes as a listed name)."""
+    import json
+
+    import huggingface_hub
+
+    home = Path(os.environ.get("HOME", "/nonexistent"))
+    seen = {"hf_token": "HF_TOKEN" in os.environ, "aws": "AWS_SECRET_ACCESS_KEY" in os.environ,
+            "token_file": (home / ".cache" / "huggingface" / "token").exists(), "hub_token": huggingface_hub.get_token() is not None}
+    (Path(os.environ["PROBE_OUT"]) / f"{os.getpid()}.json").write_text(json.dumps(seen))
+    return 1.0
+
+
+# Not importable by name (a lambda), so the registry runs it in the calling process: the rollout worker itself.
+in_rollout_process = lambda completion, ground_truth, row: _report()  # noqa: E731
+
+
+@pytest.mark.slow
+def test_the_rollout_worker_itself_sees_no_token_and_no_token_file(trainer_secrets, tmp_path, monkeypatch):
+    """A real async run (one step): a verifier that runs in the rollout worker's own process reports what that
+    process sees; with HF_TOKEN, a cloud key and a token file under the trainer's HOME, it sees none, while the
+    name listed in reward.env_passthrough reaches it. ~25 s."""
+    import json
+
+    from conftest import tiny_overrides
+
+    from postrl.checks import load_config
+    from postrl.trainer import Trainer
+
+    out = tmp_path / "probe"
+    out.mkdir()
+    monkeypatch.setenv("PROBE_OUT", str(out))
+    cfg = load_config(None, tiny_overrides(tmp_path, "rollout.mode=async", "train.total_steps=1", "reward.env_passthrough=[PROBE_OUT]",
+                                           "reward.verifiers=[test_child_env:in_rollout_process]"))  # fmt: skip
+    Trainer(cfg).fit()
+    reports = {int(f.stem): json.loads(f.read_text()) for f in out.glob("*.json")}
+    assert reports and os.getpid() not in reports  # it ran in the worker, not here
+    assert all(r == {"hf_token": False, "aws": False, "token_file": False, "hub_token": False} for r in reports.values()), reports

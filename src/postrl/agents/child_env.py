@@ -22,6 +22,11 @@ What passes, and why:
   and `reward.env_passthrough` (a verifier that calls a service).
 Everything else of the trainer's environment (HF_TOKEN, WANDB_API_KEY, OPENAI_API_KEY, AWS_*, ...) stays behind.
 Nothing here is needed to reach postrl's endpoint: each program gets its session's URL and key in its `openai` client.
+
+What this does not do: a process of the same uid can still read another's /proc/PID/environ (the trainer's
+included) and any file the uid may read. The allowlist keeps credentials out of what libraries pick up by
+themselves; keeping code that is hostile away from them is the sandbox's job (agents/sandbox.py: its own
+PID namespace, uid and file system).
 """
 
 from __future__ import annotations
