@@ -95,7 +95,8 @@ def _report() -> float:
 
     home = Path(os.environ.get("HOME", "/nonexistent"))
     seen = {"hf_token": "HF_TOKEN" in os.environ, "aws": "AWS_SECRET_ACCESS_KEY" in os.environ,
-            "token_file": (home / ".cache" / "huggingface" / "token").exists(), "hub_token": huggingface_hub.get_token() is not None}
+            "token_file": (home / ".cache" / "huggingface" / "token").exists(), "hub_token": huggingface_hub.get_token() is not None,
+            "started_with": b"hf_secret" in Path("/proc/self/environ").read_bytes()}  # the environment its process was exec'd with
     (Path(os.environ["PROBE_OUT"]) / f"{os.getpid()}.json").write_text(json.dumps(seen))
     return 1.0
 
@@ -124,4 +125,38 @@ def test_the_rollout_worker_itself_sees_no_token_and_no_token_file(trainer_secre
     Trainer(cfg).fit()
     reports = {int(f.stem): json.loads(f.read_text()) for f in out.glob("*.json")}
     assert reports and os.getpid() not in reports  # it ran in the worker, not here
-    assert all(r == {"hf_token": False, "aws": False, "token_file": False, "hub_token": False} for r in reports.values()), reports
+    # (a process that multiprocessing spawned was exec'd with the trainer's environment: it scrubs its own at once)
+    assert all({**r, "started_with": False} == CLEAN for r in reports.values()), reports
+
+
+CLEAN = {"hf_token": False, "aws": False, "token_file": False, "hub_token": False, "started_with": False}
+
+
+@pytest.mark.slow
+def test_a_pool_replica_starts_without_the_trainers_token(trainer_secrets, tmp_path, monkeypatch):
+    """A real pool run (one step, one replica, on a local Ray cluster that the run starts from this environment, so
+    its raylet holds HF_TOKEN): the replica's process was started without it (its Ray runtime environment blanks
+    every name outside the allowlist) and sees no token file. ~40 s."""
+    import json
+
+    from conftest import tiny_overrides
+
+    from postrl.checks import load_config
+    from postrl.local_cluster import import_ray
+    from postrl.trainer import Trainer
+
+    ray = import_ray(None)  # as the pool imports it: a cluster of the run's own, on loopback
+    if ray.is_initialized():
+        pytest.skip("a Ray cluster of another test is running in this process")
+    out = tmp_path / "probe"
+    out.mkdir()
+    monkeypatch.setenv("PROBE_OUT", str(out))
+    cfg = load_config(None, tiny_overrides(tmp_path, "rollout.placement=pool", "rollout.pool.replicas=1", "train.total_steps=1",
+                                           "reward.env_passthrough=[PROBE_OUT]", "reward.verifiers=[test_child_env:in_rollout_process]"))  # fmt: skip
+    try:
+        Trainer(cfg).fit()
+    finally:
+        ray.shutdown()
+    reports = {int(f.stem): json.loads(f.read_text()) for f in out.glob("*.json")}
+    assert reports and os.getpid() not in reports
+    assert all(r == CLEAN for r in reports.values()), reports

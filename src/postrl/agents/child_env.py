@@ -17,7 +17,8 @@ What passes, and why:
 - HOME: a fresh empty directory (`empty_home`), so `~/.cache/huggingface/token`, `~/.netrc`, `~/.aws` and the
   like are not where a child's libraries look for them;
 - for postrl's own rollout processes only (`rollout=True`), the engines' settings: VLLM_*, NCCL_*, TORCH*, CUDA_*,
-  TRITON_*, ... (ENGINE_PREFIXES), except any name that looks like a credential (…KEY, …TOKEN, …SECRET);
+  TRITON_*, ... (ENGINE_PREFIXES), except any name that looks like a credential (…KEY, …TOKEN, …SECRET), and
+  Ray's own RAY_* whole (a Ray worker needs its cluster's settings, an auth token included, to start);
 - the names the user lists: `rollout.agent_env_passthrough` (an API key the program needs, a proxy, a CA bundle)
   and `reward.env_passthrough` (a verifier that calls a service).
 Everything else of the trainer's environment (HF_TOKEN, WANDB_API_KEY, OPENAI_API_KEY, AWS_*, ...) stays behind.
@@ -51,7 +52,10 @@ THREADS_AND_DEVICES = frozenset({
 # Settings of the engines and collectives that postrl's own rollout processes run (vLLM, NCCL / Gloo / HCCL, torch,
 # Triton, CUDA, Ray's own): these tune how they run, and a rollout worker without them behaves unlike the trainer.
 ENGINE_PREFIXES = ("VLLM_", "NCCL_", "GLOO_", "TP_", "HCCL_", "ASCEND_", "TORCH", "PYTORCH_", "TRITON_", "CUDA_",
-                   "NVIDIA_", "HIP_", "ROCM_", "RAY_", "POSTRL_")  # fmt: skip
+                   "NVIDIA_", "HIP_", "ROCM_", "POSTRL_")  # fmt: skip
+# Ray's own settings, kept whole for the rollout processes: a Ray worker process needs them to join its cluster
+# (RAY_AUTH_MODE and its token among them: without them the replica's process dies at start).
+RAY_PREFIX = "RAY_"
 _CREDENTIAL = re.compile(r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL|AUTH", re.IGNORECASE)
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # what a passthrough entry must look like (config/schema.py checks it)
 
@@ -85,7 +89,7 @@ def child_env(passthrough: Iterable[str] = (), extra: Mapping[str, str] | None =
     def allowed(name: str) -> bool:
         if name in ALLOWED or name in THREADS_AND_DEVICES or name.startswith(ALLOWED_PREFIXES):
             return True
-        return rollout and name.startswith(ENGINE_PREFIXES) and not _CREDENTIAL.search(name)
+        return rollout and (name.startswith(RAY_PREFIX) or name.startswith(ENGINE_PREFIXES) and not _CREDENTIAL.search(name))
 
     env = {k: v for k, v in source.items() if allowed(k)}
     env.update(cache_env(source))
