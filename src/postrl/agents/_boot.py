@@ -173,7 +173,10 @@ def _isolate(s):
         _place(root, path, places[path])
     _mount(None, root, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
     os.chdir(root)  # ... which replaces / (pivot_root(2): new and old root the same, then the old one detached)
-    if _libc.pivot_root(b".", b".") != 0 or _libc.umount2(b".", MNT_DETACH) != 0:
+    pivot = getattr(_libc, "pivot_root", None)  # glibc >= 2.2.5 and musl have it
+    if pivot is None:
+        raise OSError(38, "the C library has no pivot_root, so the sandbox cannot have a root of its own")
+    if pivot(b".", b".") != 0 or _libc.umount2(b".", MNT_DETACH) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"pivot_root to the sandbox's own root: {os.strerror(err)}")
     os.chdir("/")
