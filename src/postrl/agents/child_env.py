@@ -32,8 +32,10 @@ PID namespace, uid and file system).
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
+import shutil
 import tempfile
 from collections.abc import Iterable, Mapping
 from functools import lru_cache
@@ -62,8 +64,10 @@ ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # what a passthrough entry mus
 
 @lru_cache(maxsize=1)
 def empty_home() -> str:
-    """A fresh empty directory, one per process, that children get as HOME (removed with the machine's temp files)."""
-    return tempfile.mkdtemp(prefix="postrl-home-")
+    """A fresh empty directory, one per process, that its children get as HOME (removed when the process exits)."""
+    path = tempfile.mkdtemp(prefix="postrl-home-")
+    atexit.register(shutil.rmtree, path, True)
+    return path
 
 
 def cache_env(source: Mapping[str, str]) -> dict[str, str]:
