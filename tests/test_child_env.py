@@ -73,6 +73,7 @@ def test_the_rollout_processes_keep_engine_settings_but_no_credential(trainer_se
     assert not {"HF_TOKEN", "AWS_SECRET_ACCESS_KEY", "VLLM_API_KEY", "HF_HOME"} & set(env)
     assert env["HOME"] != str(trainer_secrets) and not os.path.exists(os.path.join(env["HOME"], ".cache", "huggingface", "token"))
     assert env["HF_HUB_CACHE"] == str(trainer_secrets / ".cache" / "huggingface" / "hub")
+    assert env["PYTHONUSERBASE"] == str(trainer_secrets / ".local")  # user-site packages stay found
     blanked = _runtime_env(cfg)["env_vars"]  # what a replica's Ray worker process starts with
     assert blanked["HF_TOKEN"] == blanked["AWS_SECRET_ACCESS_KEY"] == blanked["VLLM_API_KEY"] == ""
     assert not {"PATH", "VLLM_ENABLE_V1_MULTIPROCESSING", "CUDA_VISIBLE_DEVICES", "MY_VERIFIER_KEY"} & set(blanked)

@@ -12,8 +12,9 @@ What passes, and why:
 - THREADS_AND_DEVICES: how many threads a child may spin (the trainer's thread policy sets these) and which
   accelerators it sees; without them a child oversubscribes the cores or grabs another rank's device;
 - caches by their resolved paths (`cache_env`): the Hugging Face hub and datasets caches (HF_HUB_CACHE,
-  HF_DATASETS_CACHE) and postrl's own (POSTRL_CACHE), so a child finds the models and data the trainer
-  downloaded, but never HF_HOME itself: its `token` file is the one credential a cache directory holds;
+  HF_DATASETS_CACHE), postrl's own (POSTRL_CACHE) and Python's user base (PYTHONUSERBASE), so a child finds the
+  models and data the trainer downloaded and the packages installed with `pip install --user`, but never
+  HF_HOME itself: its `token` file is the one credential a cache directory holds;
 - HOME: a fresh empty directory (`empty_home`), so `~/.cache/huggingface/token`, `~/.netrc`, `~/.aws` and the
   like are not where a child's libraries look for them;
 - for postrl's own rollout processes only (`rollout=True`), the engines' settings: VLLM_*, NCCL_*, TORCH*, CUDA_*,
@@ -79,6 +80,7 @@ def cache_env(source: Mapping[str, str]) -> dict[str, str]:
         "HF_HUB_CACHE": source.get("HF_HUB_CACHE") or source.get("HUGGINGFACE_HUB_CACHE") or str(hf_home / "hub"),
         "HF_DATASETS_CACHE": source.get("HF_DATASETS_CACHE") or str(hf_home / "datasets"),
         "POSTRL_CACHE": source.get("POSTRL_CACHE") or str(home / ".cache" / "postrl"),
+        "PYTHONUSERBASE": source.get("PYTHONUSERBASE") or str(home / ".local"),  # `pip install --user` packages stay found
     }
 
 
