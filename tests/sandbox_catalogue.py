@@ -105,6 +105,56 @@ def homes_hidden(run):
         assert entries is None or set(entries) == way_in, (d, entries, way_in)
 
 
+ALLOWED_TOP = {"bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "etc", "dev", "proc", "tmp", "var"}
+
+
+@case
+def sees_only_the_allowlist(run):
+    """Ground truth planted where a run keeps it (a run directory in the checkout, /tmp, /var/tmp, beside the
+    interpreter's venv) and a Hugging Face token in a fake HOME: the code reads none of them (not there at all),
+    while ordinary code (the standard library, numpy, sympy from the interpreter's own tree) runs."""
+    tag = f"postrl-gt-{random.getrandbits(48):x}"
+    checkout = Path(tempfile.mkdtemp(dir=Path(__file__).parent, prefix="postrl-run-"))
+    home = checkout / "home"
+    planted = [checkout / "runs" / "exp" / "data" / "train.jsonl", Path("/tmp") / tag / "train.jsonl",
+               Path("/var/tmp") / tag / "answers.json", home / ".cache" / "huggingface" / "token"]
+    beside = Path(sys.prefix).parent / f"{tag}.jsonl"  # a venv inside the checkout: its siblings stay out
+    if sys.prefix != sys.base_prefix and os.access(beside.parent, os.W_OK):
+        planted.append(beside)
+    old_home = os.environ.get("HOME")
+    try:
+        for path in planted:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text('{"ground_truth": "42"}')
+            path.chmod(0o644)
+        for d in {p.parent for p in planted} | {checkout}:  # world-traversable: only the sandbox stands in the way
+            for a in [d, *d.parents]:
+                if a in (checkout.parent, Path("/tmp"), Path("/var/tmp"), Path(sys.prefix).parent):
+                    break
+                a.chmod(0o755)
+        os.environ["HOME"] = str(home)
+        code = (f"import json, os, sys\nfor p in {[str(p) for p in planted]!r}:\n    try:\n        print('read', p, open(p).read())\n"
+                "    except OSError as e:\n        print('refused', p, e.errno)\n"
+                "import decimal, fractions, numpy, sympy\nprint('math', int(numpy.arange(5).sum()), sympy.simplify('2*x - x'), "
+                "fractions.Fraction(decimal.Decimal('0.5')))\nprint('top', json.dumps(sorted(os.listdir('/'))))\n")
+        res = run(code)
+        assert res.error is None, res
+        lines = res.stdout.splitlines()
+        assert lines[: len(planted)] == [f"refused {p} 2" for p in planted], res.stdout  # ENOENT: not there at all
+        assert lines[len(planted)] == "math 10 x 1/2", res.stdout
+        interpreter = {Path(os.path.realpath(p)).parts[1] for p in (sys.prefix, sys.base_prefix, sys.executable)}
+        assert set(json.loads(lines[-1].removeprefix("top "))) <= ALLOWED_TOP | interpreter, lines[-1]
+    finally:
+        if old_home is None:
+            os.environ.pop("HOME", None)
+        else:
+            os.environ["HOME"] = old_home
+        shutil.rmtree(checkout)
+        shutil.rmtree(Path("/tmp") / tag, ignore_errors=True)
+        shutil.rmtree(Path("/var/tmp") / tag, ignore_errors=True)
+        beside.unlink(missing_ok=True)
+
+
 @case
 def closes_its_output(run):
     res = run("import os, time\nos.close(1)\nos.close(2)\ntime.sleep(0.5)\nraise SystemExit(3)")

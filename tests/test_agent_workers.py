@@ -12,7 +12,7 @@ import struct
 
 import pytest
 
-from postrl.agents.child_env import ALLOWED
+from postrl.agents.child_env import ALLOWED, THREADS_AND_DEVICES
 from postrl.agents.gateway import AgentGateway
 from postrl.agents.loop import AgentLoop
 from postrl.agents.program_workers import MAX_REPLY_BYTES
@@ -157,6 +157,7 @@ def test_a_bad_frame_from_a_worker_ends_that_worker_its_program_counted_as_an_er
         "oversize": _frame(b"{}", length=MAX_REPLY_BYTES + 1),
         "shape": _frame(json.dumps({"key": "x", "outcome": "ok"}).encode()),
         "huge_reward": _frame(b'["' + b"k" * 32 + b'", "ok", ' + b"1" * 400 + b"]"),  # no float holds it
+        "nan_reward": _frame(b'["' + b"k" * 32 + b'", "ok", NaN]'),  # JSON's NaN parses: a value to refuse
         "deep": _frame(b"[" * 30_000 + b"]" * 30_000),
         "cut": _frame(b'["abc", "ok"', length=100),  # then the worker sleeps: the reader waits mid-frame
     }
@@ -182,14 +183,19 @@ def test_a_bad_frame_from_a_worker_ends_that_worker_its_program_counted_as_an_er
     assert not marker.exists()
     assert seen == {  # errors, timeouts, reward, workers restarted so far
         "garbage": (1, 0, 0.0, 1), "pickle": (1, 0, 0.0, 2), "oversize": (1, 0, 0.0, 3), "shape": (1, 0, 0.0, 4),
-        "huge_reward": (1, 0, 0.0, 5), "deep": (1, 0, 0.0, 6), "cut": (0, 1, 0.0, 7),
+        "huge_reward": (1, 0, 0.0, 5), "nan_reward": (1, 0, 0.0, 6), "deep": (1, 0, 0.0, 7), "cut": (0, 1, 0.0, 8),
     }  # fmt: skip
-    assert bad_frames == 6  # "cut" ran out of time: its worker was killed as a stuck one
+    assert bad_frames == 7  # "cut" ran out of time: its worker was killed as a stuck one
     said = [line for line in logs if "worker process sent" in line]
-    assert len(said) == 6 and all(why in line for why, line in zip(["not JSON", "not JSON", "at most", "not [key", "too large", "not JSON"], said))
+    assert len(said) == 7 and all(why in line for why, line in zip(["not JSON", "not JSON", "at most", "not [key", "too large",
+                                                                    "not finite", "not JSON"], said))
 
 
 def test_workers_start_from_a_scrubbed_environment_plus_the_listed_names(tokenizer, tmp_path, monkeypatch):
+    home = tmp_path / "home"  # the trainer's HOME holds a Hugging Face token file: the worker's HOME is elsewhere, empty
+    (home / ".cache" / "huggingface").mkdir(parents=True)
+    (home / ".cache" / "huggingface" / "token").write_text("hf_secret")
+    monkeypatch.setenv("HOME", str(home))
     for name, value in {"HF_TOKEN": "hf_x", "WANDB_API_KEY": "wb_x", "AWS_SECRET_ACCESS_KEY": "aws_x", "MY_SERVICE_KEY": "listed",
                         "LC_ALL": "C.UTF-8", "PYTHONHASHSEED": "7"}.items():  # fmt: skip
         monkeypatch.setenv(name, value)
@@ -206,4 +212,7 @@ def test_workers_start_from_a_scrubbed_environment_plus_the_listed_names(tokeniz
     assert c.env_reward == 1.0
     assert not {"HF_TOKEN", "WANDB_API_KEY", "AWS_SECRET_ACCESS_KEY"} & set(env)
     assert (env["MY_SERVICE_KEY"], env["LC_ALL"], env["PYTHONHASHSEED"], env["PATH"]) == ("listed", "C.UTF-8", "7", os.environ["PATH"])
-    assert set(env) <= ALLOWED | {"MY_SERVICE_KEY", "PYTHONPATH"} | {k for k in env if k.startswith(("LC_", "PYTHON"))}
+    assert env["HOME"] != str(home) and os.path.isdir(env["HOME"])
+    assert not os.path.exists(os.path.join(env["HOME"], ".cache", "huggingface", "token"))
+    assert set(env) <= ALLOWED | THREADS_AND_DEVICES | {"MY_SERVICE_KEY", "HOME", "HF_HUB_CACHE", "HF_DATASETS_CACHE", "POSTRL_CACHE"} | {
+        k for k in env if k.startswith(("LC_", "PYTHON"))}

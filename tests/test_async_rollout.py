@@ -370,7 +370,7 @@ def test_a_frame_over_the_cap_or_a_closed_pipe_is_the_workers_failure(monkeypatc
     ctx = torch.multiprocessing.get_context("spawn")
     reader, writer = ctx.Pipe(duplex=False)
     rollout = AsyncRollout.__new__(AsyncRollout)
-    rollout.reader, rollout.examples = reader, []
+    rollout.reader, rollout.examples, rollout.vocab = reader, [], 10
     rollout.proc = types.SimpleNamespace(is_alive=lambda: True, exitcode=None, join=lambda timeout=None: None)
     rollout.cfg = types.SimpleNamespace(logging=types.SimpleNamespace(dir=str(tmp_path)))
     writer.send_bytes(b"[" * 2000)
@@ -381,6 +381,53 @@ def test_a_frame_over_the_cap_or_a_closed_pipe_is_the_workers_failure(monkeypatc
     writer.send_bytes(b"[" * 500)
     with pytest.raises(WorkerDied, match="sent a bad reply: a reply that is not in the declared shape"):
         rollout._receive(0)
+    # A reply in the declared shape whose value the trainer cannot use (an id past the policy's vocabulary):
+    # the same failure, refused before any tensor is made.
+    from postrl.batch import Batch
+
+    bad = Batch(prompt_ids=[[1]], response_ids=[[10]], loss_masks=[[1]], turns=[1], finished=[True], scores=[1.0], rewards=[1.0],
+                verifier_metrics=[{}], engine_logprobs=[None], multi_modal=[None])  # fmt: skip
+    writer.send_bytes(wire.encode_batch(0, bad, [], {}, {}, {}, {}))
+    with pytest.raises(WorkerDied, match="sent a bad reply: .*response token id outside the vocabulary \\[0, 10\\)"):
+        rollout._receive(0)
     writer.close()
     with pytest.raises(WorkerDied, match="exited with code None without a batch for step 0"):
         rollout._receive(0)
+
+
+def _tampering_serve(spec, weights, out, slots, stop, share):
+    """The worker's body in a spawned process: the first worker of the run sends its first batch with a token id
+    past the vocabulary (10**30: a device assert on a GPU), later ones are the real worker."""
+    from pathlib import Path
+
+    from postrl.placement import wire, worker
+
+    flag = Path(spec.log_dir) / "tampered-once"
+    if not flag.exists():
+        flag.write_text("")
+        real = wire.encode_batch
+
+        def tampered(index, batch, *args, **kwargs):
+            batch.response_ids[0][0] = 10**30
+            return real(index, batch, *args, **kwargs)
+
+        wire.encode_batch = tampered
+    return worker._serve(spec, weights, out, slots, stop, share)
+
+
+@pytest.mark.slow
+def test_a_worker_that_sends_an_id_past_the_vocabulary_is_restarted_and_the_run_goes_on(tmp_path, monkeypatch):
+    """A reply in the declared shape with a value the trainer cannot use is the worker's failure, as a malformed one
+    is: refused before any tensor, counted in the restarts, the worker restarted, the run trains its 2 steps. ~35 s."""
+    from postrl.checks import load_config
+    from postrl.placement import worker
+    from postrl.trainer import Trainer
+
+    monkeypatch.setattr(worker, "_serve", _tampering_serve)
+    cfg = load_config(None, tiny_overrides(tmp_path, "rollout.mode=async", "rollout.max_worker_restarts=1", "train.total_steps=2"))
+    tr = Trainer(cfg)
+    logged: list[str] = []
+    tr.batches.rollout.log = lambda msg: (logged.append(msg), tr.log(msg))
+    tr.fit()
+    assert tr.step == 2 and tr.batches.rollout.restarts == 1 and (tmp_path / "run" / "tampered-once").exists()
+    assert any("sent a bad reply" in m and "outside the vocabulary" in m and "restarting it" in m for m in logged), logged

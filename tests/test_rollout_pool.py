@@ -376,6 +376,7 @@ def test_a_replicas_error_is_a_declared_failure_reply_and_a_data_error_stops_the
     server = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
     replica, pool = Replica.__new__(Replica), RolloutPool.__new__(RolloutPool)
     replica.store, replica.examples, pool.examples = dist.PrefixStore("p", dist.TCPStore("127.0.0.1", server.port, None, False)), [], []
+    pool.vocab = 10
     m = _Member(0, store=dist.PrefixStore("p", server))
 
     def raises(exc):
@@ -398,3 +399,16 @@ def test_a_replicas_error_is_a_declared_failure_reply_and_a_data_error_stops_the
     m.replies = 3  # dealt, but the replica died before replying
     with pytest.raises(wire.WireError, match="no reply"):
         pool._reply(m)
+    # A chunk in the declared shape with values the trainer cannot use (a NaN log-prob, a mask value of 2): the
+    # replica's failure (next_batch restarts it, as for a malformed reply), refused before any tensor.
+    from postrl.batch import Batch
+
+    for bad, words in (({"engine_logprobs": [[float("nan")]]}, "engine log-probs must be finite"), ({"loss_masks": [[2]]}, "0 or 1")):
+        batch = Batch(**{"prompt_ids": [[1]], "response_ids": [[3]], "loss_masks": [[1]], "turns": [1], "finished": [True], "scores": [1.0],
+                         "rewards": [1.0], "verifier_metrics": [{}], "engine_logprobs": [None], "multi_modal": [None], **bad})  # fmt: skip
+        replica._generate = lambda *args, b=batch: {"batch": b, "failures": {}, "seconds": {}, "busy": 0.0, "idle": 0.0, "load_s": 0.0,
+                                                    "checksums": {}, "tokens": 1, "agent": None}  # fmt: skip
+        m.replies += 1
+        replica.generate(0, 0, 0, [0], 0, f"reply/{m.replies}")
+        with pytest.raises(wire.WireError, match=words):
+            pool._reply(m)

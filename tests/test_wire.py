@@ -4,6 +4,7 @@ frame, wrong types and deep nesting are refused with a clear error, and a pickle
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import struct
@@ -16,6 +17,7 @@ from postrl.data.dataset import PromptExample
 from postrl.placement import wire
 from postrl.rollout.base import Completion
 
+VOCAB = 7  # the ids of _batch() all lie below it
 EXAMPLES = [PromptExample([1, 2], "3", {}, "x"), PromptExample([1], "4", {}, "x", {"image_grid_thw": torch.tensor([[1, 2, 2]])})]
 
 
@@ -24,7 +26,7 @@ def _batch() -> Batch:
                      version=2, token_versions=[2, 2], prompt_ids=[1, 2], top_logprobs=[([1, 2], [-0.5, -1.5]), ([3], [0.1])])  # fmt: skip
     return Batch(
         prompt_ids=[[1, 2], [1]], response_ids=[[3, 4], [5]], loss_masks=[[1, 1], [1]], turns=[1, 2], finished=[True, False],
-        scores=[1.0, 0.1 + 0.2], rewards=[float("nan"), -0.0], verifier_metrics=[{"acc": 1}, {"acc": 5e-324}],
+        scores=[1.0, 0.1 + 0.2], rewards=[5e-324, -0.0], verifier_metrics=[{"acc": 1}, {"acc": 5e-324}],
         engine_logprobs=[[-1e-300, 1 / 3], None], multi_modal=[None, EXAMPLES[1].multi_modal], versions=[0, None],
         token_versions=[None, [1]], segments=[[seg], None], owners=[None, 0],
     )  # fmt: skip
@@ -36,9 +38,9 @@ def _bits(xs) -> list[bytes]:
 
 def test_a_batch_with_every_field_kind_round_trips_exactly():
     b = _batch()
-    data = wire.encode_batch(3, b, EXAMPLES, {"a": 0.1 + 0.7, "n": 2}, {"rollout": 1e-9}, {"epoch": 1, "position": 4, "seed": None},
-                             {0: 0.125, 1: 2 / 3})  # fmt: skip
-    got = wire.decode(data, len(EXAMPLES))
+    data = wire.encode_batch(3, b, EXAMPLES, {"a": 0.1 + 0.7, "n": 2, "nan": float("nan")}, {"rollout": 1e-9},
+                             {"epoch": 1, "position": 4, "seed": None}, {0: 0.125, 1: 2 / 3})  # fmt: skip
+    got = wire.decode(data, len(EXAMPLES), vocab=VOCAB)
     assert isinstance(got, wire.Produced) and got.index == 3
     back = got.batch.to_batch(EXAMPLES)
     assert back.multi_modal[1] is EXAMPLES[1].multi_modal and back.multi_modal[0] is None  # the trainer's own images
@@ -47,6 +49,7 @@ def test_a_batch_with_every_field_kind_round_trips_exactly():
     assert type(back.verifier_metrics[0]["acc"]) is int  # ints stay ints
     for name in ("prompt_ids", "response_ids", "loss_masks", "turns", "finished", "versions", "token_versions", "owners"):
         assert getattr(back, name) == getattr(b, name), name
+    assert math.isnan(got.stats.pop("nan"))  # NaN kept where a field allows it (a metric)
     assert got.stats == {"a": 0.1 + 0.7, "n": 2} and got.checksums == {0: 0.125, 1: 2 / 3} and got.sampler["seed"] is None
     chunk = wire.decode(wire.encode_chunk({"batch": b, "failures": {"reward/calls": 4}, "seconds": {}, "busy": 1.5, "idle": 0.0,
                                            "load_s": 0.0, "checksums": {}, "tokens": 7, "agent": None}, EXAMPLES), 2)  # fmt: skip
@@ -111,3 +114,55 @@ def test_the_declared_shapes_hold_every_field_of_what_they_carry():
 
     assert set(wire.BatchMsg.model_fields) == {f.name for f in fields(Batch)}
     assert set(wire._Segment.model_fields) == {f.name for f in fields(Completion)}
+
+
+def _bad(change) -> bytes:
+    b = _batch()
+    change(b)
+    return wire.encode_batch(0, b, EXAMPLES, {}, {}, {}, {})
+
+
+def _seg(b):
+    return b.segments[0][0]
+
+
+BAD_VALUES = {  # what a broken or compromised rollout process could send, and the words of its refusal
+    "an id of 10**30": (lambda b: b.response_ids[0].__setitem__(0, 10**30), "response token id outside the vocabulary"),
+    "an id of -7": (lambda b: b.response_ids[0].__setitem__(1, -7), "response token id outside the vocabulary"),
+    "an id equal to the vocabulary": (lambda b: b.prompt_ids[1].__setitem__(0, VOCAB), "prompt token id outside"),
+    "a mask shorter than its tokens": (lambda b: b.loss_masks[0].pop(), "one 0 or 1 per token (2), got 1"),
+    "a mask value of 2": (lambda b: b.loss_masks[1].__setitem__(0, 2), "loss mask must hold one 0 or 1"),
+    "a NaN log-prob": (lambda b: b.engine_logprobs[0].__setitem__(0, float("nan")), "engine log-probs must be finite"),
+    "log-probs shorter than their tokens": (lambda b: b.engine_logprobs[0].pop(), "one value per token (2), got 1"),
+    "an infinite score": (lambda b: b.scores.__setitem__(1, float("inf")), "score and reward must be finite"),
+    "a NaN reward": (lambda b: b.rewards.__setitem__(0, float("nan")), "score and reward must be finite"),
+    "token versions shorter than their tokens": (lambda b: b.token_versions.__setitem__(1, []), "token versions must hold one"),
+    "a segment id past the vocabulary": (lambda b: _seg(b).token_ids.__setitem__(0, 2**40), "segment token id outside"),
+    "a segment mask value of -1": (lambda b: _seg(b).loss_mask.__setitem__(0, -1), "segment's loss mask"),
+    "a segment's -inf log-prob": (lambda b: _seg(b).logprobs.__setitem__(1, float("-inf")), "segment's log-probs must be finite"),
+    "a turn span past its tokens": (lambda b: setattr(_seg(b), "turn_spans", [(0, 3)]), "turn span lies outside"),
+    "a top-k id below zero": (lambda b: _seg(b).top_logprobs[0][0].__setitem__(0, -1), "segment top-k token id outside"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("what", sorted(BAD_VALUES))
+def test_a_reply_with_a_value_the_trainer_cannot_use_is_refused_before_any_tensor(what):
+    """Shapes are not enough: an id past the vocabulary would be a device assert on a GPU, a NaN log-prob poisons the
+    loss. Each bad value fails the decode (the sender's failure: it is restarted), naming the row and the field."""
+    change, words = BAD_VALUES[what]
+    data = _bad(change)
+    with pytest.raises(wire.WireError, match="declared shape") as err:
+        wire.decode(data, len(EXAMPLES), vocab=VOCAB)
+    assert words in str(err.value) and "row " in str(err.value), str(err.value)
+    assert len(str(err.value)) < 1000  # the value itself is never printed (10**30 of digits would be)
+
+
+def test_the_vocabulary_is_the_policys_embedding_rows(tiny_model_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    assert wire.vocab_size(model) == model.get_input_embeddings().weight.shape[0] > 0
+    good = _bad(lambda b: None)
+    assert isinstance(wire.decode(good, len(EXAMPLES), vocab=wire.vocab_size(model)), wire.Produced)
+    with pytest.raises(wire.WireError, match="response token id outside the vocabulary"):
+        wire.decode(_bad(lambda b: b.response_ids[0].__setitem__(0, wire.vocab_size(model))), 2, vocab=wire.vocab_size(model))

@@ -8,12 +8,15 @@ Inside the namespaces (`isolate: true`) it is PID 1 of a new PID namespace and r
 namespace. It then, in order:
 1. makes every mount private and read-only (so nothing outside can be written, whoever runs); a mount
    that refuses (other than the kernel's interfaces: /proc, /sys, KERNEL_FS) stops the run, nothing runs,
-2. mounts fresh size-limited tmpfs on /tmp, /var/tmp, /dev/shm and on the working directory (the
-   code's only writable places, gone with the namespace),
-3. hides the home directories (and, as real root, any private ancestor of the interpreter such as
-   /root, so that the unprivileged uid it drops to can run it) under empty tmpfs; the interpreter's
-   own trees (its venv, its base prefix) that lay under any directory of steps 2-3 (a venv in /tmp,
-   /dev/shm, a home directory, /root) are bound back in read-only at their own paths,
+2. builds the code's own root, a fresh tmpfs, and pivots into it (pivot_root, the old root detached, so no
+   path, descriptor or /proc link leads back): it holds only an allowlist, read-only, at the same paths:
+   the system's programs and libraries (SYSTEM), a few files of /etc (ETC), harmless devices (DEVICES), the
+   namespace's /proc, and the interpreter's own trees (its venv, its base prefix, wherever they lie);
+   fresh size-limited tmpfs on /tmp, /var/tmp, /dev/shm and the working directory are the code's only
+   writable places (gone with the namespace). The project's data, checkpoints, logs, caches and every home
+   directory are simply not there. An allowlist rather than hiding what is known to be private: a directory
+   nobody listed (a new data mount, /work, /srv) stays out by default,
+3. checks the result (every mount read-only but the scratch space) and stops the run if it is not,
 4. forks the code's process: drops to uid/gid 65534 (real root) or drops every capability (user
    namespace), sets no_new_privs, installs the seccomp filter the caller built (`sandbox.seccomp_program`:
    no socket(AF_UNIX / AF_VSOCK), so no filesystem or abstract Unix socket and no VM host is reached;
@@ -31,7 +34,6 @@ import json
 import os
 import re
 import resource
-import stat
 import sys
 
 SETUP_FAILED = 125
@@ -42,6 +44,14 @@ MS_NOSYMFOLLOW, MS_PRIVATE, MS_RELATIME = 256, 1 << 18, 1 << 21
 PR_CAPBSET_DROP, PR_SET_SECCOMP, PR_SET_NO_NEW_PRIVS = 24, 22, 38
 SECCOMP_MODE_FILTER = 2
 # Kernel interfaces that hold no user files: a refused read-only remount of these is not a way out.
+# What the code sees of the machine besides the interpreter's own trees and scratch space: system programs and
+# libraries, the few files of /etc that the C library and Python read, the harmless devices. Nothing else is there.
+SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+ETC = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "passwd", "group", "nsswitch.conf", "hosts", "os-release",
+       "alternatives")
+DEVICES = ("null", "zero", "full", "random", "urandom")
+SCRATCH = ("/tmp", "/var/tmp", "/dev/shm")
+MNT_DETACH = 2
 KERNEL_FS = frozenset({"proc", "sysfs", "cgroup", "cgroup2", "devpts", "mqueue", "debugfs", "tracefs", "securityfs",
                        "pstore", "bpf", "configfs", "fusectl", "binfmt_misc", "nsfs"})
 
@@ -91,17 +101,6 @@ def _remount_read_only():
                                      f"Fix: unmount it, or make it read-only before starting postrl") from None
 
 
-def _blocking_ancestor(path):
-    """The first directory on the way to `path` that others may not traverse, or None."""
-    parts = os.path.abspath(path).split(os.sep)[1:]
-    current = "/"
-    for part in parts:
-        if not os.stat(current).st_mode & stat.S_IXOTH:
-            return current
-        current = os.path.join(current, part)
-    return None
-
-
 def _under(path, directory):
     return path == directory or path.startswith(directory.rstrip("/") + "/")
 
@@ -113,26 +112,6 @@ def _locked_flags(path):
             getattr(os, "ST_NOSYMFOLLOW", 8192): MS_NOSYMFOLLOW}
     have = os.statvfs(path).f_flag
     return sum(ms for st, ms in keep.items() if have & st)
-
-
-def _cover(covers, keep):
-    """Mount a fresh tmpfs on each directory of `covers` ({path: tmpfs options}), then bind back, read-only
-    and at their own paths, the trees of `keep` (the interpreter's) that lay under one of them: a venv in
-    /tmp or a home directory stays usable while everything else there is hidden."""
-    keep = {os.path.realpath(p) for p in keep if os.path.exists(p)}
-    keep = sorted(p for p in keep if not any(_under(p, o) and p != o for o in keep))  # the outermost only
-    covers = {os.path.realpath(d): o for d, o in covers.items() if os.path.isdir(d)}
-    covers = {d: o for d, o in covers.items() if d != "/" and not any(_under(d, p) for p in keep)}  # never inside it
-    dirs = sorted(d for d in covers if not any(_under(d, o) and d != o for o in covers))  # the outermost only
-    # Opened before anything is covered: the bind sources must be the real trees, not the fresh tmpfs.
-    fds = [(p, os.open(p, os.O_PATH), _locked_flags(p)) for p in keep if any(_under(p, d) for d in dirs)]
-    for d in dirs:
-        _mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, covers[d])
-    for p, fd, locked in fds:
-        os.makedirs(p, exist_ok=True)
-        _mount(f"/proc/self/fd/{fd}", p, None, MS_BIND | MS_REC)
-        _mount(None, p, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | locked)
-        os.close(fd)
 
 
 def _set_limits(s):
@@ -149,21 +128,68 @@ def _set_limits(s):
         resource.setrlimit(which, (value, value))
 
 
+def _place(root, path, writable=None):
+    """Make `path` of the old tree appear at the same path under `root`: a symbolic link is copied, a directory or
+    file is bound (recursively, read-only), `writable` (tmpfs options) mounts a fresh tmpfs there instead."""
+    target = root + path
+    if writable is not None:
+        os.makedirs(target, exist_ok=True)
+        _mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, writable)
+    elif os.path.islink(path):
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        os.symlink(os.readlink(path), target)
+    else:
+        if os.path.isdir(path):
+            os.makedirs(target, exist_ok=True)
+        else:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            open(target, "x").close()
+        _mount(path, target, None, MS_BIND | MS_REC)
+        if not path.startswith("/proc"):  # a kernel interface keeps its own flags; a device stays one
+            nodev = 0 if path.startswith("/dev/") else MS_NODEV
+            _mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | nodev | _locked_flags(target))
+
+
 def _isolate(s):
     """Steps 1-3 of the module docstring, as root of the new mount namespace."""
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
-    _remount_read_only()
+    _remount_read_only()  # first: every bind below is then a clone of a read-only mount
+    os.umask(0o022)  # the new root's directories: traversable by uid 65534
     size = f"size={s['tmpfs_mb']}m,nr_inodes=4096"
-    covers = {d: f"mode=1777,{size}" for d in ("/tmp", "/var/tmp", "/dev/shm")}  # private scratch space
-    hide = list(s["hide"])  # home directories: keys, tokens, caches
-    interpreter = [sys.prefix, sys.base_prefix, os.path.dirname(s["python"]), os.path.dirname(os.path.realpath(s["python"]))]
-    if s["drop_to_nobody"]:  # uid 65534 must reach the interpreter: cover private ancestors such as /root
-        hide += [b for p in interpreter if (b := _blocking_ancestor(os.path.realpath(p))) is not None]
-    covers.update({d: "mode=0755,size=64k" for d in hide if d not in covers})
-    _cover(covers, interpreter)
-    os.makedirs(s["workdir"], exist_ok=True)
     owner = f",uid={NOBODY},gid={NOBODY}" if s["drop_to_nobody"] else ""
-    _mount("tmpfs", s["workdir"], "tmpfs", MS_NOSUID | MS_NODEV, f"mode=0700,{size}{owner}")
+    places = {d: f"mode=1777,{size}" for d in SCRATCH}  # private scratch space
+    places[s["workdir"]] = f"mode=0700,{size}{owner}"
+    places.update({p: None for p in SYSTEM + tuple("/etc/" + e for e in ETC) + tuple("/dev/" + d for d in DEVICES)
+                   if os.path.lexists(p)})  # fmt: skip
+    places["/proc"] = None  # the PID namespace's own (unshare --mount-proc)
+    interpreter = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+                                                 os.path.dirname(s["python"]), os.path.dirname(os.path.realpath(s["python"])))}
+    for p in sorted(interpreter):  # the outermost of each tree, unless a directory above already brings it
+        if p != "/" and not any(_under(p, q) for q in interpreter | set(places) if q != p and places.get(q) is None):
+            places[p] = None
+    root = s["workdir"]  # the new root is a fresh tmpfs over the working directory (made by the caller) ...
+    _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m,nr_inodes=1024")
+    for path in sorted(places, key=lambda p: p.count("/")):  # parents before what is mounted inside them
+        _place(root, path, places[path])
+    _mount(None, root, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    os.chdir(root)  # ... which replaces / (pivot_root(2): new and old root the same, then the old one detached)
+    pivot = getattr(_libc, "pivot_root", None)  # glibc >= 2.2.5 and musl have it
+    if pivot is None:
+        raise OSError(38, "the C library has no pivot_root, so the sandbox cannot have a root of its own")
+    if pivot(b".", b".") != 0 or _libc.umount2(b".", MNT_DETACH) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"pivot_root to the sandbox's own root: {os.strerror(err)}")
+    os.chdir("/")
+    _check_fence({p for p, options in places.items() if options is not None})
+
+
+def _check_fence(writable):
+    """Fail closed: after the pivot, every mount is one this file placed, read-only unless it is scratch space."""
+    for point, fstype in _mount_points():
+        if point == "/proc" or point.startswith("/proc/") or point in writable:
+            continue
+        if not os.statvfs(point).f_flag & os.ST_RDONLY:
+            raise OSError(1, f"the mount at {point} ({fstype}) is writable inside the sandbox; nothing runs")
 
 
 def _drop_privileges(s):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import math
 import os
 import queue
 import socket
@@ -92,9 +93,12 @@ def parse_reply(msg: Any) -> tuple[str, str, Any]:
         return key, outcome, None
     if outcome == "ok" and isinstance(value, (int, float)) and not isinstance(value, bool):
         try:
-            return key, outcome, float(value)
+            reward = float(value)
         except OverflowError:
             raise BadFrame(f"a reward too large for a float ({str(value)[:40]}...)") from None
+        if not math.isfinite(reward):  # JSON's NaN / Infinity parse: a value, not a shape, to refuse
+            raise BadFrame(f"a reward that is not finite ({reward})")
+        return key, outcome, reward
     if outcome == "error" and isinstance(value, list) and len(value) == 2 and all(isinstance(v, str) for v in value):
         return key, outcome, _remote_error(value[0][:100], value[1][:MAX_ERROR_CHARS])
     raise BadFrame(f"a frame whose outcome is not ok with a number or error with [type, message]: {str(msg)[:100]!r}")

@@ -15,8 +15,11 @@ Where the kernel allows it, the run also gets new network, PID, IPC and mount na
   the filter, is refused;
   a syscall of another ABI (i386, x32) kills the process;
 - no shared IPC: System V and POSIX message queues / shared memory of the host are not visible;
-- no writes outside: every mount is read-only; /tmp, /var/tmp, /dev/shm and the working directory
-  are fresh size-limited tmpfs that vanish with the namespace;
+- an allowlisted file system: the code's root is a fresh one (pivot_root) holding the system's programs and
+  libraries, a few files of /etc, the interpreter's own trees (its venv, its base prefix) read-only, and
+  fresh size-limited tmpfs on /tmp, /var/tmp, /dev/shm and the working directory that vanish with the
+  namespace; the project's data (with its ground truth), checkpoints, logs, caches and home directories are
+  not there to read (a reward-hacking path otherwise);
 - nothing left running: the code runs under a small init (PID 1 of the namespace); when the code's
   process ends, the kernel kills every other process in the namespace, daemons included;
 - no privileges: as root, the code runs as uid 65534 (so RLIMIT_NPROC binds); in a user namespace,
@@ -169,7 +172,8 @@ def isolation() -> Isolation:
     if res.ok and res.stdout.strip() == "isolated":
         who = "uid 65534" if trial.drop_to_nobody else "no capabilities"
         return Isolation(True, cmd, trial.drop_to_nobody,
-                         f"sandbox: no network (network namespace); no Unix sockets (seccomp); read-only file system, private /tmp; "
+                         f"sandbox: no network (network namespace); no Unix sockets (seccomp); own root file system (system and interpreter "
+                         f"only, read-only), private /tmp; "
                          f"PID and IPC namespaces; {who}")
     if res.ok and res.stdout.strip() in ("connected", "unix socket"):
         return _fallback("a connection left the network namespace" if res.stdout.strip() == "connected" else
@@ -328,7 +332,6 @@ def _run(code: str, iso: Isolation, *, timeout_s: float, max_output_bytes: int, 
             "isolate": iso.namespaces,
             "drop_to_nobody": iso.drop_to_nobody,
             "workdir": workdir,
-            "hide": sorted({h for h in (os.path.expanduser("~"), "/root") if h.startswith("/")}),
             "python": python,
             "env": {"PATH": SAFE_PATH, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir},
             "cpu_s": int(cpu_s),

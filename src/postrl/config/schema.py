@@ -20,6 +20,17 @@ from postrl.config.knobs import BuiltinTaskConfig, ShapesTaskConfig, ToolArithme
 from postrl.config.rules import derive
 
 
+
+def env_names(names: list[str], key: str) -> list[str]:
+    """`names` when each is an environment variable's name (letters, digits, underscores, not starting with a digit)."""
+    from postrl.agents.child_env import ENV_NAME
+
+    bad = [n for n in names if not ENV_NAME.fullmatch(n)]
+    if bad:
+        raise ValueError(f"lists {bad[:3]}, which {'are' if len(bad) > 1 else 'is'} not the name of an environment "
+                         "variable: it names variables to pass to child processes. Fix: list names such as OPENAI_API_KEY.")
+    return names
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=False, protected_namespaces=())
 
@@ -298,10 +309,16 @@ class RolloutConfig(Section):
     )  # fmt: skip
     agent_env_passthrough: list[str] = Field(
         default_factory=list, description="rollout.agent / rollout.environment: environment variables the worker and "
-        "environment processes get beside the allowlist (PATH, HOME, locale, TZ, TMPDIR, PYTHON*, the HF cache paths), "
-        "e.g. [OPENAI_API_KEY] for a program that calls another service; the rest of the trainer's (HF_TOKEN, "
-        "WANDB_API_KEY, cloud keys) stays behind (docs/agents.md).",
+        "environment processes (and the rollout worker or pool replicas that start them) get beside the allowlist (PATH, "
+        "locale, TZ, TMPDIR, PYTHON*, thread and device settings, the HF cache paths; HOME is an empty directory), e.g. "
+        "[OPENAI_API_KEY] for a program that calls another service; the rest of the trainer's (HF_TOKEN, WANDB_API_KEY, "
+        "cloud keys) stays behind (agents/child_env.py, docs/agents.md).",
     )
+
+    @field_validator("agent_env_passthrough")
+    @classmethod
+    def _env_names(cls, v: list[str]) -> list[str]:
+        return env_names(v, "rollout.agent_env_passthrough")
     agent_batch_wait_ms: float = Field(
         20.0, ge=0, description="rollout.agent: the endpoint samples the requests it holds once every running program "
         "waits on one, or when none arrived for this long (at most 10x this after the first).",
@@ -752,6 +769,17 @@ class RewardConfig(Section):
     )
     timeout_s: float = Field(5.0, gt=0, description="Per-call time limit of an answer-equivalence check.")
     workers: int = Field(2, ge=1, description="Worker processes for verification.")
+    env_passthrough: list[str] = Field(
+        default_factory=list, description="Environment variables the verifier worker processes (and the rollout worker or "
+        "pool replicas that start them) get beside the allowlist (agents/child_env.py; HOME is an empty directory), e.g. "
+        "[OPENAI_API_KEY] for a verifier that calls a service; the rest of the trainer's (HF_TOKEN, WANDB_API_KEY, cloud "
+        "keys) stays behind.",
+    )
+
+    @field_validator("env_passthrough")
+    @classmethod
+    def _env_names(cls, v: list[str]) -> list[str]:
+        return env_names(v, "reward.env_passthrough")
     reward_model: RewardModelConfig | None = Field(
         None, description="A reward model added to the rule verifiers by weight (training rewards only; docs/rewards.md)."
     )

@@ -118,6 +118,7 @@ class RolloutPool:
         self.backend = self.acc.backend
         self.host, self.store = serving_store(TIMEOUT)  # on 127.0.0.1 for a local cluster (local_cluster.py)
         self.packer = SharedWeights(model, torch.multiprocessing.get_context("spawn"))
+        self.vocab = wire.vocab_size(model)  # every reply's token ids are checked against it
         self.sums = PublishedChecksums(self.k)
         self.version, self.header = -1, (0, 0.0)  # newest published; its publication number and checksum
         self.restarts = 0  # whole-pool restarts (remote.RemoteSource counts them)
@@ -142,7 +143,7 @@ class RolloutPool:
         m.actor = actor_cls.options(
             num_cpus=p.cpus_per_replica, resources={self.acc.ray_resource: p.devices_per_replica} if p.devices_per_replica and self.acc.ray_resource != "GPU" else None,
             num_gpus=p.devices_per_replica if self.acc.ray_resource == "GPU" else 0, max_concurrency=2,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(m.placement), name=None,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(m.placement), name=None, runtime_env=_runtime_env(self.cfg),
         ).remote(self.cfg, self.examples_ref, self.packer.slots, p.cpus_per_replica)  # fmt: skip
 
     def _connect(self, m: _Member) -> None:
@@ -283,7 +284,7 @@ class RolloutPool:
 
     def _reply(self, m: _Member) -> wire.Chunk:
         """The reply of `m`'s chunk, decoded; WireError for none, a bad one or a failure (UserError: a data error)."""
-        got = wire.decode(self._pop(m, f"reply/{m.replies}"), len(self.examples))
+        got = wire.decode(self._pop(m, f"reply/{m.replies}"), len(self.examples), vocab=self.vocab)
         if isinstance(got, wire.Failure):
             if got.user_error:
                 raise UserError(*got.problems, title=got.title or "postrl cannot continue")  # it would recur on any replica
@@ -394,6 +395,20 @@ class RolloutPool:
         for m in self.members:
             self._kill(m)
         self.members = []
+
+
+def _runtime_env(cfg: Any) -> dict:
+    """The replicas' Ray runtime environment: every name of this process's environment outside the rollout processes'
+    allowlist (agents/child_env.py) set empty, so that the actor's process starts without the trainer's HF_TOKEN,
+    WANDB_API_KEY or cloud keys (a Ray worker inherits its raylet's environment, which a local cluster took from this
+    process, and Ray cannot unset a name); Replica then removes them and takes the allowlisted HOME and caches."""
+    import os
+
+    from postrl.agents.child_env import child_env
+    from postrl.placement.worker import passthrough
+
+    kept = child_env(passthrough(cfg), rollout=True)
+    return {"env_vars": {name: "" for name in os.environ if name not in kept}}
 
 
 def _import_ray(address: str | None):

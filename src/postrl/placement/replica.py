@@ -107,8 +107,11 @@ class Replica:
     trainer's group, generating the chunks it is dealt."""
 
     def __init__(self, cfg: Any, examples: list, slots: list, threads: int):
+        from postrl.agents.child_env import scrub_environ
         from postrl.assembly import build_run
+        from postrl.placement.worker import passthrough
 
+        scrub_environ(passthrough(cfg), rollout=True)  # first (pool.py blanked the rest in the process's own start)
         torch.set_num_threads(threads)
         self.cfg, self.examples = cfg, examples
         self.weights: ReceivedWeights | None = None

@@ -8,7 +8,12 @@ a rollout process runs user agent programs and parses model output, so what it s
     encode_batch / encode_chunk / encode_failure  ->  bytes  ->  decode(data, n_examples) -> Produced | Chunk | Failure
                                                       (a raw byte channel: a Pipe's recv_bytes, a TCPStore key)
 
-Floats round-trip exactly (shortest repr, NaN / inf kept); ints stay ints. A Batch's `multi_modal` entries
+Floats round-trip exactly (shortest repr, NaN / inf kept where a field allows them); ints stay ints.
+
+Values are checked as well as shapes (`_check_values`), since a value the trainer cannot use fails later where it
+hurts (in `torch.tensor`, or as a device assert on a GPU): every token id lies in [0, vocab) (the policy's input
+embedding rows, `vocab_size`), a loss mask has one 0 / 1 per token, log-probs, scores and rewards are finite,
+per-token lists are as long as their tokens, a model turn's span lies inside its tokens. A Batch's `multi_modal` entries
 (VLM images: PIL images and tensors) are never sent: each is the multi_modal of one of the run's prompt
 examples, which the trainer holds already, so the reply names the example by index and `to_batch` puts the
 trainer's own object back. A reply that does not decode raises WireError: the sender's failure (counted,
@@ -17,6 +22,7 @@ restarted), never the trainer's.
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal, Union
 
 import pydantic_core
@@ -90,6 +96,7 @@ class BatchMsg(_Strict):
         n = (info.context or {}).get("examples")
         if n is not None and any(i is not None and not 0 <= i < n for i in self.multi_modal):
             raise ValueError(f"a multi_modal entry names no example (the run has {n})")
+        _check_values(self, (info.context or {}).get("vocab"))
         return self
 
     def to_batch(self, examples: list) -> Batch:
@@ -97,6 +104,59 @@ class BatchMsg(_Strict):
         fields["multi_modal"] = [None if i is None else examples[i].multi_modal for i in self.multi_modal]
         fields["segments"] = [None if s is None else [seg.completion() for seg in s] for s in self.segments]
         return Batch(**fields)
+
+
+def _check_values(b: BatchMsg, vocab: int | None) -> None:
+    """Raise ValueError (naming the row and the field, never the value: it may be 10**30) for a value the trainer
+    cannot use; token ids are checked against `vocab` when it is given."""
+
+    def ids(row: int, what: str, xs: list[int]) -> None:
+        if xs and (min(xs) < 0 or (vocab is not None and max(xs) >= vocab)):
+            raise ValueError(f"row {row}: a {what} token id outside the vocabulary [0, {vocab if vocab is not None else 'inf'})")
+
+    def mask(row: int, what: str, xs: list[int], n: int) -> None:
+        if len(xs) != n or not set(xs) <= {0, 1}:
+            raise ValueError(f"row {row}: the {what} must hold one 0 or 1 per token ({n}), got {len(xs)} entries of {sorted(set(xs))[:3]}")
+
+    def finite(row: int, what: str, xs: list, n: int | None = None) -> None:
+        if n is not None and len(xs) != n:
+            raise ValueError(f"row {row}: the {what} must hold one value per token ({n}), got {len(xs)}")
+        if not all(map(math.isfinite, xs)):
+            raise ValueError(f"row {row}: the {what} must be finite (NaN or inf found)")
+
+    for row, (prompt, response) in enumerate(zip(b.prompt_ids, b.response_ids)):
+        ids(row, "prompt", prompt)
+        ids(row, "response", response)
+        mask(row, "loss mask", b.loss_masks[row], len(response))
+        finite(row, "score and reward", [b.scores[row], b.rewards[row]])
+        if b.engine_logprobs[row] is not None:
+            finite(row, "engine log-probs", b.engine_logprobs[row], len(response))
+        if b.token_versions[row] is not None and len(b.token_versions[row]) != len(response):
+            raise ValueError(f"row {row}: the token versions must hold one per token ({len(response)})")
+        for seg in b.segments[row] or []:
+            n = len(seg.token_ids)
+            ids(row, "segment", seg.token_ids)
+            ids(row, "segment prompt", seg.prompt_ids or [])
+            finite(row, "segment's environment reward", [seg.env_reward])
+            if seg.loss_mask is not None:
+                mask(row, "segment's loss mask", seg.loss_mask, n)
+            if seg.logprobs is not None:
+                finite(row, "segment's log-probs", seg.logprobs, n)
+            if seg.token_versions is not None and len(seg.token_versions) != n:
+                raise ValueError(f"row {row}: a segment's token versions must hold one per token ({n})")
+            if any(not 0 <= lo <= hi <= n for lo, hi in seg.turn_spans or []):
+                raise ValueError(f"row {row}: a segment's turn span lies outside its {n} tokens")
+            for top_ids, top_logprobs in seg.top_logprobs or []:
+                ids(row, "segment top-k", top_ids)
+                finite(row, "segment's top-k log-probs", top_logprobs, len(top_ids))
+            if seg.top_logprobs is not None and len(seg.top_logprobs) != n:
+                raise ValueError(f"row {row}: a segment's top-k log-probs must hold one entry per token ({n})")
+
+
+def vocab_size(model: Any) -> int:
+    """The rows of `model`'s input embedding: a token id at or past it would index out of range (on a GPU, a device
+    assert), so the trainer checks every reply's ids against it."""
+    return int(model.get_input_embeddings().num_embeddings)
 
 
 class Failure(_Strict):
@@ -191,14 +251,15 @@ def encode_failure(exc: BaseException) -> bytes:
     return reply.model_dump_json().encode()
 
 
-def decode(data: Any, n_examples: int, cap: int = MAX_REPLY_BYTES) -> Produced | Chunk | Failure:
-    """`data` (bytes a rollout process sent) parsed into its declared shape; WireError when it is not one."""
+def decode(data: Any, n_examples: int, cap: int = MAX_REPLY_BYTES, vocab: int | None = None) -> Produced | Chunk | Failure:
+    """`data` (bytes a rollout process sent) parsed into its declared shape, its values checked (token ids against
+    `vocab`, the policy's `vocab_size`, when given); WireError when it is not one."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise WireError(f"a reply must be bytes, got {type(data).__name__}")
     if len(data) > cap:
         raise WireError(f"a reply of {len(data)} bytes is over the cap of {cap} bytes (placement/wire.py MAX_REPLY_BYTES)")
     try:
-        return _REPLY.validate_json(bytes(data), context={"examples": n_examples})
+        return _REPLY.validate_json(bytes(data), context={"examples": n_examples, "vocab": vocab})
     except ValidationError as exc:
         lines = [": ".join(filter(None, (".".join(map(str, e["loc"])), e["msg"]))) for e in exc.errors()[:3]]
         raise WireError(f"a reply that is not in the declared shape ({len(data)} bytes): " + "; ".join(lines)) from None

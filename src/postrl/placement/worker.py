@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 import postrl.placement.wire as wire
+from postrl.agents.child_env import scrub_environ
 from postrl.distributed import RENDEZVOUS_FILE_ENV
 from postrl.errors import UserError
 from postrl.batch import Batch
@@ -72,6 +73,11 @@ class _Spec:
     parent: int
     log_dir: str
     quiet: bool = True
+
+
+def passthrough(cfg: Any) -> list[str]:
+    """The names a rollout process keeps beside the allowlist: those its agent programs and its verifiers are given."""
+    return [*cfg.rollout.agent_env_passthrough, *cfg.reward.env_passthrough]
 
 
 class _Sender:
@@ -106,6 +112,7 @@ def _serve(spec: _Spec, weights: SharedWeights, out: Any, slots: Any, stop: Any,
     from postrl.metrics import Timer
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the trainer stops us
+    scrub_environ(passthrough(spec.cfg), rollout=True)  # first: no token or home of the trainer's (agents/child_env.py)
     for name in _RANK_ENV:  # rank 0's process-group settings: the worker is a job of its own (vLLM reads some)
         os.environ.pop(name, None)
     engine = reward_fn = None
@@ -186,6 +193,7 @@ class AsyncRollout:
         self.G = cfg.rollout.n_samples_per_prompt
         self.ctx = torch.multiprocessing.get_context("spawn")
         self.weights = SharedWeights(model, self.ctx)
+        self.vocab = wire.vocab_size(model)  # every reply's token ids are checked against it
         self.share = CoreShare(self.ctx, threads, lend)
         self.sums = PublishedChecksums(self.k)
         self.restarts = 0
@@ -242,7 +250,7 @@ class AsyncRollout:
                 raise WorkerDied(f"the rollout worker exited with code {self.proc.exitcode} without a batch for step {step}",
                                  self._traceback())  # fmt: skip
         try:
-            return wire.decode(self.reader.recv_bytes(wire.MAX_REPLY_BYTES), len(self.examples))
+            return wire.decode(self.reader.recv_bytes(wire.MAX_REPLY_BYTES), len(self.examples), vocab=self.vocab)
         except EOFError:
             self.proc.join(POLL_S * 10)
             raise WorkerDied(f"the rollout worker exited with code {self.proc.exitcode} without a batch for step {step}",

@@ -12,7 +12,8 @@ replacement in the background. Two limits apply:
 
 Workers also get an address-space limit, so an input that makes sympy allocate gigabytes fails
 with MemoryError inside the worker instead of exhausting the machine. Workers are started with the
-`spawn` method (safe beside torch threads), once, and reused until `close()`.
+`spawn` method (safe beside torch threads), once, and reused until `close()`; each first makes its environment
+the allowlisted one of agents/child_env.py (no HF_TOKEN or other credential, HOME an empty directory).
 
 Trust flows down only. The parent's calls go to a worker pickled (the verifier function travels by
 name). A worker reads model-written text with sympy, which evaluates what it parses, so its replies
@@ -77,8 +78,12 @@ class _SoftTimeout(BaseException):
     which catches Exception broadly) cannot swallow it."""
 
 
-def _worker_main(conn: Connection, soft_timeout_s: float, memory_limit_mb: int | None) -> None:
+def _worker_main(conn: Connection, soft_timeout_s: float, memory_limit_mb: int | None, passthrough: tuple[str, ...] = ()) -> None:
     import signal
+
+    from postrl.agents.child_env import scrub_environ
+
+    scrub_environ(passthrough)  # first: sympy evaluates what the model wrote; no token, no home of the trainer's
 
     if memory_limit_mb:
         try:
@@ -240,10 +245,10 @@ def _read_exact(conn: Connection, n: int, deadline: float) -> bytes:
 
 
 class _Worker:
-    def __init__(self, ctx, soft_timeout_s: float, memory_limit_mb: int | None):
+    def __init__(self, ctx, soft_timeout_s: float, memory_limit_mb: int | None, passthrough: tuple[str, ...] = ()):
         self.conn, child = ctx.Pipe(duplex=True)
         self.proc = ctx.Process(
-            target=_worker_main, args=(child, soft_timeout_s, memory_limit_mb), daemon=True, name="postrl-verifier"
+            target=_worker_main, args=(child, soft_timeout_s, memory_limit_mb, passthrough), daemon=True, name="postrl-verifier"
         )
         self.proc.start()
         child.close()
@@ -262,12 +267,14 @@ class _Worker:
 class VerifierPool:
     """Runs verifier calls in `workers` processes, each call under a hard `timeout_s` limit."""
 
-    def __init__(self, workers: int, timeout_s: float, memory_limit_mb: int | None = 4096):
+    def __init__(self, workers: int, timeout_s: float, memory_limit_mb: int | None = 4096, passthrough: tuple[str, ...] = ()):
+        """`passthrough`: environment names the workers get beside the allowlist (reward.env_passthrough)."""
         assert workers >= 1, "the pool needs at least one worker"
         assert timeout_s > 0, "timeout_s must be positive"
         self.n_workers = workers
         self.timeout_s = timeout_s
         self.memory_limit_mb = memory_limit_mb
+        self.passthrough = tuple(passthrough)
         self._ctx = mp.get_context("spawn")
         self._workers: list[_Worker] = []
         self._boot_failures = 0
@@ -276,7 +283,7 @@ class VerifierPool:
 
     # ------------------------------------------------------------------ lifecycle
     def _spawn(self) -> _Worker:
-        return _Worker(self._ctx, 0.8 * self.timeout_s, self.memory_limit_mb)
+        return _Worker(self._ctx, 0.8 * self.timeout_s, self.memory_limit_mb, self.passthrough)
 
     def start(self) -> None:
         if not self._workers:

@@ -243,7 +243,7 @@ class RewardFunction:
         if self._pool is None:
             from postrl.rewards.pool import VerifierPool
 
-            self._pool = VerifierPool(self.cfg.workers, self.cfg.timeout_s, self._memory_limit_mb)
+            self._pool = VerifierPool(self.cfg.workers, self.cfg.timeout_s, self._memory_limit_mb, tuple(self.cfg.env_passthrough))
         return self._pool
 
     def _fail(self, counts: dict[str, list[str]], name: str, kind: str, message: str) -> None:
