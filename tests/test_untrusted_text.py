@@ -38,7 +38,7 @@ from postrl.rewards.reward_model import encode
 from postrl.rewards.text import last_boxed, minerva_normalize, normalize_math, numbers_equal, parse_number, simple_value
 from postrl.rewards.verdict import VerifierResult
 from postrl.rollout.base import SamplingParams, cut_at_stop
-from postrl.untrusted import AGENT_UNREADABLE, REWARD_UNREADABLE, Unreadable, exact_value, load_json, pop_tripped
+from postrl.untrusted import REWARD_UNREADABLE, Unreadable, exact_value, load_json, pop_tripped
 
 MB = 1 << 20
 # Pieces a degenerate policy repeats: brackets, the readers' own markers, huge numbers, control characters,
@@ -115,7 +115,6 @@ def test_a_deep_call_is_the_turns_error_and_the_trajectory_goes_on(tokenizer):
     from postrl.agents.loop import AgentLoop
 
     loop = AgentLoop(engine, tokenizer, MultiTurnConfig(enable=True, tools=["builtin:calculator"]))
-    pop_tripped(AGENT_UNREADABLE)
     (c,) = loop.generate([_prompt(tokenizer)], SamplingParams(max_tokens=20_000, greedy=True))
     tool_text = tokenizer.decode([t for t, m in zip(c.token_ids, c.loss_mask) if not m])
     assert "it cannot be read: it nests deeper than 64 levels" in tool_text
@@ -123,6 +122,7 @@ def test_a_deep_call_is_the_turns_error_and_the_trajectory_goes_on(tokenizer):
     m = loop.pop_metrics()
     assert (m["agent/unreadable"], m["agent/tool_error"], m["agent/tool_ok"]) == (1.0, 1.0, 0.0)
     assert loop.pop_metrics()["agent/unreadable"] == 0.0  # popped once, per step
+    assert parse_tool_calls(DEEP_CALL).unreadable and not parse_tool_calls("<tool_call>{</tool_call>").unreadable
 
 
 @pytest.mark.timeout(300)

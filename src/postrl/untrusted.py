@@ -14,11 +14,12 @@ so such a sample costs that sample only, counted, never the run (DESIGN.md secti
   nor expands it.
 - `clean_text(text, max_chars)`: lone surrogates replaced (tokenizers and JSON encoders refuse them),
   and the text cut to a size, keeping its head or its end.
-- `guarded(metric, fallback)`: a reader whose input trips a limit anyway (RecursionError, MemoryError, an
+- `guarded(fallback)`: a reader whose input trips a limit anyway (RecursionError, MemoryError, an
   arithmetic or value error) returns `fallback(exc)` (that sample's error) instead of raising.
 
-`trip(metric)` counts a refused input under its metric (`agent/unreadable`, `reward/unreadable`); the
-component that owns the metric's namespace pops the counts into the step's metrics (`pop_tripped`).
+A refused input is counted: the agent loop counts the tool calls it could not read (`agent/unreadable`,
+from `ParseError.unreadable`); a verifier's reader, deep inside a verdict, calls `trip(REWARD_UNREADABLE)`
+and `RewardFunction` pops the count of its call into the step's `reward/unreadable` (`pop_tripped`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ MAX_JSON_CHARS = 1 << 20  # one tool call's JSON: a megabyte of arguments is far
 MAX_JSON_DEPTH = 64  # as rollout.agent_max_json_depth's default: deeper than any tool schema nests
 MAX_EXPONENT = 1000  # a number whose decimal exponent is larger than this is compared, never expanded
 
-AGENT_UNREADABLE = "agent/unreadable"  # model turns whose tool calls tripped a limit (counted by the agent loop)
+AGENT_UNREADABLE = "agent/unreadable"  # model turns whose tool calls a limit refused (counted by the agent loop)
 REWARD_UNREADABLE = "reward/unreadable"  # verifier inputs refused by a limit, scored wrong (counted per step)
 
 
@@ -67,10 +68,10 @@ def pop_tripped(prefix: str) -> dict[str, float]:
 T = TypeVar("T")
 
 
-def guarded(metric: str, fallback: Callable[[BaseException], T]) -> Callable[[Callable[..., T]], Callable[..., T]]:
-    """Decorate a reader of model-written text: an input that trips a limit inside it (RecursionError,
-    MemoryError, an arithmetic or value error) is counted under `metric` and answered with `fallback(exc)`.
-    The readers themselves are bounded by construction; this is the line behind them, never the plan."""
+def guarded(fallback: Callable[[BaseException], T]) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """Decorate a reader of model-written text: an input that trips a limit inside it anyway (RecursionError,
+    MemoryError, an arithmetic or value error) is answered with `fallback(exc)`, that sample's error, which
+    its caller counts. The readers are bounded by construction; this is the line behind them, never the plan."""
 
     def wrap(fn: Callable[..., T]) -> Callable[..., T]:
         @functools.wraps(fn)
@@ -78,7 +79,6 @@ def guarded(metric: str, fallback: Callable[[BaseException], T]) -> Callable[[Ca
             try:
                 return fn(*args, **kwargs)
             except (RecursionError, MemoryError, ArithmeticError, ValueError) as exc:
-                trip(metric)
                 return fallback(exc)
 
         return reader

@@ -39,8 +39,8 @@ from postrl.agents.env import EnvCalls, load_environment
 from postrl.agents.render import TurnRenderer, truncate_text
 from postrl.agents.session import append_tokens
 from postrl.errors import UserError
-from postrl.untrusted import AGENT_UNREADABLE, pop_tripped
 from postrl.rollout.base import Completion, EngineWrapper, SamplingParams, cut_at_stop, eos_token_ids
+from postrl.untrusted import AGENT_UNREADABLE
 
 if TYPE_CHECKING:
     from postrl.config import MultiTurnConfig
@@ -248,6 +248,7 @@ class AgentLoop(EngineWrapper):
 
         parsed = parse_tool_calls(self.tokenizer.decode(ids, skip_special_tokens=False), self.tools)
         if isinstance(parsed, ParseError):
+            self.stats[AGENT_UNREADABLE] += parsed.unreadable  # past a reader's limit (postrl/untrusted.py)
             return [(None, None, parsed.message)]
         return [(c.name, c.arguments, None) for c in parsed]
 
@@ -303,7 +304,7 @@ class AgentLoop(EngineWrapper):
     def pop_metrics(self) -> dict[str, float]:
         """agent/* and timing/agent_* since the last call (then reset): per-trajectory means and tool outcomes."""
         n = max(self._n, 1)
-        m = {**self.stats, **pop_tripped(AGENT_UNREADABLE)}  # tool calls the parser refused (postrl/untrusted.py)
+        m = dict(self.stats)
         m.update({
             "agent/turns_mean": self._turns / n, "agent/tool_calls_mean": self._calls / n,
             "agent/tool_call_ratio": self._with_call / n, "agent/model_tokens_mean": self._model / n,

@@ -38,8 +38,8 @@ from postrl.agents.sandbox import (
     unisolated_warning,
 )
 from postrl.errors import UserError
-from postrl.utils import import_named
 from postrl.untrusted import load_json
+from postrl.utils import import_named
 
 log = logging.getLogger("postrl.agents")
 
