@@ -212,7 +212,7 @@ def test_huge_numbers_cost_nothing_and_are_counted():
     assert quick_equal("1e-999999999", "\\frac{\\pi}{2}") is False
     assert quick_equal("1e999999999", "1e999999999") is True and quick_equal("1e999999999", "10") is False
     assert quick_equal("0.5", "\\frac{1}{2}") is True  # ordinary answers are unchanged
-    assert pop_tripped(REWARD_UNREADABLE) == {REWARD_UNREADABLE: 2.0}
+    assert pop_tripped(REWARD_UNREADABLE) == 2 and pop_tripped(REWARD_UNREADABLE) == 0
 
 
 # ------------------------------------------------------------------------------- the verifiers' fast paths

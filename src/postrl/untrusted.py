@@ -51,18 +51,15 @@ _tripped: Counter[str] = Counter()
 
 
 def trip(metric: str) -> None:
-    """Count one refused input under `metric` (thread-safe: tool threads and the engine thread read text too)."""
+    """Count one refused input under `metric` (a lock: a verdict may be reached from more than one thread)."""
     with _lock:
         _tripped[metric] += 1
 
 
-def pop_tripped(prefix: str) -> dict[str, float]:
-    """The counts under `prefix` since the last pop (then zero)."""
+def pop_tripped(metric: str) -> int:
+    """The count under `metric` since the last pop (then zero)."""
     with _lock:
-        out = {k: float(v) for k, v in _tripped.items() if k.startswith(prefix)}
-        for k in out:
-            del _tripped[k]
-    return out
+        return _tripped.pop(metric, 0)
 
 
 T = TypeVar("T")

@@ -312,7 +312,7 @@ class RewardFunction:
         scores, metrics = self._combine(results)
         count = {kind: sum(len(f.get(kind, [])) for f in failed) for kind in FAILURE_METRICS}
         out = RewardOutput(scores, metrics, count["timeout"], count["error"], timed_out, count["invalid"])
-        out.unreadable = int(pop_tripped(REWARD_UNREADABLE).get(REWARD_UNREADABLE, 0))
+        out.unreadable = pop_tripped(REWARD_UNREADABLE)
         if models:
             self._add_model_rewards(out, models, texts, truths, rows)
         return out
