@@ -226,6 +226,8 @@ TRUTHS = ["42", "x+1", "\\frac{\\pi}{2}", "1e999999999", "\\boxed{3}", "Solution
 @example(text=HUGE_NUMBER, truth="x+1")
 @example(text="\\boxed{1e-999999999}", truth="\\frac{1}{2}")
 @example(text="Answer: " + "(" * 5000, truth="42")
+@example(text="\\boxed{" + "9" * MB + "}", truth="42")
+@example(text="Answer: " + "1e999999999 " * 80_000, truth="x+1")
 def test_every_built_in_fast_path_reads_hostile_text(text, truth):
     """rewards/registry.py runs these in the trainer's process without a time limit: each gives a verdict or
     None (to the pool), never raises. Rows name verl_default's sources."""
@@ -241,6 +243,7 @@ def test_every_built_in_fast_path_reads_hostile_text(text, truth):
 @given(pred=hostile(max_chars=MB // 4), truth=st.one_of(st.sampled_from(TRUTHS), hostile(max_chars=300)))
 @example(pred="1e999999999", truth="x+1")
 @example(pred="[" * 5000, truth="5")
+@example(pred="9" * (MB // 4), truth="\\frac{1}{2}")
 def test_math_equivalence_quick_verdict_reads_hostile_text(pred, truth):
     """rewards/equivalence.py: the verdict the trainer's process decides (math-verify itself runs in the pool,
     under reward.timeout_s and its memory limit)."""
