@@ -5,7 +5,7 @@ An engine knows token ids, not text: it takes prompt token ids and returns compl
 (vLLM, CPU or GPU). `make_engine` picks one from `rollout.engine` (auto | hf | vllm).
 
 `cut_at_stop` is the one cut of sampled ids at a stop string (the endpoint's `stop`, the agent loop's
-`</tool_call>` where it is no single token): a bisection, so a megabyte turn costs a few decodes.
+`</tool_call>` where it is no single token): a bisection, so a turn of n tokens costs about log2(n) decodes.
 """
 
 from __future__ import annotations
