@@ -28,7 +28,7 @@ from postrl.partition import shard_range, shard_seed
 from postrl.rollout import SamplingParams
 
 
-FAILURE_KEYS = ("reward/calls", "reward/timeouts", "reward/errors", "reward/invalid")
+FAILURE_KEYS = ("reward/calls", "reward/timeouts", "reward/errors", "reward/invalid", "reward/unreadable")
 
 
 def new_failures() -> dict[str, int]:

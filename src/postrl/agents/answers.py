@@ -16,7 +16,7 @@ from typing import Any
 
 from postrl.agents.endpoint import Job
 from postrl.agents.parse import _BLOCK, ParseError, parse_tool_calls
-from postrl.rollout.base import Completion
+from postrl.rollout.base import Completion, cut_at_stop
 
 
 @dataclass(frozen=True)
@@ -98,24 +98,6 @@ def respond(job: Job, choices: list[tuple[list[int], list[float] | None, str]], 
         "id": f"postrl-{uuid.uuid4().hex[:24]}", "object": kind, "created": created, "model": model, "choices": out,
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens},
     }  # fmt: skip
-
-
-def cut_at_stop(tokenizer: Any, ids: list[int], stops: list[str]) -> tuple[list[int], bool]:
-    """The ids through the token that completes the first stop string (the program sees the text before it).
-    The shortest such prefix is found by bisection: a prefix's text grows with it, so once it holds a stop
-    string every longer one does; O(log n) decodes, not n."""
-
-    def holds(k: int) -> bool:
-        text = tokenizer.decode(ids[:k], skip_special_tokens=False)
-        return any(s in text for s in stops)
-
-    if not holds(len(ids)):
-        return ids, False
-    lo, hi = 1, len(ids)  # holds(hi); the answer is the least k with holds(k)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if holds(mid) else (mid + 1, hi)
-    return ids[:lo], True
 
 
 def _outside_calls(text: str) -> str:

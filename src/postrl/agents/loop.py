@@ -10,8 +10,10 @@ running (the first samples the n completions of each prompt in one request). A t
 `</tool_call>` has its calls parsed (Hermes / Qwen: <tool_call>{"name", "arguments"}</tool_call>) and
 run concurrently across trajectories, each under `tool_timeout_s`; their results are rendered with
 the model's own chat template (`role: tool`, agents/render.py) and appended with loss mask 0. A
-malformed call is answered with an error message for the model, never a crash. A turn that ends with
-EOS goes to the environment, when there is one (agents/env.py), else ends the trajectory.
+malformed call is answered with an error message for the model, never a crash; one that trips a reader's
+limit (JSON too deep or too long, too many calls: postrl/untrusted.py) is such a call, also counted in
+agent/unreadable. A turn that ends with EOS goes to the environment, when there is one (agents/env.py),
+else ends the trajectory.
 
 The sampled ids are never re-tokenised: the trajectory is the prompt, then the engine's ids of each
 model turn (mask 1, the engine's log-probs) and the rendered ids of what came between (mask 0,
@@ -37,7 +39,8 @@ from postrl.agents.env import EnvCalls, load_environment
 from postrl.agents.render import TurnRenderer, truncate_text
 from postrl.agents.session import append_tokens
 from postrl.errors import UserError
-from postrl.rollout.base import Completion, EngineWrapper, SamplingParams, eos_token_ids
+from postrl.rollout.base import Completion, EngineWrapper, SamplingParams, cut_at_stop, eos_token_ids
+from postrl.untrusted import AGENT_UNREADABLE
 
 if TYPE_CHECKING:
     from postrl.config import MultiTurnConfig
@@ -235,14 +238,9 @@ class AgentLoop(EngineWrapper):
         return None
 
     def _cut_at_call_text(self, ids: list[int]) -> tuple[list[int], bool]:
-        """Without a single </tool_call> token: the ids up to the one that completes that text."""
-        text = self.tokenizer.decode(ids, skip_special_tokens=False)
-        if CALL_END not in text:
-            return ids, False
-        for k in range(1, len(ids) + 1):
-            if CALL_END in self.tokenizer.decode(ids[:k], skip_special_tokens=False):
-                return ids[:k], True
-        return ids, False
+        """Without a single </tool_call> token: the ids up to the one that completes that text (by bisection:
+        a turn of n tokens costs log n decodes, not n)."""
+        return cut_at_stop(self.tokenizer, ids, [CALL_END])
 
     def _parse(self, ids: list[int]) -> list[tuple[str | None, dict | None, str | None]]:
         """(name, arguments, error) of each call in a model turn; a malformed turn is one error for the model."""
@@ -250,6 +248,7 @@ class AgentLoop(EngineWrapper):
 
         parsed = parse_tool_calls(self.tokenizer.decode(ids, skip_special_tokens=False), self.tools)
         if isinstance(parsed, ParseError):
+            self.stats[AGENT_UNREADABLE] += parsed.unreadable  # past a reader's limit (postrl/untrusted.py)
             return [(None, None, parsed.message)]
         return [(c.name, c.arguments, None) for c in parsed]
 
@@ -288,7 +287,8 @@ class AgentLoop(EngineWrapper):
 
     # ------------------------------------------------------------------------------ metrics
     def reset_stats(self) -> None:
-        self.stats = {k: 0.0 for k in ("agent/tool_ok", "agent/tool_error", "agent/tool_timeout", "timing/agent_generate", "timing/agent_tools")}
+        keys = ("agent/tool_ok", "agent/tool_error", "agent/tool_timeout", AGENT_UNREADABLE, "timing/agent_generate", "timing/agent_tools")
+        self.stats = dict.fromkeys(keys, 0.0)
         self._n = self._turns = self._calls = self._with_call = self._model = self._total = 0
         self._env_reward = 0.0
 

@@ -13,7 +13,9 @@ messages, after an assistant turn whose content is a marker:
 The text starts at the end-of-turn marker, a special token, so tokenising it alone gives the ids a
 whole-conversation render gives (tests/test_agents.py checks it for the tiny template and Qwen2.5's).
 A model turn that already ended with that token (EOS, as before an environment's message) does not
-get it twice. verl's agent loop and TRL's environments compute tool turns the same way.
+get it twice. verl's agent loop and TRL's environments compute tool turns the same way. What is
+rendered (tool output, an environment's or a client's text) is tokenised with lone surrogates replaced:
+a tokenizer raises on them.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from postrl.errors import UserError
+from postrl.untrusted import clean_text
 
 MARK = "<<postrl-assistant-turn>>"
 
@@ -58,7 +61,7 @@ class TurnRenderer:
                 "that message is added, so its ids cannot be appended to the trajectory. Fix: use a template whose "
                 "earlier turns do not change when a turn is added (Qwen2.5, Llama 3, ChatML do not)."
             )
-        ids = self._ids(text[self._cut :])
+        ids = self._ids(clean_text(text[self._cut :]))  # a tool's or a client's text may hold lone surrogates
         if last_token is not None and self.turn_end and ids[:1] == self.turn_end[:1] and last_token == ids[0]:
             ids = ids[1:]  # the model closed its turn itself (EOS)
         return ids
@@ -74,6 +77,7 @@ class TurnRenderer:
 
 def truncate_text(tokenizer: Any, text: str, max_tokens: int) -> str:
     """`text` cut to `max_tokens` tokens, with a note that says so (tool output shown to the model)."""
+    text = clean_text(text)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if len(ids) <= max_tokens:
         return text

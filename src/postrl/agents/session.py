@@ -19,11 +19,11 @@ model's ids are reused, never re-tokenised from the text the program sent back.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from postrl.rollout.base import Completion
+from postrl.untrusted import load_json
 
 
 def append_tokens(t: Any, ids: list[int], sampled: bool, logprobs: list[float] | None = None) -> None:
@@ -138,8 +138,8 @@ def norm_tool_calls(calls: Any) -> list[tuple[str, Any]]:
         args = fn.get("arguments", {})
         if isinstance(args, str):
             try:
-                args = json.loads(args) if args.strip() else {}
-            except ValueError:
+                args = load_json(args) if args.strip() else {}
+            except ValueError:  # not JSON, or past the limits (too long, too deep): compared as the text it is
                 pass
         out.append((fn.get("name"), args))
     return out

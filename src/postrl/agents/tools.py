@@ -38,6 +38,7 @@ from postrl.agents.sandbox import (
     unisolated_warning,
 )
 from postrl.errors import UserError
+from postrl.untrusted import load_json
 from postrl.utils import import_named
 
 log = logging.getLogger("postrl.agents")
@@ -388,7 +389,7 @@ def _call(tools: dict[str, Tool], name: str, arguments: dict | str | None, timeo
         arguments = {}
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
+            arguments = load_json(arguments)  # model-written: size, depth and numbers capped
         except ValueError as exc:
             return ToolResult(f"the arguments of '{name}' are not valid JSON ({exc})", "error")
     if not isinstance(arguments, dict):

@@ -14,6 +14,7 @@ import logging
 import threading
 
 from postrl.rewards.text import last_boxed, normalize_math, numbers_equal, parse_number, simple_value
+from postrl.untrusted import REWARD_UNREADABLE, exact_value, trip
 
 # A final answer longer than this (and longer than 20x the ground truth) is not worth a symbolic
 # check: it is scored wrong unless it matches the ground truth as a string.
@@ -42,7 +43,13 @@ def unbox(truth: str) -> str:
 
 
 def quick_equal(pred: str | None, truth: str) -> bool | None:
-    """True/False when the answer can be decided by string or number comparison, else None."""
+    """True/False when the answer can be decided by string or number comparison, else None.
+
+    Bounded in time and memory on any input (it runs in the trainer's process): linear string work, and
+    numbers compared without being expanded. An answer too absurd for a symbolic check (longer than
+    MAX_ANSWER_CHARS and 20x the ground truth, or a number past `untrusted.MAX_EXPONENT` against a
+    ground truth that is no number) is scored wrong unless it matched as a string or a number, counted in
+    reward/unreadable."""
     if pred is None:
         return False
     truth = unbox(truth)
@@ -54,6 +61,9 @@ def quick_equal(pred: str | None, truth: str) -> bool | None:
     pn, tn = parse_number(p), parse_number(t)
     if pn is not None and tn is not None:
         return numbers_equal(pn, tn)
+    if pn is not None and exact_value(pn) is None:
+        trip(REWARD_UNREADABLE)  # 1e999999999 against a formula: symbolically, sympy would expand it
+        return False
     pv, tv = simple_value(p), simple_value(t)
     if pv is not None and tv is not None:
         if pv[0] == tv[0]:
@@ -61,6 +71,7 @@ def quick_equal(pred: str | None, truth: str) -> bool | None:
         if not (pv[1] or tv[1]):
             return False  # two exact values that differ; a decimal may be a rounding: ask math-verify
     if len(pred) > max(MAX_ANSWER_CHARS, 20 * len(truth)):
+        trip(REWARD_UNREADABLE)
         return False
     return None
 

@@ -17,7 +17,7 @@ from postrl.rewards.verdict import VerifierResult, register
 from postrl.rewards.text import numbers_equal, parse_number
 
 _NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
-_STRICT = re.compile(r"####\s*\$?\s*(" + _NUMBER + ")")
+_STRICT = re.compile(r"####\s*(?:\$\s*)?(" + _NUMBER + ")")  # one way to read the spaces: no backtracking
 _ANY_NUMBER = re.compile(_NUMBER)
 
 

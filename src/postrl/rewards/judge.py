@@ -6,7 +6,9 @@ The judge decodes greedily through a rollout engine built like the policy's (`po
 HF, or vLLM; the run's trust_remote_code, runtime and seed; never the agent loop) and is frozen. A judgement the pattern does not match, or whose group is not a finite number, scores
 `fail_score` and is counted (reward/judge_unparsed): a judge that never answers in the expected form
 would otherwise hand the policy a constant reward without anyone noticing; when (nearly) every judgement
-of a batch is unparsed, the run stops, by the verifiers' rule (RewardFunction).
+of a batch is unparsed, the run stops, by the verifiers' rule (RewardFunction). The response is the
+policy's text, read in at most the policy's token budget (`fit_response`), so a response that the
+judge's tokenizer splits finer never makes a prompt longer than the judge's engine holds.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 import torch
 
 from postrl.rewards.reward_model import ModelScores, prompt_messages
+from postrl.untrusted import clean_text
 
 log = logging.getLogger("postrl.rewards")
 
@@ -35,6 +38,25 @@ def parse_score(judgement: str, pattern: re.Pattern) -> float | None:
     except ValueError:
         return None
     return value if math.isfinite(value) else None
+
+
+def fit_response(tokenizer: Any, response: str, max_tokens: int | None) -> str:
+    """The policy's response as the judge reads it: lone surrogates replaced, cut from the left to `max_tokens`
+    of the judge's tokens (the end, where the answer is, stays); None: as it is."""
+    response = clean_text(response)
+    if max_tokens is None:
+        return response
+    ids = tokenizer(response, add_special_tokens=False)["input_ids"]
+    if len(ids) <= max_tokens:
+        return response
+    keep = max_tokens
+    while keep > 0:  # a cut inside a character re-tokenises longer (U+FFFD): keep fewer, by the excess
+        text = tokenizer.decode(ids[-keep:])
+        excess = len(tokenizer(text, add_special_tokens=False)["input_ids"]) - max_tokens
+        if excess <= 0:
+            return text
+        keep -= excess
+    return ""
 
 
 def fill_template(template: str, messages: list[dict], response: str, ground_truth: str) -> str:
@@ -77,6 +99,9 @@ class Judge:
                 run_cfg, Policy(model, self.tokenizer, path, TEXT), runtime, log.info, rollout=rollout,
                 max_tokens=self.max_tokens(ro.max_tokens),
             )  # fmt: skip
+        # The policy's response is read in at most the tokens of the policy's own budget (another tokenizer can
+        # need more for the same text): the judge's prompt then always fits the length its engine was built for.
+        self.response_tokens = None if run_cfg is None else run_cfg.rollout.max_tokens
         self.unparsed_total = 0
         self._warned = False
 
@@ -95,7 +120,8 @@ class Judge:
     def judgements(self, responses: list[str], ground_truths: list[str], rows: list[dict]) -> list[str]:
         from postrl.rollout import SamplingParams
 
-        prompts = [self.prompt_ids(c, g, r) for c, g, r in zip(responses, ground_truths, rows)]
+        fitted = [fit_response(self.tokenizer, c, self.response_tokens) for c in responses]
+        prompts = [self.prompt_ids(c, g, r) for c, g, r in zip(fitted, ground_truths, rows)]
         completions = self.engine.generate(prompts, SamplingParams(max_tokens=self.cfg.max_tokens, n=1, greedy=True))
         by_prompt = sorted(completions, key=lambda c: c.prompt_index)
         return self.tokenizer.batch_decode([c.token_ids for c in by_prompt], skip_special_tokens=True)

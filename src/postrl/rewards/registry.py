@@ -8,7 +8,10 @@ themselves by name with `@register("name")`; users name their own as `package.mo
 
 `RewardFunction` scores a batch in two tiers, so the common case costs microseconds:
 1. in the calling process, each verifier's cheap `fast` path (string and number comparison) or,
-   for verifiers registered `in_process=True`, the verifier itself (pure, bounded string work);
+   for verifiers registered `in_process=True`, the verifier itself (pure, bounded string work). These
+   read model-written text without a time limit, so they are linear and refuse absurd inputs
+   (postrl/untrusted.py; counted in reward/unreadable), and a completion over MAX_IN_PROCESS_CHARS
+   goes to tier 2 instead;
 2. whatever is left (a symbolic check through math-verify, any user verifier) in a pool of worker
    processes, each call under a hard time limit (`reward.timeout_s`).
 
@@ -46,6 +49,7 @@ from postrl.rewards.verdict import (  # noqa: F401
     register,
     to_result,
 )
+from postrl.untrusted import REWARD_UNREADABLE, pop_tripped
 from postrl.utils import import_named
 
 if TYPE_CHECKING:
@@ -145,6 +149,10 @@ def verifier_problems(specs: Sequence[str | tuple[str, dict]]) -> list[str]:
     return list(dict.fromkeys(problems))
 
 
+# The longest completion a verifier reads in the calling process (tens of milliseconds for the built-ins'
+# linear readers); a longer one is scored in the worker pool, under reward.timeout_s.
+MAX_IN_PROCESS_CHARS = 1 << 20
+
 # Failure kinds: the status a verifier call ends with, and the metric that counts it.
 FAILURE_METRICS = {"timeout": "reward/timeouts", "error": "reward/errors", "invalid": "reward/invalid"}
 # FAIL_ALL_SHARE / FAIL_ALL_MIN_CALLS (verdict.py): a verifier failing that share of its calls in one batch stops the run
@@ -160,7 +168,8 @@ class RewardOutput:
     rm_score / judge_score (raw), their *_reward (as summed) and rm_rule_max / rm_rule_min (see
     `RewardFunction._add_model_rewards`). `timeouts`, `errors` and `invalid` count
     verifier calls that hit the time limit, raised, or returned no finite number (all score the
-    verifier's fail_score); `timed_out[i]` says whether any call of completion i timed out.
+    verifier's fail_score); `timed_out[i]` says whether any call of completion i timed out; `unreadable`
+    counts answers a reader's limit refused (an absurd number or length: scored wrong, not failed).
     """
 
     scores: list[float]
@@ -170,11 +179,13 @@ class RewardOutput:
     timed_out: list[bool] = field(default_factory=list)
     invalid: int = 0
     counts: dict[str, int] = field(default_factory=dict)  # model rewards' counts, e.g. reward/judge_unparsed
+    unreadable: int = 0  # answers a reader refused in this process (postrl/untrusted.py), scored wrong
 
     @property
     def failures(self) -> dict[str, int]:
         """Failed calls of this batch by kind, under their metric names (logged per step)."""
-        return {"reward/timeouts": self.timeouts, "reward/errors": self.errors, "reward/invalid": self.invalid, **self.counts}
+        out = {"reward/timeouts": self.timeouts, "reward/errors": self.errors, "reward/invalid": self.invalid, **self.counts}
+        return {**out, REWARD_UNREADABLE: self.unreadable} if self.unreadable else out  # the step starts it at 0
 
     def means(self) -> dict[str, float]:
         """Mean of every per-completion metric (the trainer logs them as <algo>/<name>/mean)."""
@@ -293,6 +304,7 @@ class RewardFunction:
 
     def _score(self, completions: list, ground_truths: list, rows: list, models: list) -> RewardOutput:
         texts, truths, rows = _coerce_inputs(completions, ground_truths, rows)
+        pop_tripped(REWARD_UNREADABLE)  # count this call's refusals only, not a direct call's before it
         results, failed, timed_out = self._verdicts(texts, truths, rows)
         for v, (name, weight, _) in enumerate(self.verifiers):
             if weight != 0:  # a weight-0 verifier is only logged: its failures are counted, not fatal
@@ -300,6 +312,7 @@ class RewardFunction:
         scores, metrics = self._combine(results)
         count = {kind: sum(len(f.get(kind, [])) for f in failed) for kind in FAILURE_METRICS}
         out = RewardOutput(scores, metrics, count["timeout"], count["error"], timed_out, count["invalid"])
+        out.unreadable = pop_tripped(REWARD_UNREADABLE)
         if models:
             self._add_model_rewards(out, models, texts, truths, rows)
         return out
@@ -342,7 +355,12 @@ class RewardFunction:
         return results, failed, timed_out
 
     def _in_process(self, name: str, entry: VerifierEntry, text: str, truth: str, row: dict) -> VerifierResult | None:
-        """Tier 1: the verdict in this process (in-process verifier, or its fast path), None: ask the pool."""
+        """Tier 1: the verdict in this process (in-process verifier, or its fast path), None: ask the pool.
+
+        The built-in readers are linear in the text, so a size cap is their time bound here: a completion
+        longer than MAX_IN_PROCESS_CHARS goes to the pool, under its time limit, like a hard case."""
+        if len(text) > MAX_IN_PROCESS_CHARS and name not in self._in_process_only:
+            return None
         if entry.in_process or name in self._in_process_only:
             return to_result(entry.fn(text, truth, row))
         if entry.fast is not None:

@@ -22,6 +22,7 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
+from postrl.untrusted import clean_text
 from postrl.utils import get_dotted
 
 NORM_EPS = 1e-6
@@ -72,7 +73,7 @@ def encode(tokenizer: Any, texts: list[str], max_length: int) -> dict[str, torch
 
     Right padding: a sequence-classification head reads the last non-pad token of each row.
     """
-    ids = [tokenizer(t, add_special_tokens=False)["input_ids"][-max_length:] for t in texts]
+    ids = [tokenizer(clean_text(t), add_special_tokens=False)["input_ids"][-max_length:] for t in texts]  # a tokenizer raises on lone surrogates
     L = max(len(x) for x in ids)
     pad = tokenizer.pad_token_id
     input_ids = torch.full((len(ids), L), pad, dtype=torch.long)

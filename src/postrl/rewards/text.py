@@ -1,7 +1,9 @@
 """Answer extraction and normalisation: pure string functions shared by the verifiers.
 
-Everything here is linear (or bounded) in the length of its input, so a 1 MB completion costs
-milliseconds, never a hang: no regex with nested unbounded repetition runs on unbounded text.
+Everything here reads model-written text, so it is linear (or bounded) in the length of its input: a
+1 MB completion costs milliseconds, never a hang. No regex with nested unbounded repetition runs on
+unbounded text, and a number is compared without being expanded (`1e999999999` costs nothing:
+postrl/untrusted.py). tests/test_untrusted_text.py feeds each function generated hostile text.
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ import re
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 
-_BOX_COMMANDS = ("\\boxed", "\\fbox")
+from postrl.untrusted import exact_value, wide_decimal
+
 _BRACES = re.compile(r"[{}]")
 
 
@@ -24,13 +27,17 @@ def matching_brace(text: str, open_at: int) -> int:
     return -1
 
 
+_BOX_AT = re.compile(r"\\(?:boxed|fbox)")
+
+
 def last_boxed(text: str) -> str | None:
     """Content of the last `\\boxed{...}` (or `\\fbox{...}`, or `\\boxed 5`) in `text`, or None.
 
     Nested braces are handled: `\\boxed{\\frac{1}{2}}` gives `\\frac{1}{2}`. An unclosed box gives None.
+    The commands are found in one pass and tried from the last, so `\\boxedx` a hundred thousand times
+    costs one scan, not one per candidate.
     """
-    start = max(text.rfind(cmd) for cmd in _BOX_COMMANDS)
-    while start >= 0:
+    for start in reversed([m.start() for m in _BOX_AT.finditer(text)]):
         cmd = "\\boxed" if text.startswith("\\boxed", start) else "\\fbox"
         i = start + len(cmd)
         if text.startswith("{", i):
@@ -42,7 +49,6 @@ def last_boxed(text: str) -> str | None:
             if m:
                 return m.group(1)
         # `\boxedfoo` or a bare `\boxed`: not a box; look further left.
-        start = max(text.rfind(c, 0, start) for c in _BOX_COMMANDS)
     return None
 
 
@@ -69,12 +75,20 @@ _THOUSANDS = re.compile(r"[-+]?\d{1,3}(,\d{3})+(\.\d*)?")
 _PLAIN_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
+MAX_NUMBER_CHARS = 100  # a number written longer than this is not an answer
+
+
 def parse_number(s: str) -> Decimal | None:
-    """`"1,234.50"`, `"-3"`, `"$18"`, `"42."` -> Decimal; anything else (`"1,-2"`, `"x"`) -> None."""
+    """`"1,234.50"`, `"-3"`, `"$18"`, `"42."` -> Decimal; anything else (`"1,-2"`, `"x"`) -> None.
+
+    At most MAX_NUMBER_CHARS characters, but the exponent may be huge (`1e999999999`): compare the
+    result with `numbers_equal`, and take its exact value with `untrusted.exact_value`, never `Fraction`."""
     s = s.strip().replace("\\$", "").replace("$", "").replace("\\!", "").replace("{,}", ",").strip()
+    if len(s) > MAX_NUMBER_CHARS * 4 // 3:  # before any regex: commas add a third at most
+        return None
     if _THOUSANDS.fullmatch(s):
         s = s.replace(",", "")
-    if len(s) > 100 or not _PLAIN_NUMBER.fullmatch(s):
+    if len(s) > MAX_NUMBER_CHARS or not _PLAIN_NUMBER.fullmatch(s):
         return None
     try:
         return Decimal(s)
@@ -85,11 +99,12 @@ def parse_number(s: str) -> Decimal | None:
 def numbers_equal(a: Decimal, b: Decimal) -> bool:
     """Integers exactly (1000000001 != 1000000000); other numbers up to a relative 1e-12, which
     forgives binary-float noise (0.30000000000000004) but not a rounded answer (3.14 != 3.14159)."""
-    if a == b:
-        return True
-    if a == a.to_integral_value() and b == b.to_integral_value():
-        return False
-    return abs(a - b) <= Decimal("1e-12") * max(abs(a), abs(b))
+    with wide_decimal():  # 1e999999999 - 5 rounds, neither overflows nor expands
+        if a == b:
+            return True
+        if a == a.to_integral_value() and b == b.to_integral_value():
+            return False
+        return abs(a - b) <= Decimal("1e-12") * max(abs(a), abs(b))
 
 
 _SIMPLE_FRACTION = re.compile(r"(-?)\\frac\{(-?\d+)\}\{(-?\d+)\}|(-?)\\frac(\d)(\d)|(-?\d+)/(-?\d+)")
@@ -97,10 +112,12 @@ _SIMPLE_FRACTION = re.compile(r"(-?)\\frac\{(-?\d+)\}\{(-?\d+)\}|(-?)\\frac(\d)(
 
 def simple_value(s: str) -> tuple[Fraction, bool] | None:
     """Exact value of a plain number or a simple fraction (`\\frac{3}{4}`, `\\frac34`, `-3/4`), and
-    whether it was written as a decimal; None for anything else. Expects `normalize_math` output."""
+    whether it was written as a decimal; None for anything else (a number past the exact-arithmetic cap of
+    `untrusted.exact_value` included). Expects `normalize_math` output."""
     num = parse_number(s)
     if num is not None:
-        return Fraction(num), "." in s or "e" in s.lower()
+        value = exact_value(num)
+        return None if value is None else (value, "." in s or "e" in s.lower())
     m = _SIMPLE_FRACTION.fullmatch(s)
     if m is None:
         return None

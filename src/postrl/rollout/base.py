@@ -3,6 +3,9 @@
 An engine knows token ids, not text: it takes prompt token ids and returns completion token ids
 (nanochat's shape). Two engines implement it: `HFEngine` (transformers `generate`) and `VLLMEngine`
 (vLLM, CPU or GPU). `make_engine` picks one from `rollout.engine` (auto | hf | vllm).
+
+`cut_at_stop` is the one cut of sampled ids at a stop string (the endpoint's `stop`, the agent loop's
+`</tool_call>` where it is no single token): a bisection, so a turn of n tokens costs about log2(n) decodes.
 """
 
 from __future__ import annotations
@@ -197,3 +200,21 @@ def eos_token_ids(model: "torch.nn.Module", tokenizer: Any) -> list[int]:
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
         ids.append(tokenizer.eos_token_id)
     return ids
+
+
+def cut_at_stop(tokenizer: Any, ids: list[int], stops: list[str]) -> tuple[list[int], bool]:
+    """The ids through the token that completes the first stop string (the program sees the text before it).
+    The shortest such prefix is found by bisection: a prefix's text grows with it, so once it holds a stop
+    string every longer one does; O(log n) decodes, not n."""
+
+    def holds(k: int) -> bool:
+        text = tokenizer.decode(ids[:k], skip_special_tokens=False)
+        return any(s in text for s in stops)
+
+    if not holds(len(ids)):
+        return ids, False
+    lo, hi = 1, len(ids)  # holds(hi); the answer is the least k with holds(k)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if holds(mid) else (mid + 1, hi)
+    return ids[:lo], True
