@@ -33,6 +33,7 @@ from postrl.guides.rules import (
     _bool,
 )
 from postrl.guides.reading import Item, Reading, dedupe, load_yaml_lines, strip_annotation, yaml_value
+from postrl.yaml_bounded import FIX, TooLarge
 from postrl.guides import fully_async, verl_tools
 from postrl.guides.script import read_script
 from postrl.guides.verl import VERL, VERL_HEADS, VERL_PREFIXES  # noqa: F401
@@ -115,9 +116,9 @@ def _parse(items: list[str]) -> list[tuple[str, Any]]:
             bad.append(f"'{item}' is not of the form key=value. Fix: write it like actor_rollout_ref.rollout.n=8.")
             continue
         try:
-            pairs.append((key, yaml.safe_load(raw) if raw != "" else ""))
-        except yaml.YAMLError:
-            pairs.append((key, raw))
+            pairs.append((key, yaml_value(raw)))
+        except TooLarge as exc:
+            bad.append(f"'{key}=...': {exc}. {FIX}")
     if bad:
         raise UserError(*bad, title="bad verl overrides")
     return pairs

@@ -57,7 +57,7 @@ def carry(conv: Conversion, given: dict[str, Any], script_dir: Path | None) -> N
         if path.stat().st_size > MAX_BYTES:
             raise TooLarge(f"it is larger than {MAX_BYTES:,} bytes")
         doc = safe_load_bounded(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError, TooLarge, RecursionError) as exc:
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, TooLarge) as exc:
         conv.refused.append(f"{where}: {path} cannot be read as verl's tool config ({str(exc).splitlines()[0][:200]}). Fix: pass the YAML verl reads.")
         return
     tools = doc.get("tools") if isinstance(doc, dict) else None
