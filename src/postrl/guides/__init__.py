@@ -90,7 +90,50 @@ def _apply(conv: Conversion, table: dict[str, Rule], prefixes: dict[str, str], k
         conv.mapped.append(Mapped(source, value, targets, rule.note))
 
 
+# postrl keys whose value is a place the run writes to (metrics, samples, checkpoints, the converted YAML).
+WRITTEN = ("logging.dir", "checkpoint.dir")
+# verl / MindSpeed-RL keys whose value becomes one component of such a path (trainer.experiment_name -> runs/<name>).
+NAME_KEYS = ("trainer.experiment_name",)
+
+
+def _not_plain(value: Any, component: bool) -> str | None:
+    """Why `value` is not a plain path (one name when `component`), or None: printable text, no `..` part, and
+    for a name no `/` or `\\` and not `.`. A converted file decides only names and places under its own words;
+    where the run writes must read as what the user sees."""
+    text = str(value)
+    if not text.strip():
+        return "it is empty"
+    odd = sorted({repr(c)[1:-1] for c in text if not c.isprintable()})
+    if odd:
+        return f"it holds characters that are not printable ({', '.join(odd)}), so the directory's name is not what is shown"
+    parts = text.replace("\\", "/").split("/")
+    if component and (len(parts) > 1 or text in (".", "..")):
+        return "it is a name postrl makes into one directory, runs/<name>, and this one is a path"
+    if ".." in parts:
+        return "a `..` in it leads out of the directory it names"
+    if any(len(p.encode()) > 255 for p in parts):
+        return "a part of it is longer than a file name may be (255 bytes)"
+    return None
+
+
+def _check_written(conv: Conversion) -> None:
+    """Refuse a value of the file that would make the run write somewhere other than a plain place (one rule for
+    every key that becomes a written path: NAME_KEYS as one name, the others as a path)."""
+    for m in conv.mapped:
+        key = m.source.split(" ", 1)[0]
+        checks = [(m.value, True)] if key in NAME_KEYS else [(v, False) for k, v in m.targets.items() if k in WRITTEN]
+        for value, component in checks:
+            why = _not_plain(value, component)
+            if why:
+                conv.refused.append(
+                    f"{_where(conv, m.source)} = {str(value)!r}: the run would write to a place named by it, and {why}. "
+                    f"Fix: give {key} a plain {'name (letters, digits, - _ .)' if component else 'path with no `..`'}, "
+                    "or choose the place yourself on the command line (logging.dir=... / checkpoint.dir=...)."
+                )
+
+
 def _finish(conv: Conversion, where: str) -> Conversion:
+    _check_written(conv)
     if conv.refused:
         raise UserError(*conv.refused, title=f"{where}: {len(conv.refused)} value(s) postrl cannot convert as written")
     _build_tree(conv)
@@ -514,6 +557,36 @@ def code_keys(tree: dict) -> list[tuple[str, Any, str]]:
     return out
 
 
+def _leaves_machine(url: str) -> bool:
+    """True unless `url`'s host is this machine (localhost or a loopback address)."""
+    from urllib.parse import urlsplit
+
+    from postrl.config.schema import _is_loopback
+
+    try:
+        host = urlsplit(url).hostname or ""
+    except ValueError:
+        return True
+    return not _is_loopback(host)
+
+
+def sends_keys(tree: dict) -> list[tuple[str, Any, str, bool]]:
+    """(postrl key, value, what it sends, whether `postrl train SCRIPT.sh` asks for --allow-code) of every setting
+    in `tree` that sends data away from the run: what the model writes (code to a SandboxFusion service) is gated
+    like code, since another machine runs it; the trackers (W&B, SwanLab) get the configuration and metrics, which
+    the user's own login to them decides, and are listed."""
+    flat = _flatten(tree)
+    out: list[tuple[str, Any, str, bool]] = []
+    url = flat.get("rollout.multi_turn.sandbox.url")
+    if flat.get("rollout.multi_turn.sandbox.backend") == "sandbox_fusion" and url:
+        where = "another machine (not loopback)" if _leaves_machine(str(url)) else "this machine (loopback)"
+        out.append(("rollout.multi_turn.sandbox.url", url, f"sends the code the model writes to this SandboxFusion service, on {where}, which runs it", True))
+    for sink in flat.get("logging.sinks") or []:
+        if sink in ("wandb", "swanlab"):
+            out.append(("logging.sinks", sink, f"sends the run's configuration and metrics to {sink} (the host your {sink} login names)", False))
+    return out
+
+
 def inert(tree: dict) -> dict:
     """A copy of `tree` without the settings that import code (`code_keys`; the user's tools stand as
     builtin:calculator), for validating a conversion without running anything of the user's."""
@@ -579,6 +652,16 @@ def render_yaml(conv: Conversion, source: str) -> str:
         lines.append("")
         lines.append(f"# Settings that run code other than postrl's ({len(code)}): `postrl train SCRIPT.sh` asks for --allow-code.")
         lines += [f"#   {key} = {_comment(repr(value))}: {what}" for key, value, what in code]
+    sends = sends_keys(conv.tree)
+    if sends:
+        lines.append("")
+        lines.append(f"# Sends data to ({len(sends)}): `postrl train SCRIPT.sh` asks for --allow-code for those marked so.")
+        lines += [f"#   {key} = {_comment(repr(value))}: {what}" + (" (asks for --allow-code)" if gated else "") for key, value, what, gated in sends]
+    written = [(k, v) for k, v in _flatten(conv.tree).items() if k in WRITTEN]
+    if written:
+        lines.append("")
+        lines.append(f"# Writes to ({len(written)}): the places the run creates and fills.")
+        lines += [f"#   {key} = {_comment(repr(value))}" for key, value in written]
     silent = [m for m in conv.mapped if not m.targets]
     if silent:
         lines.append("")
