@@ -475,14 +475,80 @@ def convert_file(path: str | Path, env: dict[str, str] | None = None, overrides:
         return _with_verl_overrides(items, extra, str(path), script_dir=p.parent)
     reading = read_script(text, env)
     reading.check(str(path))
+    base = hydra_base(reading, str(path))
     if not reading.items:
         raise UserError(
             f"{path} is neither a MindSpeed-RL YAML (megatron_training / actor_config / rl_config / generate_config "
             "sections, or their keys) nor a list of verl overrides (key=value). Fix: pass one of those."
         )
-    conv = _with_verl_overrides(reading.items, extra, str(path), reading.entry, p.parent)
-    conv.notes[:0] = reading.notes
+    given = {it.key for it in reading.items}
+    conv = _with_verl_overrides([it for it in base.items if it.key not in given] + reading.items, extra, str(path), reading.entry, p.parent)
+    conv.notes[:0] = reading.notes + base.notes
     return conv
+
+
+# verl's own configs whose defaults postrl knows (VERL_DEFAULTS): a script may name them with --config-name.
+VERL_CONFIGS = {
+    "ppo_trainer": "verl's default config",
+    "ppo_megatron_trainer": "verl's Megatron config: the same defaults for the keys VERL_DEFAULTS names (its megatron.* keys are listed as not mapped)",
+}
+
+
+def hydra_base(reading: Reading, where: str) -> Reading:
+    """The items of the config a script starts verl from (`--config-path DIR --config-name NAME`): none for verl's own
+    configs (VERL_CONFIGS); a file DIR/NAME.yaml whose `defaults` are one of those then `_self_` is read as verl's
+    config YAML (the script's keys replace its values, as Hydra's overrides do). Anything else is refused naming the
+    flag: read against the wrong defaults, the script would train something other than what verl runs."""
+    flags = {flag: (value, n) for flag, value, n in reading.hydra}
+    out = Reading()
+    if not flags:
+        return out
+    name, n = flags.get("--config-name", ("ppo_trainer", None))
+    name = name.removesuffix(".yaml")
+    if "--config-dir" in flags:
+        value, n = flags["--config-dir"]
+        raise UserError(f"{where}: line {n}: --config-dir {value!r} adds a directory of configs for Hydra to search, which postrl does "
+                        "not read, so verl's defaults for the run are unknown. Fix: remove the flag and give the keys it changes "
+                        "on the command line, or convert the YAML with `postrl convert-config`.")  # fmt: skip
+    if "--config-path" not in flags:
+        if name in VERL_CONFIGS:
+            out.notes.append(f"line {n}: --config-name {name}: {VERL_CONFIGS[name]}")
+            return out
+        raise UserError(f"{where}: line {n}: --config-name {name!r} is not one of verl's configs postrl knows ({', '.join(VERL_CONFIGS)}), "
+                        "so the defaults the script's keys change are unknown and training against postrl's would train something "
+                        "else. Fix: pass verl's config as --config-path DIR --config-name NAME (postrl reads DIR/NAME.yaml when it "
+                        "starts from ppo_trainer), or give its keys in the script.")  # fmt: skip
+    value, n = flags["--config-path"]
+    file = Path(value) / f"{name}.yaml"
+    if not Path(value).is_absolute():
+        here = Path(*reading.entry.split(".")[:-1]) if reading.entry else Path()
+        file = here / value / f"{name}.yaml"  # Hydra: relative to the module that declares @hydra.main
+    if not file.is_file():
+        raise UserError(f"{where}: line {n}: --config-path {value!r} --config-name {name!r}: {file} does not exist (Hydra reads a "
+                        "relative --config-path from the directory of the module the script runs), so the defaults the script's "
+                        "keys change are unknown. Fix: run from verl's checkout, or give the absolute path.")  # fmt: skip
+    if file.stat().st_size > MAX_SOURCE_BYTES:
+        raise UserError(f"{where}: line {n}: {file} is larger than {MAX_SOURCE_BYTES >> 20} MB, more than a config postrl reads. Fix: pass verl's config itself.")
+    tree, lines, dups = load_yaml_lines(file.read_text(encoding="utf-8", errors="replace"), str(file))
+    if dups:
+        raise UserError(*dups, title=f"{file}: {len(dups)} key(s) given twice")
+    tree = tree if isinstance(tree, dict) else {}
+    defaults = tree.pop("defaults", None)
+    first = defaults[0] if isinstance(defaults, list) and defaults else None
+    if not (isinstance(defaults, list) and first in VERL_CONFIGS and defaults[1:] in ([], ["_self_"])):
+        raise UserError(f"{where}: line {n}: {file} starts from defaults {defaults!r}; postrl knows the defaults of "
+                        f"[{' or '.join(VERL_CONFIGS)}, _self_] only, so what the file's keys change is unknown. Fix: give its keys "
+                        "in the script and drop --config-path / --config-name.")  # fmt: skip
+    if tree.pop("hydra", None) is not None:
+        out.notes.append(f"{file}: hydra: Hydra's own settings (its search path), nothing to convert")
+    for key, v in _flatten(tree).items():
+        if isinstance(v, str) and "${" in v:
+            out.refused.append(f"{file} line {lines.get(tuple(key.split('.')), '?')}: {key} = {v!r} is an OmegaConf interpolation, which "
+                               "postrl does not resolve. Fix: write the value.")  # fmt: skip
+        out.items.append(Item(key, v, None))
+    out.check(str(file))
+    out.notes.append(f"line {n}: --config-path / --config-name: {file} read ({len(out.items)} keys, from verl's {first}); the script's keys replace its values")
+    return out
 
 
 # verl's defaults (ppo_trainer.yaml) for the keys that decide what is trained, where postrl's default differs

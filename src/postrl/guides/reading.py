@@ -33,6 +33,7 @@ class Reading:
     notes: list[str] = field(default_factory=list)
     refused: list[str] = field(default_factory=list)
     entry: str | None = None  # the module a script runs (`python3 -m verl.trainer.main_ppo`)
+    hydra: list[tuple[str, str, int]] = field(default_factory=list)  # (flag, value, line) of --config-name / -path / -dir
 
     def check(self, where: str) -> None:
         if self.refused:
