@@ -168,8 +168,11 @@ def test_other_base_configs_are_refused_naming_the_flag(tmp_path, monkeypatch, f
     assert why in " ".join(exc.value.problems)
 
 
-@pytest.mark.parametrize("name", ["ppo_trainer", "ppo_megatron_trainer"])
-def test_verl_own_config_names_keep_verls_defaults(tmp_path, name):
-    conv = convert_file(_hydra(tmp_path, f"--config-name={name}"))
+@pytest.mark.parametrize("flags", ["--config-name=ppo_trainer", "--config-name=ppo_megatron_trainer",
+                                   "--config-path=config --config-name='ppo_megatron_trainer.yaml'",  # verl's shipped Megatron scripts
+                                   "-cp ./config -cn ppo_trainer"])  # fmt: skip
+def test_verl_own_config_names_keep_verls_defaults(tmp_path, monkeypatch, flags):
+    monkeypatch.chdir(tmp_path)  # no verl checkout here: verl's own configs are known, not read
+    conv = convert_file(_hydra(tmp_path, flags))
     assert (conv.flat()["algorithm.loss_agg_mode"], conv.flat()["train.global_batch_size"]) == ("token-mean", 64)
     assert yaml.safe_load(render_yaml(conv, "run.sh")) == conv.tree

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any, Callable
@@ -523,6 +524,9 @@ def hydra_base(reading: Reading, where: str) -> Reading:
     if not Path(value).is_absolute():
         here = Path(*reading.entry.split(".")[:-1]) if reading.entry else Path()
         file = here / value / f"{name}.yaml"  # Hydra: relative to the module that declares @hydra.main
+    if name in VERL_CONFIGS and Path(os.path.normpath(file.parent)).parts[-3:] == ("verl", "trainer", "config"):
+        out.notes.append(f"line {n}: --config-path {value} --config-name {name}: {VERL_CONFIGS[name]} ({file})")
+        return out  # `-m verl.trainer.main_ppo --config-path=config`: verl's own directory, read or not from here
     if not file.is_file():
         raise UserError(f"{where}: line {n}: --config-path {value!r} --config-name {name!r}: {file} does not exist (Hydra reads a "
                         "relative --config-path from the directory of the module the script runs), so the defaults the script's "
