@@ -87,7 +87,7 @@ def test_a_converted_run_writes_only_under_plain_places(name, local_dir):
     except UserError as exc:
         assert all("trainer." in p for p in exc.problems)
         return
-    run_dir, ckpt = conv.tree["logging"]["dir"], conv.tree["checkpoint"]["dir"]
+    run_dir, ckpt = conv.tree["logging"]["dir"], str(conv.tree["checkpoint"]["dir"])  # 0E0 is read as a number
     parts = run_dir.split("/")
     assert len(parts) == 2 and parts[0] == "runs" and parts[1] not in ("", ".", "..") and run_dir.isprintable()
     assert ".." not in ckpt.replace("\\", "/").split("/") and ckpt.isprintable() and ckpt.strip()
