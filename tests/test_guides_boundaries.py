@@ -57,15 +57,19 @@ def test_every_user_yaml_is_refused_the_same_way(tmp_path, capsys, text, why):
 @settings(max_examples=80, deadline=3000)
 @given(st.integers(1, 8), st.integers(1, 12), st.integers(1, 150))
 def test_generated_alias_trees_load_or_are_refused(levels, width, depth):
-    """Alias fan-outs and nestings of every size: loaded exactly when the expansion / depth is within the bounds."""
+    """Alias fan-outs and nestings of every size: loaded exactly when the expansion and the depth are within the bounds."""
     text = f"a0: &a0 {'[' * depth}1{']' * depth}\n" + "".join(f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * width)}]\n" for i in range(1, levels))
-    expanded = 1 + sum(width**i * (1 + depth) for i in range(levels)) + sum(width**i for i in range(1, levels))  # + the a_i keys
+    sizes = [depth + 1]  # a0: `depth` lists around one scalar
+    for _ in range(1, levels):
+        sizes.append(1 + width * sizes[-1])  # a_i: a list of `width` copies of a_(i-1)
+    expanded = 1 + sum(1 + n for n in sizes)  # the mapping, each key and its value
+    within = expanded <= MAX_NODES and depth + 2 <= MAX_DEPTH  # the mapping, `depth` lists, the scalar
     try:
         tree = load(text)
     except TooLarge:
-        assert expanded > MAX_NODES or depth + levels > MAX_DEPTH - 1
+        assert not within
         return
-    assert len(tree) == levels and (expanded <= MAX_NODES + levels * 2) and depth < MAX_DEPTH
+    assert within and len(tree) == levels
 
 
 # ------------------------------------------------------------------------------------------- paths the run writes to
