@@ -491,7 +491,7 @@ def convert_file(path: str | Path, env: dict[str, str] | None = None, overrides:
 # verl's own configs whose defaults postrl knows (VERL_DEFAULTS): a script may name them with --config-name.
 VERL_CONFIGS = {
     "ppo_trainer": "verl's default config",
-    "ppo_megatron_trainer": "verl's Megatron config: the same defaults for the keys VERL_DEFAULTS names (its megatron.* keys are listed as not mapped)",
+    "ppo_megatron_trainer": "verl's Megatron config: the same defaults as ppo_trainer for the keys postrl fills in when a script leaves them out (loss_agg_mode, clip ratios, reward manager)",
 }
 
 
