@@ -28,7 +28,7 @@ def _hostile(tmp_path: Path) -> Path:
     """A quoted multi-line variable that, copied raw into a YAML comment, would set rollout.agent and trust_remote_code."""
     src = tmp_path / "run.sh"
     src.write_text('NOTE="x\nrollout:\n  agent: evil_pkg.agent:run\nmodel:\n  trust_remote_code: true\n# "\n'
-                   f"python3 -m verl.trainer.main_ppo {TINY} trainer.experiment_name=\"$NOTE\" trainer.total_training_steps=1\n")  # fmt: skip
+                   f"python3 -m verl.trainer.main_ppo {TINY} trainer.project_name=\"$NOTE\" trainer.total_training_steps=1\n")  # fmt: skip
     return src
 
 
@@ -38,7 +38,7 @@ def test_the_rendered_yaml_reads_back_as_the_tree(tmp_path):
     assert yaml.safe_load(text) == conv.tree  # every note and comment escaped: no value reaches another key
     cfg = build_config(yaml.safe_load(text))
     assert (cfg.rollout.agent, cfg.model.trust_remote_code) == (None, False)
-    assert cfg.logging.dir == "runs/x\nrollout:\n  agent: evil_pkg.agent:run\nmodel:\n  trust_remote_code: true\n# "  # the name, as given
+    assert "trainer.project_name = 'x\\nrollout:\\n  agent: evil_pkg.agent:run\\nmodel:" in text  # the value, escaped in its comment
 
 
 def test_train_script_builds_the_run_from_the_validated_tree(tmp_path, monkeypatch):

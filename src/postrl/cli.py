@@ -180,17 +180,17 @@ def _from_script(args):
 
     from postrl.checks import environment_problems
     from postrl.config import build_config
-    from postrl.guides import code_keys
+    from postrl.guides import code_keys, sends_keys
 
     conv, source, text = _convert(args.config, args.env, args.overrides, None, allow_code=args.allow_code)
     console.print(text, markup=False, highlight=False, soft_wrap=True)
-    code = code_keys(conv.tree)
+    code = code_keys(conv.tree) + [(key, value, what) for key, value, what, gated in sends_keys(conv.tree) if gated]
     if code and not args.allow_code:
         raise UserError(
             *(f"{key} = {value!r}: {what}." for key, value, what in code),
             f"Fix: read the settings above and the code they name; if you trust it, run again with --allow-code "
             f"(`postrl train {args.config} --allow-code`), or remove them from {source}.",
-            title=f"{source} sets {len(code)} setting(s) that run code other than postrl's, and nothing of a script runs unless you allow it",
+            title=f"{source} sets {len(code)} setting(s) that run code other than postrl's or send the model's code away, and nothing of a script runs unless you allow it",
         )
     cfg = build_config(conv.tree, f"{source} converted")
     problems = environment_problems(cfg)

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 from postrl.config.rules import _needs_critic
 from postrl.config.schema import Config
 from postrl.errors import UserError
+from postrl.yaml_bounded import FIX, TooLarge, load
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
@@ -41,9 +42,12 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
             )
             continue
         try:
-            value = yaml.safe_load(raw) if raw != "" else ""
+            value = load(raw) if raw != "" else ""
         except yaml.YAMLError:
             value = raw
+        except TooLarge as exc:
+            bad.append(f"override '{key}=...': {exc}. {FIX}")
+            continue
         out.append((key, value))
     if bad:
         raise UserError(*bad, title="bad command-line overrides")
@@ -137,14 +141,17 @@ def _cross_section_problems(tree: dict, exc: ValidationError) -> list[str]:
 
 
 def read_yaml_mapping(path: str | Path, example: str, keys: str) -> dict:
-    """The mapping at the top of a YAML file; a missing file, bad YAML or a non-mapping is a UserError."""
+    """The mapping at the top of a YAML file; a missing file, bad YAML, one past the bounds of postrl.yaml_bounded
+    (an alias bomb, deep nesting) or a non-mapping is a UserError."""
     p = Path(path)
     if not p.is_file():
         raise UserError(f"config file '{path}' does not exist. Fix: pass the path of a YAML file, e.g. {example}.")
     try:
-        tree = yaml.safe_load(p.read_text()) or {}
+        tree = load(p.read_text()) or {}
     except yaml.YAMLError as exc:
         raise UserError(f"{path} is not valid YAML: {exc}. Fix the syntax at the line shown.") from None
+    except TooLarge as exc:
+        raise UserError(f"{path}: {exc}. {FIX}") from None
     if not isinstance(tree, dict):
         raise UserError(f"{path} must hold a mapping of {keys}, not {type(tree).__name__}.")
     return tree

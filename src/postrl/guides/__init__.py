@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any, Callable
@@ -33,6 +34,7 @@ from postrl.guides.rules import (
     _bool,
 )
 from postrl.guides.reading import Item, Reading, dedupe, load_yaml_lines, strip_annotation, yaml_value
+from postrl.yaml_bounded import FIX, TooLarge
 from postrl.guides import fully_async, verl_tools
 from postrl.guides.script import read_script
 from postrl.guides.verl import VERL, VERL_HEADS, VERL_PREFIXES  # noqa: F401
@@ -89,7 +91,50 @@ def _apply(conv: Conversion, table: dict[str, Rule], prefixes: dict[str, str], k
         conv.mapped.append(Mapped(source, value, targets, rule.note))
 
 
+# postrl keys whose value is a place the run writes to (metrics, samples, checkpoints, the converted YAML).
+WRITTEN = ("logging.dir", "checkpoint.dir")
+# verl / MindSpeed-RL keys whose value becomes one component of such a path (trainer.experiment_name -> runs/<name>).
+NAME_KEYS = ("trainer.experiment_name",)
+
+
+def _not_plain(value: Any, component: bool) -> str | None:
+    """Why `value` is not a plain path (one name when `component`), or None: printable text, no `..` part, and
+    for a name no `/` or `\\` and not `.`. A converted file decides only names and places under its own words;
+    where the run writes must read as what the user sees."""
+    text = str(value)
+    if not text.strip():
+        return "it is empty"
+    odd = sorted({repr(c)[1:-1] for c in text if not c.isprintable()})
+    if odd:
+        return f"it holds characters that are not printable ({', '.join(odd)}), so the directory's name is not what is shown"
+    parts = text.replace("\\", "/").split("/")
+    if component and (len(parts) > 1 or text in (".", "..")):
+        return "it is a name postrl makes into one directory, runs/<name>, and this one is a path"
+    if ".." in parts:
+        return "a `..` in it leads out of the directory it names"
+    if any(len(p.encode()) > 255 for p in parts):
+        return "a part of it is longer than a file name may be (255 bytes)"
+    return None
+
+
+def _check_written(conv: Conversion) -> None:
+    """Refuse a value of the file that would make the run write somewhere other than a plain place (one rule for
+    every key that becomes a written path: NAME_KEYS as one name, the others as a path)."""
+    for m in conv.mapped:
+        key = m.source.split(" ", 1)[0]
+        checks = [(m.value, True)] if key in NAME_KEYS else [(v, False) for k, v in m.targets.items() if k in WRITTEN]
+        for value, component in checks:
+            why = _not_plain(value, component)
+            if why:
+                conv.refused.append(
+                    f"{_where(conv, m.source)} = {str(value)!r}: the run would write to a place named by it, and {why}. "
+                    f"Fix: give {key} a plain {'name (letters, digits, - _ .)' if component else 'path with no `..`'}, "
+                    "or choose the place yourself on the command line (logging.dir=... / checkpoint.dir=...)."
+                )
+
+
 def _finish(conv: Conversion, where: str) -> Conversion:
+    _check_written(conv)
     if conv.refused:
         raise UserError(*conv.refused, title=f"{where}: {len(conv.refused)} value(s) postrl cannot convert as written")
     _build_tree(conv)
@@ -115,9 +160,9 @@ def _parse(items: list[str]) -> list[tuple[str, Any]]:
             bad.append(f"'{item}' is not of the form key=value. Fix: write it like actor_rollout_ref.rollout.n=8.")
             continue
         try:
-            pairs.append((key, yaml.safe_load(raw) if raw != "" else ""))
-        except yaml.YAMLError:
-            pairs.append((key, raw))
+            pairs.append((key, yaml_value(raw)))
+        except TooLarge as exc:
+            bad.append(f"'{key}=...': {exc}. {FIX}")
     if bad:
         raise UserError(*bad, title="bad verl overrides")
     return pairs
@@ -431,14 +476,83 @@ def convert_file(path: str | Path, env: dict[str, str] | None = None, overrides:
         return _with_verl_overrides(items, extra, str(path), script_dir=p.parent)
     reading = read_script(text, env)
     reading.check(str(path))
+    base = hydra_base(reading, str(path))
     if not reading.items:
         raise UserError(
             f"{path} is neither a MindSpeed-RL YAML (megatron_training / actor_config / rl_config / generate_config "
             "sections, or their keys) nor a list of verl overrides (key=value). Fix: pass one of those."
         )
-    conv = _with_verl_overrides(reading.items, extra, str(path), reading.entry, p.parent)
-    conv.notes[:0] = reading.notes
+    given = {it.key for it in reading.items}
+    conv = _with_verl_overrides([it for it in base.items if it.key not in given] + reading.items, extra, str(path), reading.entry, p.parent)
+    conv.notes[:0] = reading.notes + base.notes
     return conv
+
+
+# verl's own configs whose defaults postrl knows (VERL_DEFAULTS): a script may name them with --config-name.
+VERL_CONFIGS = {
+    "ppo_trainer": "verl's default config",
+    "ppo_megatron_trainer": "verl's Megatron config: the same defaults as ppo_trainer for the keys postrl fills in when a script leaves them out (loss_agg_mode, clip ratios, reward manager)",
+}
+
+
+def hydra_base(reading: Reading, where: str) -> Reading:
+    """The items of the config a script starts verl from (`--config-path DIR --config-name NAME`): none for verl's own
+    configs (VERL_CONFIGS); a file DIR/NAME.yaml whose `defaults` are one of those then `_self_` is read as verl's
+    config YAML (the script's keys replace its values, as Hydra's overrides do). Anything else is refused naming the
+    flag: read against the wrong defaults, the script would train something other than what verl runs."""
+    flags = {flag: (value, n) for flag, value, n in reading.hydra}
+    out = Reading()
+    if not flags:
+        return out
+    name, n = flags.get("--config-name", ("ppo_trainer", None))
+    name = name.removesuffix(".yaml")
+    if "--config-dir" in flags:
+        value, n = flags["--config-dir"]
+        raise UserError(f"{where}: line {n}: --config-dir {value!r} adds a directory of configs for Hydra to search, which postrl does "
+                        "not read, so verl's defaults for the run are unknown. Fix: remove the flag and give the keys it changes "
+                        "on the command line, or convert the YAML with `postrl convert-config`.")  # fmt: skip
+    if "--config-path" not in flags:
+        if name in VERL_CONFIGS:
+            out.notes.append(f"line {n}: --config-name {name}: {VERL_CONFIGS[name]}")
+            return out
+        raise UserError(f"{where}: line {n}: --config-name {name!r} is not one of verl's configs postrl knows ({', '.join(VERL_CONFIGS)}), "
+                        "so the defaults the script's keys change are unknown and training against postrl's would train something "
+                        "else. Fix: pass verl's config as --config-path DIR --config-name NAME (postrl reads DIR/NAME.yaml when it "
+                        "starts from ppo_trainer), or give its keys in the script.")  # fmt: skip
+    value, n = flags["--config-path"]
+    file = Path(value) / f"{name}.yaml"
+    if not Path(value).is_absolute():
+        here = Path(*reading.entry.split(".")[:-1]) if reading.entry else Path()
+        file = here / value / f"{name}.yaml"  # Hydra: relative to the module that declares @hydra.main
+    if name in VERL_CONFIGS and Path(os.path.normpath(file.parent)).parts[-3:] == ("verl", "trainer", "config"):
+        out.notes.append(f"line {n}: --config-path {value} --config-name {name}: {VERL_CONFIGS[name]} ({file})")
+        return out  # `-m verl.trainer.main_ppo --config-path=config`: verl's own directory, read or not from here
+    if not file.is_file():
+        raise UserError(f"{where}: line {n}: --config-path {value!r} --config-name {name!r}: {file} does not exist (Hydra reads a "
+                        "relative --config-path from the directory of the module the script runs), so the defaults the script's "
+                        "keys change are unknown. Fix: run from verl's checkout, or give the absolute path.")  # fmt: skip
+    if file.stat().st_size > MAX_SOURCE_BYTES:
+        raise UserError(f"{where}: line {n}: {file} is larger than {MAX_SOURCE_BYTES >> 20} MB, more than a config postrl reads. Fix: pass verl's config itself.")
+    tree, lines, dups = load_yaml_lines(file.read_text(encoding="utf-8", errors="replace"), str(file))
+    if dups:
+        raise UserError(*dups, title=f"{file}: {len(dups)} key(s) given twice")
+    tree = tree if isinstance(tree, dict) else {}
+    defaults = tree.pop("defaults", None)
+    first = defaults[0] if isinstance(defaults, list) and defaults else None
+    if not (isinstance(defaults, list) and first in VERL_CONFIGS and defaults[1:] in ([], ["_self_"])):
+        raise UserError(f"{where}: line {n}: {file} starts from defaults {defaults!r}; postrl knows the defaults of "
+                        f"[{' or '.join(VERL_CONFIGS)}, _self_] only, so what the file's keys change is unknown. Fix: give its keys "
+                        "in the script and drop --config-path / --config-name.")  # fmt: skip
+    if tree.pop("hydra", None) is not None:
+        out.notes.append(f"{file}: hydra: Hydra's own settings (its search path), nothing to convert")
+    for key, v in _flatten(tree).items():
+        if isinstance(v, str) and "${" in v:
+            out.refused.append(f"{file} line {lines.get(tuple(key.split('.')), '?')}: {key} = {v!r} is an OmegaConf interpolation, which "
+                               "postrl does not resolve. Fix: write the value.")  # fmt: skip
+        out.items.append(Item(key, v, None))
+    out.check(str(file))
+    out.notes.append(f"line {n}: --config-path / --config-name: {file} read ({len(out.items)} keys, from verl's {first}); the script's keys replace its values")
+    return out
 
 
 # verl's defaults (ppo_trainer.yaml) for the keys that decide what is trained, where postrl's default differs
@@ -513,6 +627,36 @@ def code_keys(tree: dict) -> list[tuple[str, Any, str]]:
     return out
 
 
+def _leaves_machine(url: str) -> bool:
+    """True unless `url`'s host is this machine (localhost or a loopback address)."""
+    from urllib.parse import urlsplit
+
+    from postrl.config.schema import _is_loopback
+
+    try:
+        host = urlsplit(url).hostname or ""
+    except ValueError:
+        return True
+    return not _is_loopback(host)
+
+
+def sends_keys(tree: dict) -> list[tuple[str, Any, str, bool]]:
+    """(postrl key, value, what it sends, whether `postrl train SCRIPT.sh` asks for --allow-code) of every setting
+    in `tree` that sends data away from the run: what the model writes (code to a SandboxFusion service) is gated
+    like code, since another machine runs it; the trackers (W&B, SwanLab) get the configuration and metrics, which
+    the user's own login to them decides, and are listed."""
+    flat = _flatten(tree)
+    out: list[tuple[str, Any, str, bool]] = []
+    url = flat.get("rollout.multi_turn.sandbox.url")
+    if flat.get("rollout.multi_turn.sandbox.backend") == "sandbox_fusion" and url:
+        where = "another machine (not loopback)" if _leaves_machine(str(url)) else "this machine (loopback)"
+        out.append(("rollout.multi_turn.sandbox.url", url, f"sends the code the model writes to this SandboxFusion service, on {where}, which runs it", True))
+    for sink in flat.get("logging.sinks") or []:
+        if sink in ("wandb", "swanlab"):
+            out.append(("logging.sinks", sink, f"sends the run's configuration and metrics to {sink} (the host your {sink} login names)", False))
+    return out
+
+
 def inert(tree: dict) -> dict:
     """A copy of `tree` without the settings that import code (`code_keys`; the user's tools stand as
     builtin:calculator), for validating a conversion without running anything of the user's."""
@@ -578,6 +722,16 @@ def render_yaml(conv: Conversion, source: str) -> str:
         lines.append("")
         lines.append(f"# Settings that run code other than postrl's ({len(code)}): `postrl train SCRIPT.sh` asks for --allow-code.")
         lines += [f"#   {key} = {_comment(repr(value))}: {what}" for key, value, what in code]
+    sends = sends_keys(conv.tree)
+    if sends:
+        lines.append("")
+        lines.append(f"# Sends data to ({len(sends)}): `postrl train SCRIPT.sh` asks for --allow-code for those marked so.")
+        lines += [f"#   {key} = {_comment(repr(value))}: {what}" + (" (asks for --allow-code)" if gated else "") for key, value, what, gated in sends]
+    written = [(k, v) for k, v in _flatten(conv.tree).items() if k in WRITTEN]
+    if written:
+        lines.append("")
+        lines.append(f"# Writes to ({len(written)}): the places the run creates and fills.")
+        lines += [f"#   {key} = {_comment(repr(value))}" for key, value in written]
     silent = [m for m in conv.mapped if not m.targets]
     if silent:
         lines.append("")

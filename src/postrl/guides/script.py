@@ -37,6 +37,8 @@ from postrl.guides.shell import (
 _ASSIGN = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.S)
 _FUNCTION = re.compile(r"(?:function\s+)?[A-Za-z_][A-Za-z0-9_.-]*\s*\(\)\s*\{?$|function\s+[A-Za-z_][A-Za-z0-9_.-]*\s*\{?$")
 _LOOPS = ("for", "while", "until", "select")
+HYDRA_FLAGS = {"--config-name": "--config-name", "-cn": "--config-name", "--config-path": "--config-path", "-cp": "--config-path",
+               "--config-dir": "--config-dir", "-cd": "--config-dir"}  # fmt: skip
 _KEY = re.compile(r"~?[A-Za-z_][A-Za-z0-9_.\-/@]*")  # a Hydra key (after its + / ++ prefix)
 # Commands whose arguments are text, paths or tests, never the trainer's overrides: `echo "A=b"` prints A=b.
 TEXT_COMMANDS = frozenset({
@@ -403,6 +405,17 @@ class _Reader:
                 shown = " ".join(self.scope.substitute(t) for t, _ in tokens if "=" not in t)[:80]
                 r.notes.append(f"line {n}: the command `{shown}`: skipped (not configuration)")
                 head_done = True
+            flag, eq, value = tok.partition("=")
+            if flag in HYDRA_FLAGS:  # the config verl starts from: which defaults the keys are read against
+                if not eq:
+                    value, skip_next = (tokens[k + 1][0] if k + 1 < len(tokens) else ""), True
+                unknown = self.scope.unknowns_in(value)
+                if unknown:
+                    r.refused.append(f"line {n}: {flag} takes a value that comes from {self._chosen(unknown[0])}, and it decides "
+                                     f"verl's defaults for every key. Fix: {self._fix(unknown[0])}.")  # fmt: skip
+                else:
+                    r.hydra.append((HYDRA_FLAGS[flag], self.scope.substitute(value), n))
+                continue
             if tok == "-m" and k + 1 < len(tokens):
                 r.entry = r.entry or tokens[k + 1][0]
                 skip_next = True

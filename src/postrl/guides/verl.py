@@ -246,6 +246,7 @@ VERL_PREFIXES: dict[str, str] = {
     "custom_reward_function.reward_kwargs.": "keyword arguments of custom_reward_function's function: with no custom_reward_function.path there is no function to pass them to",
     "ray_init.": PLACEMENT,
     "ray_kwargs.": PLACEMENT,
+    "hydra.": "Hydra's own settings (where it looks for configs, where it writes its logs), nothing of the run; the config a script starts from is named by --config-path / --config-name, which postrl reads",
     "data.custom_cls.": "verl's dataset class, code postrl does not run: a path to one is refused by name (write its rows in the verl schema, `postrl preprocess`)",
 }
 

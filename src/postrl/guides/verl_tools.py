@@ -27,9 +27,10 @@ _VERL_TOOL = (
     "package.module:function (rollout.multi_turn.tools, docs/agents.md)"
 )
 _USER_TOOL = (
-    "a verl BaseTool class (async create / execute / release with verl's types), which postrl does not call. Fix: "
-    "write its execute step as a function with type hints and a docstring, and name it as package.module:function in "
-    "rollout.multi_turn.tools (docs/agents.md)"
+    "a verl BaseTool class: calling it would import your code and drive verl's async create / execute / release "
+    "lifecycle with verl's request types, which postrl does not have, so it is not carried (the model would call a tool "
+    "that is not there). Fix: write its execute step as a function (its type hints and docstring are the schema the "
+    "model sees), name it as package.module:function in rollout.multi_turn.tools, and run with --allow-code (docs/agents.md)"
 )
 
 
@@ -57,7 +58,7 @@ def carry(conv: Conversion, given: dict[str, Any], script_dir: Path | None) -> N
         if path.stat().st_size > MAX_BYTES:
             raise TooLarge(f"it is larger than {MAX_BYTES:,} bytes")
         doc = safe_load_bounded(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError, TooLarge, RecursionError) as exc:
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, TooLarge) as exc:
         conv.refused.append(f"{where}: {path} cannot be read as verl's tool config ({str(exc).splitlines()[0][:200]}). Fix: pass the YAML verl reads.")
         return
     tools = doc.get("tools") if isinstance(doc, dict) else None
