@@ -218,7 +218,7 @@ class Worker:
 def _to_row(r: dict, env_id: str, split: str, index: int) -> dict:
     answer = "" if r.get("answer") is None else str(r["answer"])
     return {
-        "data_source": env_id, "prompt": r["prompt"],
+        "data_source": env_id, "prompt": r.get("prompt"),  # none: the data loader names the row
         "reward_model": {"style": "rubric", "ground_truth": answer.strip() or "-"},  # "-": the environment has no answer
         "extra_info": {"index": index, "split": split, "verifiers": r},
     }  # fmt: skip
