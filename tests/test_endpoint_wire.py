@@ -27,7 +27,7 @@ def _path(lv) -> str:
 
 
 def _closed(sock: socket.socket) -> bool:
-    """The server closed `sock` (read until EOF or reset, within the socket's timeout)."""
+    """The server closed `sock`: read until EOF or reset (TimeoutError past the socket's timeout fails the test)."""
     try:
         while sock.recv(65536):
             pass
@@ -85,8 +85,7 @@ def test_a_body_nobody_reads_closes_the_connection_after_its_answer():
                 s.sendall(f"POST {route} HTTP/1.1\r\nhost: x\r\ncontent-length: 1000000\r\n\r\n\r\n\r\n".encode())
                 r = read_response(s)
                 assert r.startswith(b"HTTP/1.1 404") and b"connection: close" in r.lower(), r[:300]
-                t0 = time.monotonic()
-                assert _closed(s) and time.monotonic() - t0 < 20  # closed now, not when the body would be complete
+                assert _closed(s)  # now (the socket's 20 s timeout), not when the body would be complete
         _wait_open(lv, 0)
     assert lv.last["status"] == 200
 
