@@ -134,3 +134,30 @@ def test_an_environment_step_out_of_type_or_range_is_counted_invalid_and_never_r
     env.reset({"out": ("obs", np.float32(0.5), np.bool_(False))})
     assert calls.step(env, "text") == ("obs", 0.5, False)
     assert calls.pop_metrics() == {"agent/env_errors": 0.0, "agent/env_invalid": float(len(bad))}
+
+
+class Unshowable(Exception):
+    def __str__(self):
+        raise RuntimeError("str ran")
+
+
+def _surrogate(expression: str) -> str:
+    return "a\ud800b"
+
+
+def _giant(expression: str) -> int:
+    return 10**5000
+
+
+def _unshowable(expression: str) -> str:
+    raise Unshowable()
+
+
+def test_a_user_tools_hostile_return_or_error_is_that_calls_text_and_never_raises():
+    from postrl.agents.tools import Tool, call_tool
+
+    schema = {"type": "function", "function": {"name": "t", "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}
+    for fn, status, text in ((_surrogate, "ok", "a?b"), (_giant, "error", "ValueError: "), (_unshowable, "error", "Unshowable: <its message cannot be shown>")):
+        r = call_tool({"t": Tool("t", schema, fn, "tests:t")}, "t", {"expression": "1"})
+        assert (r.status, r.text.startswith(text)) == (status, True), (fn.__name__, r)
+        r.text.encode("utf-8")  # what the tokenizer gets
