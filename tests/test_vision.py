@@ -418,6 +418,15 @@ def test_image_paths_that_are_not_regular_files_under_the_cap_are_named_errors_a
             _within(lambda: read_image({"bytes": None, "path": item}, "image 0"))
         assert str(err.value).startswith("image 0") and why in str(err.value) and "Fix:" in str(err.value), str(err.value)
     assert _within(lambda: read_image(str(tmp_path / "ok.png"), "image 0"))[0] == _png()
+    from PIL import Image
+
+    from postrl.modality.images import MAX_IMAGE_PIXELS, decode_image
+
+    bomb = io.BytesIO()
+    Image.new("1", (9000, 9000)).save(bomb, "PNG")  # ~10 KiB of file, 81M pixels: 243 MB as RGB
+    with pytest.raises(BadImageRow) as err:
+        decode_image(bomb.getvalue(), "image 0")
+    assert len(bomb.getvalue()) < 2**20 and f"9000x9000 pixels, over {MAX_IMAGE_PIXELS}" in str(err.value)
     # through the data loader: an error that names the file and the row
     path = tmp_path / "vl.parquet"
     ok = {"prompt": [{"role": "user", "content": "<image>How many?"}], "images": [{"bytes": None, "path": "ok.png"}], "reward_model": {"ground_truth": "1"}}

@@ -8,7 +8,8 @@ relative to the data file) or {bytes, path}, and its prompt text marks where eac
 A path in a row is data, not trusted: `read_row_file` opens it without blocking (a FIFO does not hang the
 open), takes only a regular file of at most MAX_IMAGE_BYTES (not /dev/zero, a directory, a FIFO, a device,
 a symlink to one), reads at most that many bytes plus one, and gives up past READ_TIMEOUT_S between chunks.
-Anything else is a BadImageRow that the callers turn into an error naming the row. (A read blocked in the
+Anything else is a BadImageRow that the callers turn into an error naming the row, as is an image whose
+header declares more than MAX_IMAGE_PIXELS (checked before decoding: a small file can decode to gigabytes). (A read blocked in the
 kernel, e.g. on a hung network mount, cannot be interrupted from Python; the deadline is checked per chunk.)
 """
 
@@ -24,6 +25,7 @@ from typing import Any
 IMAGE_PLACEHOLDER = "<image>"
 MAX_IMAGE_BYTES = 32 * 2**20  # an encoded image; geo3k's are tens of KiB, a 4K PNG a few MiB
 READ_TIMEOUT_S = 30.0
+MAX_IMAGE_PIXELS = 8192 * 8192  # a few KiB of PNG can hold more; the VL processors resize to ~12.8M pixels anyway
 
 
 class BadImageRow(Exception):
@@ -92,8 +94,15 @@ def decode_image(data: bytes, label: str):
     from PIL import Image
 
     try:
-        with Image.open(io.BytesIO(data)) as im:
+        with Image.open(io.BytesIO(data)) as im:  # reads the header only: the size is known before decoding
+            if im.width * im.height > MAX_IMAGE_PIXELS:
+                raise BadImageRow(
+                    f"{label} is {im.width}x{im.height} pixels, over {MAX_IMAGE_PIXELS} (modality.images.MAX_IMAGE_PIXELS; "
+                    f"decoded it would take {im.width * im.height * 3 / 2**30:.1f} GiB). Fix: downscale it or drop the row."
+                )
             return im.convert("RGB")
+    except BadImageRow:
+        raise
     except Exception as exc:  # noqa: BLE001 - PIL raises many types for bad data
         raise BadImageRow(
             f"{label} cannot be decoded ({type(exc).__name__}: {exc}). "
