@@ -88,11 +88,18 @@ RETURNS = {{"ok": 0.5, "none": None, "huge_int": 2**1024, "huger_int": 10**5000,
            "past_bound": 1e300, "str": "1.0", "dict": {{"reward": {{"nested": [1]}}}}, "object": Loud()}}
 
 
+class Unshowable(Exception):
+    def __str__(self):
+        raise RuntimeError("str ran")
+
+
 def run(client, row):
     client.chat.completions.create(model=client.model, messages=[{{"role": "user", "content": "hi"}}], max_tokens=2)
+    if row["kind"] == "unshowable":
+        raise Unshowable()  # its message is read on the engine thread: it must not raise there
     return RETURNS[row["kind"]]
 '''
-KINDS = ["ok", "none", "huge_int", "huger_int", "nan", "inf", "past_bound", "str", "dict", "object"]
+KINDS = ["ok", "none", "huge_int", "huger_int", "nan", "inf", "past_bound", "str", "dict", "object", "unshowable"]
 
 
 @pytest.mark.parametrize("workers", [0, 1])
