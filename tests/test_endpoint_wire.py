@@ -4,6 +4,7 @@ wait is on a condition with a deadline."""
 
 from __future__ import annotations
 
+import select
 import socket
 import time
 
@@ -120,4 +121,32 @@ def test_oversize_headers_and_too_many_headers_are_refused_and_memory_stays_boun
         assert lv.raw(f"GET {path}/models HTTP/1.1\r\nhost: x\r\n{fine}\r\n".encode()).startswith(b"HTTP/1.1 200")
         assert lv.gateway.pop_metrics()["agent/bad_requests"] == 1
         _wait_open(lv, 0)
+    assert lv.last["status"] == 200
+
+
+def test_a_client_that_never_reads_its_answers_is_closed_after_the_body_timeout():
+    """Pipelined requests whose answers the client never takes: the server's socket buffers fill, the answer's
+    `send` waits on uvicorn's drain; the connection is closed `agent_body_timeout_s` after that answer started
+    (the header timeout, 60 s here, is not what closes it)."""
+    with live(agent_header_timeout_s=60, agent_body_timeout_s=0.5) as lv:
+        path = _path(lv).replace("/s/", "/s/nobody")
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # small buffers: the answers back up at once,
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # the requests soon after
+        s.connect(lv.host_port)
+        s.setblocking(False)
+        requests = f"POST {path}/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n".encode() * 200_000
+        sent, reset = 0, False
+        while sent < len(requests) and not reset and select.select([], [s], [], 2.0)[1]:  # until the server stops
+            try:  # reading for 2 s (its answer waits on the client, which never reads) or resets the connection
+                sent += s.send(memoryview(requests)[sent : sent + 65536])
+            except BlockingIOError:
+                pass
+            except (ConnectionResetError, BrokenPipeError):
+                reset = True
+        assert 0 < sent < len(requests)
+        _wait_open(lv, 0)
+        s.close()
+        r = httpx.get(lv.url + "/models", timeout=30)
+        assert r.status_code == 200
     assert lv.last["status"] == 200

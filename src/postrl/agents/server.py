@@ -6,7 +6,9 @@
 this order, each refusal OpenAI-shaped and counted (`Tally`, the gateway's `agent/bad_requests`):
 
 - a connection beyond `rollout.agent_max_connections` open at once: 503, closed;
-- a request whose headers are not complete `rollout.agent_header_timeout_s` after its first byte: closed;
+- a request whose headers are not complete `rollout.agent_header_timeout_s` after its first byte (or, on a
+  kept-alive connection, whose first byte does not come that long after the last answer): closed;
+- an answer the client does not take within `rollout.agent_body_timeout_s` of its start: the connection aborted;
 - headers over `HttpLimits.max_header_bytes` (h11's incomplete-event cap: 400, closed) or more than
   `HttpLimits.max_headers` of them: 431; a protocol upgrade (WebSocket, h2c) is not taken: the request is
   answered as plain HTTP/1.1 on the same connection, so the connection stays the gate's to count and close;
@@ -178,6 +180,8 @@ def make_app(hub: Any, limits: Limits, http: HttpLimits, refused: Tally, gate: "
             if scope["type"] != "http":  # lifespan is off and upgrades are not taken: nothing else reaches here
                 return None
             receive, send = _close_unless_read(scope, receive, send)
+            if gate is not None:
+                send = gate.started(scope.get("client"), send)
             if len(scope["headers"]) > http.max_headers:
                 refused.add()
                 message = f"the request has {len(scope['headers'])} headers; the endpoint takes at most {http.max_headers}"
@@ -264,6 +268,24 @@ class Gate:
 
         return _Guarded(H11Protocol(**kw), self)
 
+    def started(self, client: Any, send: Any) -> Any:
+        """A request on the connection from `client` reached the app (a pipelined one too, which no byte announces):
+        no deadline while the app works on it. Returns `send` such that its response, once started, must be taken
+        by the client within `body_timeout_s` or the connection closes: a client that does not read (pipelined
+        requests whose answers it never takes) would hold `send` on uvicorn's drain, and the connection, for ever."""
+        guarded = self.open.get(tuple(client)[:2]) if client else None
+        if guarded is not None:
+            guarded.state = "body"
+            guarded._disarm()
+
+        async def send_(message: dict) -> None:
+            if message["type"] == "http.response.start" and guarded is not None:
+                guarded.state = "answering"
+                guarded._arm(self.http.body_timeout_s)
+            await send(message)
+
+        return send_
+
     def done(self, client: Any) -> None:
         """A response was sent on the connection from `client`: it may wait `header_timeout_s` for its next request,
         as a new connection does (kept-alive connections that sent one request each and went quiet would otherwise
@@ -282,7 +304,8 @@ class _Guarded:
         self.transport: Any = None
         self.peer: tuple = ()
         self.timer: asyncio.TimerHandle | None = None
-        self.state, self.tail = "headers", b""  # headers | body (the app has the request) | idle (between requests)
+        # headers | body (the app has the request) | answering (its response is being sent) | idle (between requests)
+        self.state, self.tail = "headers", b""
 
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
@@ -337,9 +360,9 @@ class _Guarded:
         if self.inner is not None:
             self.inner.resume_writing()
 
-    def _arm(self) -> None:
+    def _arm(self, seconds: float | None = None) -> None:
         self._disarm()
-        self.timer = asyncio.get_running_loop().call_later(self.gate.http.header_timeout_s, self._expired)
+        self.timer = asyncio.get_running_loop().call_later(seconds or self.gate.http.header_timeout_s, self._expired)
 
     def _disarm(self) -> None:
         if self.timer is not None:
@@ -348,8 +371,9 @@ class _Guarded:
 
     def _expired(self) -> None:
         if self.state != "body":
-            self.gate.refused.add()
-            self.transport.close()
+            if self.state != "idle":  # a kept-alive connection that goes quiet is a client's right, not a refusal
+                self.gate.refused.add()
+            self.transport.abort()  # not close(), which waits to flush what a client that does not read never takes
 
 
 class _Quiet(logging.Filter):
