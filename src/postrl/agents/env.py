@@ -14,9 +14,10 @@ verifier score of the trajectory (so an environment alone, with `reward.verifier
 
 A `reset` or `step` that raises, or a step whose values are not declared ones (agents/results.py: a reward
 that is not a finite number within bounds, an observation that is not a str of bounded size, `done` not a
-bool), is contained as a verifier's failure is (`EnvCalls`): the trajectory gets no reward from it (a raising step also ends the trajectory), the
-failure is counted (agent/env_errors, agent/env_invalid) and warned about once, and when (nearly) every call
-of a batch fails the run stops naming the environment, by the verifiers' rule (rewards/verdict.py).
+bool), is contained as a verifier's failure is (`EnvCalls`): the trajectory gets no reward from it (such a
+step also ends the trajectory), the failure is counted (agent/env_errors, agent/env_invalid) and warned about
+once, and when (nearly) every call of a batch fails the run stops naming the environment, by the verifiers'
+rule (rewards/verdict.py).
 """
 
 from __future__ import annotations
