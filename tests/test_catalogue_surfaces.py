@@ -242,13 +242,13 @@ def test_environment_step_raising_or_nan_is_contained_and_counted(caplog):
     run, loop = _env_loop(["ok", "raise", "nan", "ok"])
     out = run()
     assert [c.env_reward for c in out] == [1.0, 0.0, 0.0, 1.0]  # no NaN reaches the score
-    assert [c.finished for c in out] == [True, False, True, True]  # a raising step ends its trajectory
+    assert [c.finished for c in out] == [True, False, False, True]  # a raising or invalid step ends its trajectory
     m = loop.pop_metrics()
     assert m["agent/env_errors"] == 1 and m["agent/env_invalid"] == 1 and m["agent/env_reward_mean"] == 0.5
 
 
 @pytest.mark.parametrize("mode, kind", [("raise", "raised an exception (counted in agent/env_errors), for example: ValueError: no such state"),
-                                        ("nan", "returned a reward that is not a finite number (counted in agent/env_invalid), for example: reward nan")])  # fmt: skip
+                                        ("nan", "returned a value out of its type or range (counted in agent/env_invalid), for example: the reward is nan; it must be a finite number within +-1e+06")])  # fmt: skip
 def test_environment_failing_every_step_stops_the_run(mode, kind):
     run, _ = _env_loop([mode] * 4)
     with pytest.raises(UserError) as err:

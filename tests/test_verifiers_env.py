@@ -7,6 +7,7 @@ tests that need it skip, and say why.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -140,7 +141,7 @@ from datasets import Dataset
 def rubric(completion, answer, info):
     if info.get("mode") == "rubric":
         raise ValueError("the rubric is broken")
-    return 1.0
+    return {"nan": float("nan"), "huge": 1e300}.get(info.get("mode"), 1.0)
 
 
 class Env(vf.SingleTurnEnv):
@@ -171,13 +172,19 @@ def test_a_failing_environment_is_contained_and_counted_and_a_broken_one_stops_w
     env.write_text(FLAKY)
     gw = _engine(tokenizer, ["\\boxed{1}<|im_end|>"] * 4, env)  # whichever way the requests are batched
     rows = [{"prompt": QUESTION, "extra_info": {"verifiers": {"prompt": QUESTION, "answer": "1", "info": {"mode": mode}, "example_id": i}}}
-            for i, mode in enumerate(("ok", "raise", "rubric"))]  # fmt: skip
+            for i, mode in enumerate(("ok", "raise", "rubric", "ok", "nan", "huge"))]  # fmt: skip
     try:
-        out = gw.generate([[1, 2, 3]] * 3, SamplingParams(max_tokens=50, n=1, seed=0), rows=rows)
+        out = gw.generate([[1, 2, 3]] * 3, SamplingParams(max_tokens=50, n=1, seed=0), rows=rows[:3])
         m = gw.pop_metrics()
         assert [c.env_reward for c in out] == [1.0, 0.0, 0.0]
         assert (m["agent/errors"], m["rubric/failed"], m["rubric/scored"], m["rubric/function_errors"]) == (1, 1, 2, 1)
         assert m["reward/rubric"] == 0.5 and sum(out[1].loss_mask) == 0  # the failed sample trains nothing
+        # a reward out of range (NaN, 1e300) is that sample's error, counted; the process and the run go on
+        out = gw.generate([[1, 2, 3]] * 3, SamplingParams(max_tokens=50, n=1, seed=0), rows=rows[3:])
+        m = gw.pop_metrics()
+        assert [c.env_reward for c in out] == [1.0, 0.0, 0.0] and [sum(c.loss_mask) > 0 for c in out] == [True, False, False]
+        assert (m["agent/errors"], m["rubric/failed"], m["rubric/scored"], m["reward/rubric"]) == (2, 2, 1, 1.0)
+        assert gw.agent.worker.alive
         gw.agent.worker.proc.kill()  # the environment's process dies: the next samples start a new one
         gw.agent.worker.proc.wait()
         out = gw.generate([[1, 2, 3]], SamplingParams(max_tokens=50, n=1, seed=0), rows=rows[:1])
@@ -256,7 +263,7 @@ def test_the_environment_process_starts_scrubbed_and_a_bad_line_from_it_is_count
     assert environ["MY_SERVICE_KEY"] == "listed" and environ["PATH"] == os.environ["PATH"]
 
 
-def test_the_environment_channel_refuses_long_lines_other_shapes_and_unfloatable_numbers():
+def test_the_environment_channel_refuses_long_lines_and_other_shapes():
     import io
     import json
 
@@ -272,11 +279,13 @@ def test_the_environment_channel_refuses_long_lines_other_shapes_and_unfloatable
     check_reply("dataset", {"id": 1, "rows": [{"prompt": "q"}], "more": False})
     for op, bad in (
         ("rollout", [1, 2]), ("rollout", {**good, "id": "2"}), ("rollout", {**good, "reward": "1"}), ("rollout", {**good, "reward": True}),
-        ("rollout", {**good, "reward": 10**400}), ("rollout", {**good, "metrics": {"m": [1]}}), ("rollout", {**good, "error": 3}),
+        ("rollout", {**good, "metrics": {"m": [1]}}), ("rollout", {**good, "error": 3}),
         ("rollout", {"id": 2, "exception": {"a": 1}}), ("dataset", {"id": 1, "rows": "abc"}), ("dataset", {"id": 1, "rows": [1]}),
     ):  # fmt: skip
         with pytest.raises(BadLine):
             check_reply(op, json.loads(json.dumps(bad)))
+    for value in ({**good, "reward": 10**400}, {**good, "reward": math.nan}, {**good, "metrics": {"m": math.inf}}):
+        check_reply("rollout", value)  # of the shape: its values are the sample's business (VerifiersAgent.run)
 
 
 @needs_vf

@@ -376,3 +376,65 @@ def test_other_qwen_vl_families_load_roll_out_and_score(family, tmp_path, vlm):
             alone, _ = response_logprobs(model, s["input_ids"], s["attention_mask"], s["position_ids"], len(R[i]),
                                          multi_modal=[M[i]], modality=mod)  # fmt: skip
             assert torch.allclose(alone[0], batched[i, : len(R[i])], atol=1e-5)
+
+
+def _within(fn, seconds: float = 30.0):
+    """fn() on a thread, joined with a deadline: a read that hangs (a FIFO with no writer) fails the test, not CI."""
+    import threading
+
+    out: dict = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            out["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"still reading after {seconds} s"
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def test_image_paths_that_are_not_regular_files_under_the_cap_are_named_errors_and_return_at_once(tmp_path, vlm):
+    import os
+
+    from postrl.modality.images import MAX_IMAGE_BYTES, BadImageRow, read_image
+
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "dir").mkdir()
+    with open(tmp_path / "sparse.png", "wb") as f:  # a hole: MAX_IMAGE_BYTES + 1 bytes on disk in a few KiB
+        f.truncate(MAX_IMAGE_BYTES + 1)
+    (tmp_path / "zero").symlink_to("/dev/zero")
+    (tmp_path / "ok.png").write_bytes(_png())
+    hostile = {"/dev/zero": "is a device", str(tmp_path / "fifo"): "is a FIFO", str(tmp_path / "dir"): "is a directory",
+               str(tmp_path / "sparse.png"): f"more than {MAX_IMAGE_BYTES} bytes", str(tmp_path / "zero"): "is a device",
+               "a\0b": "is not a file name"}  # fmt: skip
+    for item, why in hostile.items():
+        with pytest.raises(BadImageRow) as err:
+            _within(lambda: read_image({"bytes": None, "path": item}, "image 0"))
+        assert str(err.value).startswith("image 0") and why in str(err.value) and "Fix:" in str(err.value), str(err.value)
+    assert _within(lambda: read_image(str(tmp_path / "ok.png"), "image 0"))[0] == _png()
+    from PIL import Image
+
+    from postrl.modality.images import MAX_IMAGE_PIXELS, decode_image
+
+    bomb = io.BytesIO()
+    Image.new("1", (9000, 9000)).save(bomb, "PNG")  # ~10 KiB of file, 81M pixels: 243 MB as RGB
+    with pytest.raises(BadImageRow) as err:
+        decode_image(bomb.getvalue(), "image 0")
+    assert len(bomb.getvalue()) < 2**20 and f"9000x9000 pixels, over {MAX_IMAGE_PIXELS}" in str(err.value)
+    # through the data loader: an error that names the file and the row
+    path = tmp_path / "vl.parquet"
+    ok = {"prompt": [{"role": "user", "content": "<image>How many?"}], "images": [{"bytes": None, "path": "ok.png"}], "reward_model": {"ground_truth": "1"}}
+    cfg = load_config(None, ["model.path=m", f"data.train_files=[{path}]"], check_paths=False)
+    for item, why in hostile.items():
+        if "\0" in item:
+            continue  # parquet keeps it, but one such row is enough above
+        pq.write_table(pa.Table.from_pylist([ok, {**ok, "images": [{"bytes": None, "path": item}]}]), path)
+        with pytest.raises(UserError) as info:
+            _within(lambda: load_prompts([str(path)], vlm.tok, cfg.data, modality=vlm.mod))
+        assert f"{path}, row 1: image 0: '{item}' " in str(info.value) and why in str(info.value), str(info.value)

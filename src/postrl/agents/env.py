@@ -12,18 +12,20 @@ as a user turn (masked: the policy does not train on it) and the model answers a
 `rollout.multi_turn.max_user_turns` observations. The rewards of all steps are summed and added to the
 verifier score of the trajectory (so an environment alone, with `reward.verifiers` weighted 0, or both).
 
-A `reset` or `step` that raises, or a step reward that is not a finite number, is contained as a verifier's
-failure is (`EnvCalls`): the trajectory gets no reward from it (a raising step also ends the trajectory), the
-failure is counted (agent/env_errors, agent/env_invalid) and warned about once, and when (nearly) every call
-of a batch fails the run stops naming the environment, by the verifiers' rule (rewards/verdict.py).
+A `reset` or `step` that raises, or a step whose values are not declared ones (agents/results.py: a reward
+that is not a finite number within bounds, an observation that is not a str of bounded size, `done` not a
+bool), is contained as a verifier's failure is (`EnvCalls`): the trajectory gets no reward from it (such a
+step also ends the trajectory), the failure is counted (agent/env_errors, agent/env_invalid) and warned about
+once, and when (nearly) every call of a batch fails the run stops naming the environment, by the verifiers'
+rule (rewards/verdict.py).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any, Protocol, runtime_checkable
 
+from postrl.agents import results
 from postrl.errors import UserError
 from postrl.rewards.verdict import fails_nearly_always
 from postrl.utils import import_named
@@ -65,15 +67,16 @@ def load_environment(spec: str) -> type:
 
 
 def checked_step(env: Any, text: str, spec: str) -> tuple[str, float, bool]:
-    """env.step(text), its result checked: a wrong shape is the user's bug, said plainly."""
+    """env.step(text), its result checked: a wrong shape is the user's bug, said plainly (UserError); a value out of
+    its type or range is results.BadResult (the caller counts it)."""
     out = env.step(text)
     if not (isinstance(out, tuple) and len(out) == 3):
         raise UserError(
-            f"{spec}.step returned {type(out).__name__} {out!r:.80}; it must return (observation: str, reward: float, "
+            f"{spec}.step returned {results.show(out)}; it must return (observation: str, reward: float, "
             "done: bool). Fix the environment's step method."
         )
     obs, reward, done = out
-    return ("" if obs is None else str(obs)), float(reward), bool(done)
+    return results.text(obs, "the observation"), results.reward(reward), results.flag(done, "done")
 
 
 class EnvCalls:
@@ -92,30 +95,29 @@ class EnvCalls:
             return True
         except Exception as exc:  # noqa: BLE001 - the user's environment: counted, not a crash
             self.calls += 1
-            self._fail("error", f"reset raised {type(exc).__name__}: {exc}")
+            self._fail("error", f"reset raised {results.error_text(exc)}")
             return False
 
     def step(self, env: Any, text: str) -> tuple[str, float, bool] | None:
-        """checked_step with its reward made finite; None when the step raised (the trajectory ends)."""
+        """checked_step; None when the step raised or returned values out of their type or range (the trajectory
+        ends, without this step's reward)."""
         self.calls += 1
         try:
-            obs, reward, done = checked_step(env, text, self.spec)
+            return checked_step(env, text, self.spec)
         except UserError:
             raise
+        except results.BadResult as exc:
+            self._fail("invalid", str(exc))
         except Exception as exc:  # noqa: BLE001 - the user's environment: counted, not a crash
-            self._fail("error", f"{type(exc).__name__}: {exc}")
-            return None
-        if not math.isfinite(reward):
-            self._fail("invalid", f"reward {reward}")
-            reward = 0.0
-        return obs, reward, done
+            self._fail("error", results.error_text(exc))
+        return None
 
     def _fail(self, kind: str, message: str) -> None:
         self.failed[kind].append(message[:300])
         self.totals[kind] += 1
         if kind not in self._warned:
             self._warned.add(kind)
-            what = "raised" if kind == "error" else "returned a reward that is not a finite number"
+            what = "raised" if kind == "error" else "returned a value out of its type or range"
             log.warning(
                 "environment '%s' %s (%s); the trajectory gets no reward from it, counted in %s from now on.",
                 self.spec, what, message[:300], ENV_METRICS[kind],
@@ -129,7 +131,7 @@ class EnvCalls:
         if not fails_nearly_always(calls, n_failed):
             return
         kind, messages = max(failed.items(), key=lambda kv: len(kv[1]))
-        why = "raised an exception" if kind == "error" else "returned a reward that is not a finite number"
+        why = "raised an exception" if kind == "error" else "returned a value out of its type or range"
         raise UserError(
             f"environment '{self.spec}' failed on {n_failed} of its {calls} calls in this batch; "
             f"{len(messages)} {why} (counted in {ENV_METRICS[kind]}), for example: {messages[0]}. A failed call gives "

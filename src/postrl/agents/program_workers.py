@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
-import math
 import os
 import queue
 import socket
@@ -36,6 +35,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from postrl.agents import results
 from postrl.agents.child_env import child_env
 from postrl.agents.programs import Programs, check_outcomes, load_agent
 from postrl.agents.session import Session
@@ -92,13 +92,10 @@ def parse_reply(msg: Any) -> tuple[str, str, Any]:
     if outcome == "ok" and value is None:
         return key, outcome, None
     if outcome == "ok" and isinstance(value, (int, float)) and not isinstance(value, bool):
-        try:
-            reward = float(value)
-        except OverflowError:
-            raise BadFrame(f"a reward too large for a float ({str(value)[:40]}...)") from None
-        if not math.isfinite(reward):  # JSON's NaN / Infinity parse: a value, not a shape, to refuse
-            raise BadFrame(f"a reward that is not finite ({reward})")
-        return key, outcome, reward
+        try:  # the worker checks a program's return before it sends it: out of range here, the worker is broken
+            return key, outcome, results.reward(value, "the agent's return")
+        except results.BadResult as exc:
+            raise BadFrame(f"a reward out of range in a worker's reply: {exc}") from None
     if outcome == "error" and isinstance(value, list) and len(value) == 2 and all(isinstance(v, str) for v in value):
         return key, outcome, _remote_error(value[0][:100], value[1][:MAX_ERROR_CHARS])
     raise BadFrame(f"a frame whose outcome is not ok with a number or error with [type, message]: {str(msg)[:100]!r}")
@@ -286,11 +283,13 @@ def _serve(sock: socket.socket) -> None:
     def send() -> None:
         while True:
             _, s, outcome, value = events.get()
+            if outcome == "ok" and value is not None:  # checked as in process (agents/results.py), then checked again there
+                try:
+                    value = results.reward(value, "the agent's return")
+                except results.BadResult as exc:
+                    outcome, value = "error", results.BadResult(f"{exc}, or None")
             if outcome == "error":
-                value = [type(value).__name__, str(value)[:MAX_ERROR_CHARS]]
-            elif value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-                text = f"the agent returned {type(value).__name__} {value!r:.60}; it must return a number or None"
-                outcome, value = "error", ["TypeError", text]  # what the gateway says of it in-process
+                value = [type(value).__name__, results.error_text(value).partition(": ")[2]]
             try:
                 sock.sendall(encode_frame([s.key, outcome, value]))
             except OSError:  # the parent is gone

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
+from postrl.agents import results
 from postrl.agents.answers import Shaper
 from postrl.agents.endpoint import Job, prepare
 from postrl.agents.openai_schema import BadRequest, error_body
@@ -133,15 +134,18 @@ class Scheduler:
 
     def finish(self, s: Session, outcome: str, value: Any) -> None:
         s.closed = True
-        if outcome == "ok" and value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            outcome, value = "error", TypeError(f"the agent returned {type(value).__name__} {value!r:.60}; it must return a number or None")
+        if outcome == "ok" and value is not None:  # the user's value: checked here, on the engine thread (agents/results.py)
+            try:
+                value = results.reward(value, "the agent's return")
+            except results.BadResult as exc:
+                outcome, value = "error", results.BadResult(f"{exc}, or None")
         if outcome == "ok" and s.main_segment() is None:
             outcome, value = "error", RuntimeError("the agent never called the model")
         s.outcome = outcome
         if outcome == "ok":
-            s.reward = None if value is None else float(value)
+            s.reward = value
         elif outcome == "error":
-            s.error = f"{type(value).__name__}: {value}"
+            s.error = results.error_text(value)
             if self.log is not None and self.stats["agent/errors"] < 3:
                 self.log(f"[yellow]rollout.agent raised on a sample (scored 0): {s.error[:300]}[/yellow]")
             self.stats["agent/errors"] += 1

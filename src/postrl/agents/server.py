@@ -6,7 +6,12 @@
 this order, each refusal OpenAI-shaped and counted (`Tally`, the gateway's `agent/bad_requests`):
 
 - a connection beyond `rollout.agent_max_connections` open at once: 503, closed;
-- a request whose headers are not complete `rollout.agent_header_timeout_s` after its first byte: closed;
+- a request whose headers are not complete `rollout.agent_header_timeout_s` after its first byte (or, on a
+  kept-alive connection, whose first byte does not come that long after the last answer): closed;
+- an answer the client does not take within `rollout.agent_body_timeout_s` of its start: the connection aborted;
+- headers over `HttpLimits.max_header_bytes` (h11's incomplete-event cap: 400, closed) or more than
+  `HttpLimits.max_headers` of them: 431; a protocol upgrade (WebSocket, h2c) is not taken: the request is
+  answered as plain HTTP/1.1 on the same connection, so the connection stays the gate's to count and close;
 - an unknown session: 404 (a sample that already ended: 410, not counted), before the body is read;
 - a `Content-Length` above `rollout.agent_max_body_bytes`: 413, before the body is read (a chunked body
   that grows past it: 413 when it does); a body not in within `rollout.agent_body_timeout_s`: 408;
@@ -14,13 +19,18 @@ this order, each refusal OpenAI-shaped and counted (`Tally`, the gateway's `agen
   schema and the run's limits (agents/openai_schema.py): 400 with the field named.
 
 Only then is the request queued (`Pending`) for the engine thread (agents/scheduler.py), which answers it.
-Anything unexpected while handling a request is a 500 for that request, never the server's end.
+Anything unexpected while handling a request is a 500 for that request, never the server's end. A response
+sent before its request's body was read closes the connection (the rest of that body holds no slot).
+
+The HTTP implementation is pinned to uvicorn's h11 protocol, not `auto` (httptools where installed): the
+header cap above is h11's, and httptools has none.
 """
 
 # no `from __future__ import annotations`: FastAPI reads the route functions' annotations (Request) at runtime
 
 import asyncio
 import json
+import logging
 import re
 import socket
 import threading
@@ -56,6 +66,8 @@ class HttpLimits:
     max_connections: int = 1024
     header_timeout_s: float = 30.0
     body_timeout_s: float = 60.0
+    max_header_bytes: int = 16 * 2**10  # an OpenAI client sends under 1 KiB
+    max_headers: int = 100
 
     @classmethod
     def of(cls, cfg: Any) -> "HttpLimits":
@@ -165,6 +177,15 @@ def make_app(hub: Any, limits: Limits, http: HttpLimits, refused: Tally, gate: "
         and any path that is not one of these, go to FastAPI."""
         m = _POST_ROUTE.fullmatch(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
         try:
+            if scope["type"] != "http":  # lifespan is off and upgrades are not taken: nothing else reaches here
+                return None
+            receive, send = _close_unless_read(scope, receive, send)
+            if gate is not None:
+                send = gate.started(scope.get("client"), send)
+            if len(scope["headers"]) > http.max_headers:
+                refused.add()
+                message = f"the request has {len(scope['headers'])} headers; the endpoint takes at most {http.max_headers}"
+                return await _answer(send, 431, error_body(message))
             if m is None:
                 return await app(scope, receive, send)
             try:
@@ -172,12 +193,8 @@ def make_app(hub: Any, limits: Limits, http: HttpLimits, refused: Tally, gate: "
             except Exception as exc:  # a fault of ours on this request: its 500, never the server's end
                 refused.add()
                 answer = 500, error_body(f"the endpoint failed on this request: {type(exc).__name__}: {exc}"[:500], kind="server_error")
-            if answer is None:
-                return
-            payload = json.dumps(answer[1]).encode()
-            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
-            await send({"type": "http.response.start", "status": answer[0], "headers": headers})
-            await send({"type": "http.response.body", "body": payload})
+            if answer is not None:
+                await _answer(send, *answer)
         finally:
             if gate is not None and scope["type"] == "http":
                 gate.done(scope.get("client"))
@@ -201,6 +218,35 @@ def make_app(hub: Any, limits: Limits, http: HttpLimits, refused: Tally, gate: "
     return fast
 
 
+async def _answer(send: Any, status: int, body: dict) -> None:
+    payload = json.dumps(body).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
+
+
+def _close_unless_read(scope: dict, receive: Any, send: Any) -> tuple[Any, Any]:
+    """`receive` and `send` such that a response that starts before the request's body was read all through says
+    `connection: close`: the server closes the connection after it instead of waiting for the rest of a body
+    nobody reads (a client trickling it would hold the connection with no deadline)."""
+    headers = dict(scope["headers"])
+    read = headers.get(b"content-length", b"0") == b"0" and b"transfer-encoding" not in headers
+
+    async def receive_() -> dict:
+        nonlocal read
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body"):
+            read = True  # all of it, or the client is gone
+        return message
+
+    async def send_(message: dict) -> None:
+        if message["type"] == "http.response.start" and not read:
+            message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
+        await send(message)
+
+    return receive_, send_
+
+
 class Gate:
     """The connections open at once (at most `max_connections`) and their header deadlines, on the server's loop."""
 
@@ -218,15 +264,36 @@ class Gate:
 
     def protocol(self, **kw: Any) -> "_Guarded":
         """uvicorn's protocol factory (its `http` setting): its own HTTP protocol for the connection, guarded."""
-        from uvicorn.protocols.http.auto import AutoHTTPProtocol
+        from uvicorn.protocols.http.h11_impl import H11Protocol
 
-        return _Guarded(AutoHTTPProtocol(**kw), self)
+        return _Guarded(H11Protocol(**kw), self)
+
+    def started(self, client: Any, send: Any) -> Any:
+        """A request on the connection from `client` reached the app (a pipelined one too, which no byte announces):
+        no deadline while the app works on it. Returns `send` such that its response, once started, must be taken
+        by the client within `body_timeout_s` or the connection closes: a client that does not read (pipelined
+        requests whose answers it never takes) would hold `send` on uvicorn's drain, and the connection, for ever."""
+        guarded = self.open.get(tuple(client)[:2]) if client else None
+        if guarded is not None:
+            guarded.state = "body"
+            guarded._disarm()
+
+        async def send_(message: dict) -> None:
+            if message["type"] == "http.response.start" and guarded is not None:
+                guarded.state = "answering"
+                guarded._arm(self.http.body_timeout_s)
+            await send(message)
+
+        return send_
 
     def done(self, client: Any) -> None:
-        """A response was sent on the connection from `client`: its next request's header clock starts at its first byte."""
+        """A response was sent on the connection from `client`: it may wait `header_timeout_s` for its next request,
+        as a new connection does (kept-alive connections that sent one request each and went quiet would otherwise
+        hold every slot for uvicorn's keep-alive, a minute); that request's header clock restarts at its first byte."""
         guarded = self.open.get(tuple(client)[:2]) if client else None
         if guarded is not None:
             guarded.state = "idle"
+            guarded._arm()
 
 
 class _Guarded:
@@ -237,7 +304,8 @@ class _Guarded:
         self.transport: Any = None
         self.peer: tuple = ()
         self.timer: asyncio.TimerHandle | None = None
-        self.state, self.tail = "headers", b""  # headers | body (the app has the request) | idle (between requests)
+        # headers | body (the app has the request) | answering (its response is being sent) | idle (between requests)
+        self.state, self.tail = "headers", b""
 
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
@@ -249,8 +317,15 @@ class _Guarded:
             return
         self.peer = tuple(transport.get_extra_info("peername") or ())[:2]
         self.gate.open[self.peer] = self
-        self._arm()
-        self.inner.connection_made(transport)
+        try:
+            self._arm()
+            self.inner.connection_made(transport)
+        except BaseException:  # the slot is released on every path
+            self._disarm()
+            del self.gate.open[self.peer]
+            self.inner = None
+            transport.close()
+            raise
 
     def data_received(self, data: bytes) -> None:
         if self.inner is None:
@@ -285,9 +360,9 @@ class _Guarded:
         if self.inner is not None:
             self.inner.resume_writing()
 
-    def _arm(self) -> None:
+    def _arm(self, seconds: float | None = None) -> None:
         self._disarm()
-        self.timer = asyncio.get_running_loop().call_later(self.gate.http.header_timeout_s, self._expired)
+        self.timer = asyncio.get_running_loop().call_later(seconds or self.gate.http.header_timeout_s, self._expired)
 
     def _disarm(self) -> None:
         if self.timer is not None:
@@ -295,9 +370,18 @@ class _Guarded:
             self.timer = None
 
     def _expired(self) -> None:
-        if self.state == "headers":
-            self.gate.refused.add()
-            self.transport.close()
+        if self.state != "body":
+            if self.state != "idle":  # a kept-alive connection that goes quiet is a client's right, not a refusal
+                self.gate.refused.add()
+            self.transport.abort()  # not close(), which waits to flush what a client that does not read never takes
+
+
+class _Quiet(logging.Filter):
+    """uvicorn's warnings on an `Upgrade:` it does not take: a client's choice, and the advice to install a
+    WebSocket library is wrong here (the endpoint refuses them on purpose)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(("Unsupported upgrade request", "No supported WebSocket library"))
 
 
 class Server:
@@ -313,9 +397,16 @@ class Server:
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock.bind((host, port))
         self.host, self.port, self.gate = host, self.sock.getsockname()[1], gate
-        extra = {"http": gate.protocol} if gate is not None else {}
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=60, **extra)
+        # h11, pinned (see the module's docstring); no WebSocket protocol, so an `Upgrade:` never takes the
+        # connection away from the gate (a taken one never left it: enough of them locked every request out)
+        http = gate.protocol if gate is not None else "h11"
+        max_header_bytes = gate.http.max_header_bytes if gate is not None else HttpLimits.max_header_bytes
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=60, http=http,
+                                ws="none", h11_max_incomplete_event_size=max_header_bytes)  # fmt: skip
         self.server = uvicorn.Server(config)
+        quiet = logging.getLogger("uvicorn.error")
+        if not any(isinstance(f, _Quiet) for f in quiet.filters):
+            quiet.addFilter(_Quiet())
         self.thread = threading.Thread(target=self._run, name="postrl-endpoint", daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30

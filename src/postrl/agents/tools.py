@@ -28,6 +28,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
+from postrl.agents import results
 from postrl.agents.sandbox import (
     CallStats,
     SandboxResult,
@@ -331,16 +332,24 @@ def _argument_problems(tool: Tool, arguments: dict) -> list[str]:
 
 
 def _text_of(value: Any) -> str:
+    """A user tool's return as text the tokenizer takes (a lone surrogate, which no tokenizer encodes, becomes '?')."""
     if isinstance(value, ToolResult):
-        return value.text
-    if value is None:
-        return ""
-    if isinstance(value, str):
-        return value
+        text = value.text
+    elif value is None:
+        text = ""
+    elif isinstance(value, str):
+        text = value
+    else:
+        try:
+            text = json.dumps(value, ensure_ascii=False, default=str)
+        except (TypeError, ValueError):
+            text = str(value)
+    text = str.__str__(text) if isinstance(text, str) else results.show(text)
     try:
-        return json.dumps(value, ensure_ascii=False, default=str)
-    except (TypeError, ValueError):
-        return str(value)
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = text.encode("utf-8", "replace").decode("utf-8")
+    return text
 
 
 _stuck_lock = threading.Lock()
@@ -355,7 +364,7 @@ def _run_in_thread(tool: Tool, arguments: dict, timeout_s: float) -> ToolResult:
         try:
             box.append(ToolResult(_text_of(tool.fn(**arguments)), "ok"))
         except BaseException as exc:  # noqa: BLE001 - a tool's bug costs its call only
-            box.append(ToolResult(f"{type(exc).__name__}: {exc}", "error"))
+            box.append(ToolResult(results.error_text(exc), "error"))  # its message is user code too
 
     thread = threading.Thread(target=target, name=f"postrl-tool-{tool.name}", daemon=True)
     thread.start()
@@ -367,7 +376,7 @@ def _run_in_thread(tool: Tool, arguments: dict, timeout_s: float) -> ToolResult:
         log.warning("tool '%s' is still running after its %g s limit (%d stuck tool threads so far); "
                     "threads cannot be killed, so it keeps running in the background", tool.name, timeout_s, stuck)
         return ToolResult(f"tool '{tool.name}' timed out after {timeout_s:g} s", "timeout")
-    return box[0]
+    return box[0] if box else ToolResult(f"tool '{tool.name}' failed and its error cannot be shown", "error")
 
 
 def call_tool(tools: dict[str, Tool], name: str, arguments: dict | str | None, timeout_s: float = 10.0,
@@ -403,5 +412,5 @@ def _call(tools: dict[str, Tool], name: str, arguments: dict | str | None, timeo
                 return python(timeout_s=timeout_s, limits=tool.sandbox_limits, **arguments)
             return tool.fn(**arguments)
         except Exception as exc:  # noqa: BLE001 - defensive: built-ins return errors, but never raise into the loop
-            return ToolResult(f"{type(exc).__name__}: {exc}", "error")
+            return ToolResult(results.error_text(exc), "error")
     return _run_in_thread(tool, arguments, timeout_s)

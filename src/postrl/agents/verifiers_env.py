@@ -36,6 +36,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from postrl.agents import results
 from postrl.agents.child_env import child_env
 from postrl.agents.verifiers_python import interpreter_problems
 from postrl.errors import UserError
@@ -58,16 +59,9 @@ def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _fits_float(v: Any) -> bool:
-    try:
-        float(v)
-        return True
-    except OverflowError:  # an integer past float's range
-        return False
-
-
 def check_reply(op: str, msg: Any) -> None:
-    """BadLine unless `msg` is a reply to `op` of the shape verifiers_worker.py documents."""
+    """BadLine unless `msg` is a reply to `op` of the shape verifiers_worker.py documents. The shape only: a reward
+    or metric out of range (NaN, 1e400, 10**400) is that sample's error, not the process's (`VerifiersAgent.run`)."""
     ok = isinstance(msg, dict) and isinstance(msg.get("id"), int)
     if ok and "exception" in msg:
         ok = isinstance(msg["exception"], str)
@@ -77,7 +71,6 @@ def check_reply(op: str, msg: Any) -> None:
         metrics, error = msg.get("metrics"), msg.get("error")
         ok = (_number(msg.get("reward")) and isinstance(metrics, dict) and all(isinstance(k, str) and _number(v) for k, v in metrics.items())
               and (error is None or isinstance(error, str)) and isinstance(msg.get("rubric_errors", 0), int))  # fmt: skip
-        ok = ok and all(_fits_float(v) for v in [msg["reward"], *metrics.values()])
     if not ok:
         raise BadLine(f"a reply that is not of the protocol's shape: {str(msg)[:200]!r}")
 
@@ -225,7 +218,7 @@ class Worker:
 def _to_row(r: dict, env_id: str, split: str, index: int) -> dict:
     answer = "" if r.get("answer") is None else str(r["answer"])
     return {
-        "data_source": env_id, "prompt": r["prompt"],
+        "data_source": env_id, "prompt": r.get("prompt"),  # none: the data loader names the row
         "reward_model": {"style": "rubric", "ground_truth": answer.strip() or "-"},  # "-": the environment has no answer
         "extra_info": {"index": index, "split": split, "verifiers": r},
     }  # fmt: skip
@@ -337,10 +330,15 @@ class VerifiersAgent:
         if "exception" in reply:
             self._count_failure()
             raise RuntimeError(f"the verifiers environment raised: {reply['exception']}")
+        try:  # the rubric's values (agents/results.py): one out of range is this sample's error
+            reward, metrics = results.reward(reply["reward"], "the rubric's reward"), results.metrics(reply["metrics"], "the rubric's metrics")
+        except results.BadResult:
+            self._count_failure()
+            raise
         with self._lock:
             self._scored += 1
-            self._sums["reward/rubric"] = self._sums.get("reward/rubric", 0.0) + reply["reward"]
-            for name, value in reply["metrics"].items():
+            self._sums["reward/rubric"] = self._sums.get("reward/rubric", 0.0) + reward
+            for name, value in metrics.items():
                 self._sums[f"rubric/{name}"] = self._sums.get(f"rubric/{name}", 0.0) + value
             self._rollout_errors += reply.get("error") is not None
             self._batch[0] += 1
@@ -352,7 +350,7 @@ class VerifiersAgent:
             self._reported[pid] = max(total, self._reported.get(pid, 0))
         if reply.get("error") is not None and self.log is not None and self._rollout_errors <= 3:
             self.log(f"[yellow]verifiers recorded an error in a rollout (the rubric scored it): {reply['error'][:300]}[/yellow]")
-        return reply["reward"]
+        return reward
 
     def check_batch(self) -> None:
         """Stop the run when verifiers recorded an error in (nearly) every rollout of one batch (the rule of
