@@ -1,4 +1,4 @@
-"""Command line: postrl train | sft | rm | eval | doctor | preprocess | verify | export | check-config | convert-config | report | tiny-model.
+"""Command line: postrl train | sft | rm | eval | doctor | preprocess | verify | export | check-config | convert-config | report | serve-tinker | tiny-model.
 
 Every command takes a YAML config and dotted overrides (`algorithm.clip_ratio_high=0.3`). A problem
 the user can fix is printed as one short paragraph per problem, without a traceback, and the
@@ -263,6 +263,19 @@ def cmd_tiny_model(args) -> int:
     return 0
 
 
+def cmd_serve_tinker(args) -> int:
+    from postrl.agents.server import HttpLimits
+    from postrl.checks import load_config
+    from postrl.serve import serve
+    from postrl.serve.app import Limits
+
+    cfg = load_config(args.config, args.overrides)
+    serve(cfg, host=args.host, port=args.port, api_key=args.api_key or os.environ.get("TINKER_API_KEY", ""),
+          name=args.model_name, allow_remote=args.allow_remote, log=console.print, http=HttpLimits(max_body_bytes=args.max_body_bytes),
+          limits=Limits(max_datums=args.max_datums, max_tokens=args.max_tokens))  # fmt: skip
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="postrl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -321,6 +334,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="a variable the script uses ($KEY, ${KEY})")
     p.add_argument("--base", default=None, metavar="CONFIG", help="a postrl config the converted keys go over (for fragments)")
     p.set_defaults(fn=cmd_convert_config)
+    p = sub.add_parser("serve-tinker", help="serve the Tinker API (training clients, samplers) on this machine")
+    p.add_argument("config", nargs="?", default=None, help="YAML config (model.path is the base model; default builtin:tiny-qwen2)")
+    p.add_argument("overrides", nargs="*", default=[], help="dotted overrides, e.g. model.path=builtin:tiny-qwen2")
+    p.add_argument("--host", default="127.0.0.1", help="listen address (loopback unless --allow-remote)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="the key clients send (tml-...; default $TINKER_API_KEY)")
+    p.add_argument("--model-name", default=None, help="the base_model name clients use (default model.path)")
+    p.add_argument("--allow-remote", action="store_true", help="listen on a non-loopback --host")
+    p.add_argument("--max-body-bytes", type=int, default=256 * 2**20, help="largest request body (default 256 MiB)")
+    p.add_argument("--max-datums", type=int, default=4096, help="most datums per forward_backward")
+    p.add_argument("--max-tokens", type=int, default=32768, help="most tokens per datum or prompt")
+    p.set_defaults(fn=cmd_serve_tinker)
     p = sub.add_parser("tiny-model", help="build (or find in the cache) the tiny Qwen2 model")
     p.add_argument("--out", default=None)
     p.set_defaults(fn=cmd_tiny_model)

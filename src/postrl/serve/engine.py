@@ -1,0 +1,268 @@
+"""One base model and the LoRA adapters on it: the compute behind the Tinker API.
+
+Every training client is a peft adapter of its own injected into the one base model (named by its model id),
+with its own AdamW (torch's, as actor.py's) over that adapter's weights only: a forward-backward activates its
+adapter alone, so gradients land on it and nowhere else, and the base stays frozen. A sampler is a frozen copy
+of an adapter taken at `save_weights_for_sampler` (its own adapter, never updated again), so a sampling client
+keeps answering from the weights it was given however the training client moves on.
+
+Log-probs are the trainer's (`algorithms.token_logprobs` on the model's logits); the losses are postrl's
+(serve/losses.py); sampling is the HF engine's `generate` (rollout/hf.py) and the sampled tokens' log-probs are
+then computed by the same trainer function, so `sample` reports exactly what training will compute.
+Only the engine thread (serve/app.py) calls into an Engine: it holds no locks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import itertools
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from postrl.algorithms import token_logprobs
+from postrl.errors import UserError
+from postrl.serve import wire
+from postrl.serve.losses import get_loss
+
+_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+_UNEMBED = ("lm_head",)
+NO_ADAPTER = "__base__"  # an adapter name no module has: the base model alone
+
+
+@dataclass
+class Client:
+    """A training client: its adapter, its LoRA settings, its optimizer and its step count."""
+
+    name: str
+    lora: dict[str, Any]
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    steps: int = 0
+
+
+@dataclass
+class Sampler:
+    adapter: str  # NO_ADAPTER: the base model
+    path: str | None
+    lora: dict[str, Any] = field(default_factory=dict)
+
+
+class Engine:
+    """The base model at `path` (a directory, hub id or builtin:NAME), served under `name`."""
+
+    def __init__(self, path: str, name: str, dtype: str = "float32", lora_alpha: float = 32.0, max_context: int = 4096):
+        from postrl.models import load_model, load_tokenizer, resolve_model_path
+
+        self.name, self.lora_alpha, self.max_context = name, lora_alpha, max_context
+        self.path = resolve_model_path(path)
+        self.tokenizer = load_tokenizer(self.path)
+        self.model = load_model(self.path, dtype)
+        self.model.requires_grad_(False)
+        self.model.eval()  # no dropout: the same batch gives the same gradients
+        self.linear = {n.rsplit(".", 1)[-1] for n, m in self.model.named_modules() if isinstance(m, torch.nn.Linear)}
+        self.clients: dict[str, Client] = {}
+        self.samplers: dict[str, Sampler] = {}  # sampling session id -> sampler
+        self.paths: dict[str, Sampler] = {}  # tinker:// sampler path -> sampler
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------------------------ adapters
+    def _targets(self, lora: dict[str, Any]) -> list[str]:
+        names = self.linear
+        wanted = (_ATTN if lora.get("train_attn", True) else ()) + (_MLP if lora.get("train_mlp", True) else ())
+        wanted += _UNEMBED if lora.get("train_unembed", True) else ()
+        targets = [t for t in wanted if t in names]
+        if not targets:
+            raise UserError(f"lora_config trains no layer of this model (its linear layers: {', '.join(sorted(names))})")
+        return targets
+
+    def _inject(self, adapter: str, lora: dict[str, Any]) -> list[torch.nn.Parameter]:
+        import warnings
+
+        from peft import LoraConfig, inject_adapter_in_model
+
+        config = LoraConfig(r=lora["rank"], lora_alpha=self.lora_alpha, target_modules=self._targets(lora), lora_dropout=0.0, bias="none")
+        with warnings.catch_warnings(), torch.random.fork_rng():
+            warnings.simplefilter("ignore")  # peft: "multiple adapters" and "tied embeddings" are what this server does
+            torch.manual_seed(lora.get("seed") or 0)
+            inject_adapter_in_model(config, self.model, adapter_name=adapter)
+        params = [p for n, p in self.model.named_parameters() if f".{adapter}." in n]
+        for p in params:
+            p.data = p.data.float()
+        self._activate(NO_ADAPTER)
+        return params
+
+    def _activate(self, adapter: str) -> None:
+        """Route every forward through `adapter` alone (trainable); every other adapter frozen and unused."""
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        for m in self.model.modules():
+            if isinstance(m, BaseTunerLayer):
+                m.set_adapter(adapter)
+
+    def create_client(self, base_model: str, lora: dict[str, Any]) -> str:
+        if base_model != self.name:
+            raise UserError(f"base_model '{base_model}' is not served here; this server trains '{self.name}'")
+        if not 1 <= lora["rank"] <= 512:
+            raise UserError(f"lora_config.rank must be in 1..512, got {lora['rank']}")
+        model_id = f"m{next(self._ids)}"
+        params = self._inject(model_id, lora)
+        self.clients[model_id] = Client(model_id, dict(lora), params, torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95)))
+        return model_id
+
+    def client(self, model_id: str) -> Client:
+        if model_id not in self.clients:
+            raise UserError(f"unknown model_id '{model_id}' (this server holds {', '.join(self.clients) or 'none'})")
+        return self.clients[model_id]
+
+    # ------------------------------------------------------------------------------------ training
+    def _logprobs(self, tokens_BT: torch.Tensor, mask_BT: torch.Tensor, targets_BT: torch.Tensor, temperature: float = 1.0):
+        logits_BTV = self.model(input_ids=tokens_BT, attention_mask=mask_BT).logits
+        B, T, V = logits_BTV.shape
+        logp_N, _ = token_logprobs(logits_BTV.reshape(B * T, V), targets_BT.reshape(-1), temperature)
+        return logp_N.view(B, T)
+
+    def forward_backward(self, req: wire.FwdBwd) -> tuple[list[dict[str, torch.Tensor]], dict[str, float]]:
+        """Tinker's forward_backward: the loss summed over the datums; gradients add to the adapter's until optim_step."""
+        client = self.client(req.model_id)
+        loss_fn, needs = get_loss(req.loss_fn)
+        if not req.data:
+            raise UserError("forward_backward needs at least one datum")
+        for i, d in enumerate(req.data):
+            for key in ("target_tokens",) + needs:
+                if key not in d.inputs:
+                    raise UserError(f"datum {i}: loss_fn '{req.loss_fn}' needs loss_fn_inputs['{key}']")
+                if d.inputs[key].shape != (len(d.tokens),):
+                    raise UserError(f"datum {i}: loss_fn_inputs['{key}'] has shape {list(d.inputs[key].shape)}, the input has {len(d.tokens)} tokens")
+            if not d.tokens:
+                raise UserError(f"datum {i} has no tokens")
+            self._check_tokens(d.tokens, f"datum {i}")
+            self._check_tokens(d.inputs["target_tokens"].tolist(), f"datum {i}'s target_tokens")
+        T = max(len(d.tokens) for d in req.data)
+        tokens_BT = torch.zeros(len(req.data), T, dtype=torch.long)  # right-padded: positions stay 0..len-1
+        targets_BT, mask_BT = torch.zeros_like(tokens_BT), torch.zeros_like(tokens_BT)
+        for i, d in enumerate(req.data):
+            n = len(d.tokens)
+            tokens_BT[i, :n], targets_BT[i, :n], mask_BT[i, :n] = torch.tensor(d.tokens), d.inputs["target_tokens"].long(), 1
+        self._activate(client.name)
+        with torch.no_grad() if req.forward_only else contextlib.nullcontext():
+            logp_BT = self._logprobs(tokens_BT, mask_BT, targets_BT)
+            losses = [loss_fn(logp_BT[i, : len(d.tokens)], d.inputs, req.config) for i, d in enumerate(req.data)]
+            total = torch.stack(losses).sum()
+            if not req.forward_only:
+                total.backward()
+        self._activate(NO_ADAPTER)
+        outputs = [{"logprobs": logp_BT[i, : len(d.tokens)].detach()} for i, d in enumerate(req.data)]
+        return outputs, {"loss:sum": float(total.detach())}
+
+    def optim_step(self, model_id: str, adam: dict[str, float]) -> dict[str, float]:
+        """One AdamW step of the client's adapter with this step's hyperparameters, then its gradients cleared."""
+        client = self.client(model_id)
+        for group in client.optimizer.param_groups:
+            group.update(lr=adam["learning_rate"], betas=(adam["beta1"], adam["beta2"]), eps=adam["eps"], weight_decay=adam["weight_decay"])
+        grads = [p for p in client.params if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(grads, adam["grad_clip_norm"] if adam["grad_clip_norm"] > 0 else math.inf) if grads else torch.zeros(())
+        if not torch.isfinite(norm):
+            client.optimizer.zero_grad(set_to_none=True)
+            raise UserError(f"the gradient norm is {float(norm)}: this step was skipped and the gradients cleared")
+        client.optimizer.step()
+        client.optimizer.zero_grad(set_to_none=True)
+        client.steps += 1
+        return {"grad_norm:mean": float(norm)}
+
+    # ------------------------------------------------------------------------------------ sampling
+    def save_for_sampler(self, model_id: str, name: str | None) -> tuple[str | None, str]:
+        """A frozen copy of the client's adapter; returns (its tinker:// path when named, a sampling session id)."""
+        client = self.client(model_id)
+        adapter = f"s{next(self._ids)}"
+        copies = self._inject(adapter, client.lora)
+        for dst, src in zip(copies, client.params):
+            dst.data.copy_(src.data)
+            dst.requires_grad_(False)
+        path = f"tinker://{model_id}/sampler_weights/{name}" if name else None
+        sampler = Sampler(adapter, path, client.lora)
+        if path:
+            self.paths[path] = sampler
+        return path, self.open_session(sampler)
+
+    def open_session(self, sampler: Sampler) -> str:
+        session = f"sampler-{next(self._ids)}"
+        self.samplers[session] = sampler
+        return session
+
+    def sampler_for(self, base_model: str | None, model_path: str | None) -> Sampler:
+        if model_path:
+            if model_path not in self.paths:
+                raise UserError(f"unknown sampler path '{model_path}': save_weights_for_sampler gives the paths this server holds")
+            return self.paths[model_path]
+        if base_model != self.name:
+            raise UserError(f"base_model '{base_model}' is not served here; this server samples '{self.name}'")
+        return Sampler(NO_ADAPTER, None)
+
+    def session(self, session_id: str) -> Sampler:
+        if session_id not in self.samplers:
+            raise UserError(f"unknown sampling_session_id '{session_id}'")
+        return self.samplers[session_id]
+
+    def _check_tokens(self, tokens: list[int], what: str) -> None:
+        V = self.model.get_input_embeddings().num_embeddings
+        if any(t < 0 or t >= V for t in tokens):
+            raise UserError(f"{what} holds token ids outside the vocabulary [0, {V})")
+        if len(tokens) > self.max_context:
+            raise UserError(f"{what} has {len(tokens)} tokens, over the model's {self.max_context}")
+
+    @torch.no_grad()
+    def sample(self, sampler: Sampler, prompt: list[int], n: int, params: dict[str, Any], prompt_logprobs: bool):
+        """`n` completions of `prompt` with the sampler's weights, each with the trainer's log-probs of its tokens."""
+        from postrl.rollout.base import SamplingParams
+        from postrl.rollout.hf import HFEngine
+
+        self._check_tokens(prompt, "the prompt")
+        if not prompt:
+            raise UserError("the prompt has no tokens")
+        stop_ids = tuple(self._stop_ids(params.get("stop")))
+        temperature = float(params.get("temperature", 1.0))
+        max_tokens = params.get("max_tokens") or 16
+        if len(prompt) + max_tokens > self.max_context:
+            raise UserError(f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) is over the model's {self.max_context}")
+        sp = SamplingParams(
+            temperature=temperature if temperature > 0 else 1.0, top_p=params.get("top_p", 1.0), top_k=params.get("top_k", -1),
+            max_tokens=max_tokens, n=n, seed=params.get("seed"), greedy=temperature <= 0, stop_token_ids=stop_ids,
+        )  # fmt: skip
+        self._activate(sampler.adapter)
+        try:
+            engine = HFEngine(self.model, self.tokenizer)
+            completions = engine.generate([prompt], sp)
+            completions = completions * n if sp.greedy else completions  # argmax: one completion, n times
+            out, prompt_lp = [], None
+            for c in completions:
+                full = prompt + c.token_ids
+                ids = torch.tensor([full])
+                logp = self._logprobs(ids[:, :-1], torch.ones_like(ids[:, :-1]), ids[:, 1:], temperature if temperature > 0 else 1.0)[0]
+                out.append((c.token_ids, logp[len(prompt) - 1 :].tolist(), c.finished))
+                if prompt_logprobs and prompt_lp is None:
+                    prompt_lp = [math.nan] + logp[: len(prompt) - 1].tolist()
+        finally:
+            self._activate(NO_ADAPTER)
+        return out, prompt_lp
+
+    def _stop_ids(self, stop: Any) -> list[int]:
+        """Tinker's `stop` (token ids, or strings): the ids that end a completion. A string stops when it is one token."""
+        if stop is None:
+            return []
+        stops = [stop] if isinstance(stop, str) else list(stop)
+        ids = []
+        for s in stops:
+            if isinstance(s, int):
+                ids.append(s)
+                continue
+            encoded = self.tokenizer.encode(s, add_special_tokens=False)
+            if len(encoded) != 1:
+                raise UserError(f"stop string {s!r} is {len(encoded)} tokens; this server stops on single-token strings or token ids")
+            ids.append(encoded[0])
+        return ids

@@ -1,0 +1,171 @@
+"""The Tinker API's operations over one Engine: what each route does with its parsed request.
+
+Work that touches the model (create_model, forward_backward, optim_step, save_weights_for_sampler, asample,
+...) is queued to the engine thread and answered with a future; bookkeeping (sessions, capabilities, the SDK's
+client config) is answered at once. The request models are the SDK's own (tinker.types), so a body the SDK
+would not send is refused with the field named.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+from postrl.errors import UserError
+from postrl.serve import wire
+from postrl.serve.app import Jobs, Limits
+
+
+class Service:
+    def __init__(self, engine: Any, limits: Limits):
+        from tinker import types
+
+        self.engine, self.limits = engine, limits
+        self.jobs = Jobs(limits)
+        self.sessions: set[str] = set()
+        self.routes: dict[str, tuple[Any, Any]] = {
+            "client/config": (None, self.client_config),
+            "client/dynamic_config": (None, lambda body: {"refresh_interval_sec": 3600}),
+            "create_session": (types.CreateSessionRequest, self.create_session),
+            "session_heartbeat": (types.SessionHeartbeatRequest, lambda req: {"type": "session_heartbeat"}),
+            "telemetry": (None, lambda body: {"status": "accepted"}),
+            "get_server_capabilities": (None, self.capabilities),
+            "create_model": (types.CreateModelRequest, self.create_model),
+            "get_info": (types.GetInfoRequest, self.get_info),
+            "forward_backward": (bytes, self.forward_backward),
+            "optim_step": (types.OptimStepRequest, self.optim_step),
+            "save_weights_for_sampler": (types.SaveWeightsForSamplerRequest, self.save_weights_for_sampler),
+            "create_sampling_session": (types.CreateSamplingSessionRequest, self.create_sampling_session),
+            "samplers": (None, self.get_sampler),
+            "asample": (types.SampleRequest, self.sample),
+            "retrieve_future": (types.FutureRetrieveRequest, self.retrieve_future),
+            "cancel_future": (None, lambda body: {}),
+            "weights_info": (None, self.weights_info),
+        }
+
+    def future(self, fn, model_id: str | None = None) -> dict:
+        return {"request_id": self.jobs.submit(fn), **({"model_id": model_id} if model_id else {})}
+
+    # ------------------------------------------------------------------------------ bookkeeping
+    def client_config(self, body: dict) -> dict:
+        # The SDK's own transport (httpx), requests sent one after another (arrival order is the training
+        # client's order), and one retrieve_future per request: what this server implements.
+        return {
+            "pjwt_auth_enabled": False, "use_pyqwest_transport": False, "parallel_fwdbwd_chunks": False,
+            "fwdbwd_max_chunk_len": self.limits.max_datums, "sample_use_retrieve_futures": False,
+            "custom_loss_server_side": False, "sample_join_sampling_session": False, "proto_compress_fwdbwd": False,
+        }  # fmt: skip
+
+    def create_session(self, req: Any) -> dict:
+        session_id = f"session-{uuid.uuid4().hex[:12]}"
+        self.sessions.add(session_id)
+        return {"type": "create_session", "session_id": session_id}
+
+    def capabilities(self, body: dict) -> dict:
+        e = self.engine
+        return {"supported_models": [{"model_name": e.name, "max_context_length": e.max_context, "trainable": True, "sampleable": True}]}
+
+    def get_info(self, req: Any) -> dict:
+        client = self.engine.client(req.model_id)
+        arch = (getattr(self.engine.model.config, "architectures", None) or [None])[0]
+        return {
+            "type": "get_info", "model_id": req.model_id, "model_name": self.engine.name, "is_lora": True,
+            "lora_rank": client.lora["rank"], "model_data": {"arch": arch, "model_name": self.engine.name, "tokenizer_id": self.engine.name},
+        }  # fmt: skip
+
+    def weights_info(self, body: dict) -> dict:
+        path = body.get("tinker_path")
+        sampler = self.engine.paths.get(path) if isinstance(path, str) else None
+        if sampler is None:
+            raise UserError(f"unknown tinker_path {path!r}")
+        lora = sampler.lora
+        return {
+            "base_model": self.engine.name, "is_lora": True, "lora_rank": lora["rank"], "train_unembed": lora.get("train_unembed", True),
+            "train_mlp": lora.get("train_mlp", True), "train_attn": lora.get("train_attn", True),
+        }  # fmt: skip
+
+    # ------------------------------------------------------------------------------ training
+    def create_model(self, req: Any) -> dict:
+        if req.session_id not in self.sessions:
+            raise UserError(f"unknown session_id '{req.session_id}': create_session first")
+        if req.lora_config is None:
+            raise UserError("only LoRA training clients are served: pass lora_config (create_lora_training_client)")
+        if req.optimizer_config.type != "adamw":
+            raise UserError(f"optimizer '{req.optimizer_config.type}' is not served; AdamW is")
+        lora = req.lora_config.model_dump()
+        return self.future(lambda: {"type": "create_model", "model_id": self.engine.create_client(req.base_model, lora)})
+
+    def forward_backward(self, raw: bytes) -> dict:
+        req = wire.parse_forward_backward(raw, self.limits.max_datums, self.limits.max_tokens)
+
+        def run() -> bytes:
+            outputs, metrics = self.engine.forward_backward(req)
+            return wire.forward_backward_output(outputs, metrics)
+
+        return self.future(run, req.model_id)
+
+    def optim_step(self, req: Any) -> dict:
+        params = req.optim_params
+        if getattr(params, "type", "adamw") not in ("adamw", None) and not hasattr(params, "beta1"):
+            raise UserError(f"optimizer params of type '{params.type}' are not served; AdamParams are")
+        adam = params.model_dump()
+        return self.future(lambda: {"metrics": self.engine.optim_step(req.model_id, adam)}, req.model_id)
+
+    def save_weights_for_sampler(self, req: Any) -> dict:
+        if req.path is not None and not (0 < len(req.path) <= 200 and req.path.replace("-", "").replace("_", "").replace(".", "").isalnum()):
+            raise UserError("path must be 1-200 characters of letters, digits, '-', '_' and '.'")
+
+        def run() -> dict:
+            path, session = self.engine.save_for_sampler(req.model_id, req.path)
+            return {"type": "save_weights_for_sampler", "path": path, "sampling_session_id": session}
+
+        return self.future(run, req.model_id)
+
+    # ------------------------------------------------------------------------------ sampling
+    async def create_sampling_session(self, req: Any) -> dict:
+        def run() -> dict:
+            sampler = self.engine.sampler_for(req.base_model, req.model_path)
+            return {"type": "create_sampling_session", "sampling_session_id": self.engine.open_session(sampler)}
+
+        return await asyncio.wrap_future(self.jobs.get(self.jobs.submit(run)))
+
+    def get_sampler(self, body: dict, session_id: str = "") -> dict:
+        sampler = self.engine.session(session_id)
+        return {"sampler_id": session_id, "base_model": self.engine.name, "model_path": sampler.path}
+
+    def sample(self, req: Any) -> dict:
+        if not 1 <= req.num_samples <= self.limits.max_samples:
+            raise UserError(f"num_samples must be in 1..{self.limits.max_samples}, got {req.num_samples}")
+        prompt = req.prompt.to_ints()
+        if len(prompt) > self.limits.max_tokens:
+            raise UserError(f"the prompt has {len(prompt)} tokens, over the server's {self.limits.max_tokens}")
+        params = req.sampling_params.model_dump()
+
+        def run() -> bytes:
+            e = self.engine
+            sampler = e.session(req.sampling_session_id) if req.sampling_session_id else e.sampler_for(req.base_model, req.model_path)
+            sequences, prompt_lp = e.sample(sampler, prompt, req.num_samples, params, bool(req.prompt_logprobs))
+            return wire.sample_response(sequences, prompt_lp)
+
+        reply = self.future(run)
+        reply["sample_sequence_ids"] = [f"{reply['request_id']}-{i}" for i in range(req.num_samples)]
+        return reply
+
+    # ------------------------------------------------------------------------------ futures
+    async def retrieve_future(self, req: Any) -> Any:
+        future = self.jobs.get(req.request_id)
+        if future is None:
+            raise UserError(f"unknown request_id '{req.request_id}' (never made here, or its result expired)")
+        await asyncio.wait({asyncio.wrap_future(future)}, timeout=self.limits.poll_s)
+        if not future.done():
+            return {"type": "try_again", "request_id": req.request_id, "queue_state": "active"}
+        exc = future.exception()
+        if exc is not None:
+            user = isinstance(exc, UserError)
+            message = " ".join(exc.problems) if user else f"the server failed on this request: {type(exc).__name__}: {exc}"
+            return {"error": message[:2000], "category": "user" if user else "server"}
+        return future.result()
+
+    def close(self) -> None:
+        self.jobs.close()

@@ -1,0 +1,255 @@
+"""The Tinker API (`postrl serve-tinker`, issue 61) driven by the official `tinker` SDK on the tiny model.
+
+One server per module, in this process (its engine is reachable for the exactness checks); each test makes its
+own training clients. The exactness tests compare the server's losses and gradients with postrl's formulas
+and with Tinker's definitions written out by hand, on the same adapter and batch.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import httpx
+import pytest
+import torch
+
+tinker = pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+KEY = "tml-test-key-0123456789"
+BASE = "builtin:tiny-qwen2"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_path):
+    from postrl.agents.server import HttpLimits
+    from postrl.checks import load_config
+    from postrl.serve import serve
+
+    cfg = load_config(None, [f"model.path={BASE}"])
+    stop, ready = threading.Event(), []
+    thread = threading.Thread(
+        target=serve, args=(cfg,), kwargs=dict(host="127.0.0.1", port=0, api_key=KEY, stop=stop, log=lambda *a: None, http=HttpLimits(max_body_bytes=2**20),
+                                               ready=lambda port, service: ready.append((port, service))), daemon=True,
+    )  # fmt: skip
+    thread.start()
+    while not ready and thread.is_alive():
+        thread.join(0.05)
+    assert ready, "the server did not start"
+    port, service = ready[0]
+    yield f"http://127.0.0.1:{port}", service
+    stop.set()
+    thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return tinker.ServiceClient(base_url=server[0], api_key=KEY)
+
+
+def _datum(tokens: list[int], **inputs) -> types.Datum:
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": tokens[1:], **inputs})
+
+
+SEQS = [[5, 17, 23, 41, 9, 12], [7, 3, 99, 14]]
+
+
+def _ce_batch() -> list[types.Datum]:
+    return [_datum(s, weights=[0.0] + [1.0] * (len(s) - 2)) for s in SEQS]
+
+
+def test_health_capabilities_and_the_key(server, client):
+    url, _ = server
+    assert httpx.get(f"{url}/api/v1/healthz").json() == {"status": "ok"}
+    caps = tinker.RestClient(base_url=url, api_key=KEY).get_server_capabilities().result()
+    assert [m.model_name for m in caps.supported_models] == [BASE]
+    assert httpx.get(f"{url}/api/v1/get_server_capabilities").status_code == 401
+    assert httpx.get(f"{url}/api/v1/get_server_capabilities", headers={"X-API-Key": "tml-wrong-key-000000"}).status_code == 401
+
+
+def test_sdk_trains_a_lora_client_and_the_loss_falls(client):
+    tc = client.create_lora_training_client(base_model=BASE, rank=4).result()
+    losses = []
+    for _ in range(4):
+        out = tc.forward_backward(_ce_batch(), "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        losses.append(out.metrics["loss:sum"])
+        assert [len(o["logprobs"].tolist()) for o in out.loss_fn_outputs] == [len(s) - 1 for s in SEQS]
+    assert losses[-1] < 0.7 * losses[0], losses
+
+
+def test_sample_reports_the_trainers_logprobs(client):
+    from postrl.diagnose.stats import gap_summary
+    from postrl.diagnose.verdict import verdict
+
+    tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=3).result()
+    tc.forward_backward(_ce_batch(), "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()  # the adapter is no longer zero
+    sampler = tc.save_weights_and_get_sampling_client()
+    prompt = [5, 17, 23]
+    res = sampler.sample(types.ModelInput.from_ints(prompt), num_samples=3, sampling_params=types.SamplingParams(max_tokens=6, seed=1)).result()
+    assert len(res.sequences) == 3
+    engine_lp, trainer_lp = [], []
+    for seq in res.sequences:
+        assert len(seq.tokens) == len(seq.logprobs) and 1 <= len(seq.tokens) <= 6
+        full = prompt + seq.tokens
+        out = tc.forward([_datum(full, weights=[1.0] * (len(full) - 1))], "cross_entropy").result()
+        trainer_lp += out.loss_fn_outputs[0]["logprobs"].tolist()[len(prompt) - 1 :]
+        engine_lp += seq.logprobs
+    gap = gap_summary(torch.tensor(trainer_lp), torch.tensor(engine_lp))
+    report = {"gap": gap, "tolerance": {"statistic": "max", "value": 1e-3, "dtype": "float32"}, "temperature_fit": None, "temperature": 1.0}
+    assert verdict(report)["kind"] == "rounding", gap
+
+
+def _grads(engine, model_id):
+    return [p.grad.detach().clone() for p in engine.clients[model_id].params]
+
+
+def _reference(engine, model_id, batch, loss_of):
+    """Per datum, unpadded: the trainer's log-probs and `loss_of(logp_T, inputs)`, summed; (loss, adapter gradients)."""
+    from postrl.algorithms import token_logprobs
+
+    client = engine.clients[model_id]
+    for p in client.params:
+        p.grad = None
+    engine._activate(model_id)
+    total = 0.0
+    for d in batch:
+        ids = torch.tensor([d.model_input.to_ints()])
+        logits = engine.model(input_ids=ids).logits[0]
+        logp, _ = token_logprobs(logits, torch.tensor(d.loss_fn_inputs["target_tokens"].tolist()))
+        total = total + loss_of(logp, {k: torch.tensor(v.tolist()) for k, v in d.loss_fn_inputs.items()})
+    total.backward()
+    engine._activate("__base__")
+    grads = [p.grad.detach().clone() for p in client.params]
+    for p in client.params:
+        p.grad = None
+    return float(total.detach()), grads
+
+
+def _by_hand(name, config):
+    """Tinker's definitions, written out (sums over tokens)."""
+    def ce(logp, x):
+        return -(x["weights"] * logp).sum()
+
+    def is_(logp, x):
+        return -(torch.exp(logp - x["logprobs"]) * x["advantages"]).sum()
+
+    def ppo(logp, x):
+        r = torch.exp(logp - x["logprobs"])
+        lo, hi = config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2)
+        return -torch.minimum(r * x["advantages"], torch.clamp(r, lo, hi) * x["advantages"]).sum()
+
+    return {"cross_entropy": ce, "importance_sampling": is_, "ppo": ppo}[name]
+
+
+def _postrl(name, config):
+    """postrl's own formulas on one datum: the vanilla policy loss and seq-mean-token-sum aggregation."""
+    from postrl import algorithms as algo
+
+    def policy(logp, x, lo, hi):
+        loss, _ = algo.get_policy_loss_fn("vanilla")(logp[None], x["logprobs"][None], x["advantages"][None], torch.ones_like(logp)[None],
+                                                     clip_ratio_low=lo, clip_ratio_high=hi)  # fmt: skip
+        return algo.aggregate_loss(loss, torch.ones_like(loss), "seq-mean-token-sum", num_seqs=1.0)
+
+    return {
+        "cross_entropy": lambda logp, x: algo.aggregate_loss(-logp[None], x["weights"][None], "seq-mean-token-sum", num_seqs=1.0),
+        "importance_sampling": lambda logp, x: policy(logp, x, math.inf, math.inf),
+        "ppo": lambda logp, x: policy(logp, x, 1 - config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2) - 1),
+    }[name]
+
+
+@pytest.mark.parametrize("name,config", [("cross_entropy", None), ("importance_sampling", None), ("ppo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.05})])
+def test_losses_and_gradients_equal_postrls_formulas(server, client, name, config):
+    _, service = server
+    engine = service.engine
+    tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=1).result()
+    tc.forward_backward(_ce_batch(), "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()  # lora_B != 0: gradients reach both A and B
+    g = torch.Generator().manual_seed(0)
+    if name == "cross_entropy":
+        batch = _ce_batch()
+    else:  # old log-probs near the current ones, so some ratios clip and some do not
+        batch = []
+        for s in SEQS:
+            cur = tc.forward([_datum(s, weights=[1.0] * (len(s) - 1))], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_torch()
+            old = cur + 0.15 * torch.randn(len(s) - 1, generator=g)
+            adv = torch.randn(len(s) - 1, generator=g)
+            batch.append(_datum(s, logprobs=old.tolist(), advantages=adv.tolist()))
+    out = tc.forward_backward(batch, name, loss_fn_config=config).result()
+    served_grads = service.jobs.call(lambda: _grads(engine, tc.model_id))
+    ref_loss, ref_grads = service.jobs.call(lambda: _reference(engine, tc.model_id, batch, _postrl(name, config or {})))
+    hand_loss, hand_grads = service.jobs.call(lambda: _reference(engine, tc.model_id, batch, _by_hand(name, config or {})))
+    assert out.metrics["loss:sum"] == pytest.approx(ref_loss, rel=1e-5, abs=1e-6)
+    assert ref_loss == pytest.approx(hand_loss, rel=1e-6, abs=1e-7)
+    assert any(float(x.abs().max()) > 0 for x in served_grads)
+    for s, r, h in zip(served_grads, ref_grads, hand_grads):
+        torch.testing.assert_close(s, r, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(r, h, rtol=1e-5, atol=1e-7)
+    service.jobs.call(lambda: [setattr(p, "grad", None) for p in engine.clients[tc.model_id].params])
+
+
+def test_a_failing_request_is_its_futures_error_and_the_server_goes_on(client):
+    tc = client.create_lora_training_client(base_model=BASE, rank=4).result()
+    with pytest.raises(tinker.RequestFailedError, match="not served here"):
+        tc.forward_backward(_ce_batch(), "stable_reinforce").result()
+    bad = [types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]), loss_fn_inputs={"target_tokens": [2, 3, 10**6], "weights": [1.0] * 3})]
+    with pytest.raises(tinker.RequestFailedError, match="outside the vocabulary"):
+        tc.forward_backward(bad, "cross_entropy").result()
+    short = [types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]), loss_fn_inputs={"target_tokens": [2, 3]})]
+    with pytest.raises(tinker.RequestFailedError, match="shape"):
+        tc.forward_backward(short, "cross_entropy").result()
+    assert tc.forward_backward(_ce_batch(), "cross_entropy").result().metrics["loss:sum"] > 0  # still serving
+
+
+def test_bad_bodies_are_refused_with_the_field_named(server):
+    url, _ = server
+    h = {"X-API-Key": KEY}
+    r = httpx.post(f"{url}/api/v1/create_model", json={"session_id": "x", "model_seq_id": 0, "base_model": BASE, "oops": 1}, headers=h)
+    assert r.status_code == 400 and "oops" in r.json()["detail"]
+    r = httpx.post(f"{url}/api/v1/forward_backward", content=b"\xff\xfe not a protobuf", headers=h)
+    assert r.status_code == 400 and "protobuf" in r.json()["detail"]
+    r = httpx.post(f"{url}/api/v1/optim_step", content=b"[" * 10000 + b"]" * 10000, headers=h)
+    assert r.status_code == 400 and "nests deeper" in r.json()["detail"]
+    r = httpx.post(f"{url}/api/v1/asample", content=b"x" * (2**20 + 1), headers=h)
+    assert r.status_code == 413 and "over 1048576 bytes" in r.json()["detail"]
+    r = httpx.post(f"{url}/api/v1/retrieve_future", json={"request_id": "nope"}, headers=h)
+    assert r.status_code == 400 and "unknown request_id" in r.json()["detail"]
+
+
+def test_a_future_outlives_the_client_that_made_it(server, client):
+    """The raw protocol: one connection sends forward_backward and closes; another polls the future, twice."""
+    from tinker.proto.request_conv import forward_backward_request_to_proto
+    from tinker.proto.response_conv import deserialize_forward_backward_output
+
+    url, _ = server
+    tc = client.create_lora_training_client(base_model=BASE, rank=4).result()
+    req = types.ForwardBackwardRequest(forward_backward_input=types.ForwardBackwardInput(data=_ce_batch(), loss_fn="cross_entropy"),
+                                       model_id=tc.model_id, seq_id=1)  # fmt: skip
+    h = {"X-API-Key": KEY}
+    with httpx.Client() as first:
+        rid = first.post(f"{url}/api/v1/forward_backward", content=forward_backward_request_to_proto(req).SerializeToString(), headers=h).json()["request_id"]
+    results = []
+    for _ in range(2):
+        with httpx.Client(timeout=60) as again:
+            while True:
+                r = again.post(f"{url}/api/v1/retrieve_future", json={"request_id": rid}, headers={**h, "Accept": "application/x-protobuf"})
+                if "protobuf" in r.headers["content-type"]:
+                    break
+                assert r.json()["type"] == "try_again"
+        results.append(deserialize_forward_backward_output(r.content))
+    assert results[0].metrics == results[1].metrics and results[0].metrics["loss:sum"] > 0
+
+
+def test_loopback_unless_opted_in_and_a_key_the_sdk_accepts():
+    from postrl.cli import main
+    from postrl.serve import check_listen
+
+    assert check_listen("127.0.0.1", False, KEY) == [] and check_listen("::1", False, KEY) == []
+    assert check_listen("0.0.0.0", True, KEY) == []
+    assert any("--allow-remote" in p for p in check_listen("0.0.0.0", False, KEY))
+    assert any("tml-" in p for p in check_listen("127.0.0.1", False, "secret-key-123"))
+    assert any("required" in p for p in check_listen("127.0.0.1", False, ""))
+    assert main(["serve-tinker", "--host", "0.0.0.0", "--api-key", KEY, f"model.path={BASE}"]) == 2
