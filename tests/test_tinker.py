@@ -87,7 +87,7 @@ def test_sample_reports_the_trainers_logprobs(client):
     tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=3).result()
     tc.forward_backward(_ce_batch(), "cross_entropy").result()
     tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()  # the adapter is no longer zero
-    sampler = tc.save_weights_and_get_sampling_client()
+    sampler = tc.save_weights_and_get_sampling_client().result()
     prompt = [5, 17, 23]
     res = sampler.sample(types.ModelInput.from_ints(prompt), num_samples=3, sampling_params=types.SamplingParams(max_tokens=6, seed=1)).result()
     assert len(res.sequences) == 3
@@ -253,3 +253,61 @@ def test_loopback_unless_opted_in_and_a_key_the_sdk_accepts():
     assert any("tml-" in p for p in check_listen("127.0.0.1", False, "secret-key-123"))
     assert any("required" in p for p in check_listen("127.0.0.1", False, ""))
     assert main(["serve-tinker", "--host", "0.0.0.0", "--api-key", KEY, f"model.path={BASE}"]) == 2
+
+
+def _train(tc, batch, steps_done: list) -> None:
+    tc.forward_backward(batch, "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    steps_done.append(tc.model_id)
+
+
+def _logprobs(tc, seqs) -> list[float]:
+    out = tc.forward([_datum(s, weights=[1.0] * (len(s) - 1)) for s in seqs], "cross_entropy").result()
+    return [x for o in out.loss_fn_outputs for x in o["logprobs"].tolist()]
+
+
+def test_two_training_clients_on_one_base_are_isolated(client):
+    """Two adapters trained interleaved (forward_backward of one between the other's forward_backward and
+    optim_step) end where each ends trained alone, and the base model is untouched."""
+    x, y = [_datum(s, weights=[1.0] * (len(s) - 1)) for s in SEQS[:1]], [_datum(s, weights=[1.0] * (len(s) - 1)) for s in SEQS[1:]]
+    base = client.create_sampling_client(base_model=BASE).result()
+    prompt = types.ModelInput.from_ints([5, 17])
+    greedy = types.SamplingParams(max_tokens=4, temperature=0.0)
+    base_before = base.sample(prompt, 1, greedy).result().sequences[0].logprobs
+    solo = {}
+    for seed, batch in ((1, x), (2, y)):
+        tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=seed).result()
+        for _ in range(3):
+            _train(tc, batch, [])
+        solo[seed] = _logprobs(tc, SEQS)
+    a = client.create_lora_training_client(base_model=BASE, rank=4, seed=1).result()
+    b = client.create_lora_training_client(base_model=BASE, rank=4, seed=2).result()
+    for _ in range(3):
+        a.forward_backward(x, "cross_entropy").result()
+        b.forward_backward(y, "cross_entropy").result()  # b's gradients must not reach a's adapter
+        b.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        a.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    assert _logprobs(a, SEQS) == pytest.approx(solo[1], abs=1e-6)
+    assert _logprobs(b, SEQS) == pytest.approx(solo[2], abs=1e-6)
+    assert max(abs(p - q) for p, q in zip(solo[1], solo[2])) > 1e-3  # the two runs do differ
+    assert base.sample(prompt, 1, greedy).result().sequences[0].logprobs == pytest.approx(base_before, abs=1e-6)
+
+
+def test_a_sampler_keeps_the_weights_it_was_given(server, client):
+    tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=5).result()
+    batch = _ce_batch()
+    _train(tc, batch, [])
+    saved = tc.save_weights_for_sampler(name="step1").result()
+    assert saved.path == f"tinker://{tc.model_id}/sampler_weights/step1"
+    pinned = client.create_sampling_client(model_path=saved.path).result()
+    prompt = types.ModelInput.from_ints([5, 17, 23])
+    greedy = types.SamplingParams(max_tokens=5, temperature=0.0)
+    first = pinned.sample(prompt, 1, greedy).result().sequences[0]
+    for _ in range(3):
+        _train(tc, batch, [])
+    again = pinned.sample(prompt, 1, greedy).result().sequences[0]
+    assert again.tokens == first.tokens and again.logprobs == pytest.approx(first.logprobs, abs=1e-6)
+    newer = tc.save_weights_and_get_sampling_client().result().sample(prompt, 1, greedy).result().sequences[0]
+    assert max(abs(p - q) for p, q in zip(newer.logprobs, first.logprobs)) > 1e-3
+    info = tinker.RestClient(base_url=server[0], api_key=KEY).get_weights_info_by_tinker_path(saved.path).result()
+    assert (info.base_model, info.is_lora, info.lora_rank) == (BASE, True, 4)
