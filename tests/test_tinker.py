@@ -23,7 +23,7 @@ BASE = "builtin:tiny-qwen2"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_path):
+def server(tiny_model_path, tmp_path_factory):
     from postrl.agents.server import HttpLimits
     from postrl.checks import load_config
     from postrl.serve import serve
@@ -31,7 +31,7 @@ def server(tiny_model_path):
     cfg = load_config(None, [f"model.path={BASE}"])
     stop, ready = threading.Event(), []
     thread = threading.Thread(
-        target=serve, args=(cfg,), kwargs=dict(host="127.0.0.1", port=0, api_key=KEY, stop=stop, log=lambda *a: None, http=HttpLimits(max_body_bytes=2**20),
+        target=serve, args=(cfg,), kwargs=dict(host="127.0.0.1", port=0, api_key=KEY, state_dir=tmp_path_factory.mktemp('tinker-state'), stop=stop, log=lambda *a: None, http=HttpLimits(max_body_bytes=2**20),
                                                ready=lambda port, service: ready.append((port, service))), daemon=True,
     )  # fmt: skip
     thread.start()
@@ -114,7 +114,7 @@ def _reference(engine, model_id, batch, loss_of):
     client = engine.clients[model_id]
     for p in client.params:
         p.grad = None
-    engine._activate(model_id)
+    engine._activate(client.name)
     total = 0.0
     for d in batch:
         ids = torch.tensor([d.model_input.to_ints()])
@@ -311,3 +311,44 @@ def test_a_sampler_keeps_the_weights_it_was_given(server, client):
     assert max(abs(p - q) for p, q in zip(newer.logprobs, first.logprobs)) > 1e-3
     info = tinker.RestClient(base_url=server[0], api_key=KEY).get_weights_info_by_tinker_path(saved.path).result()
     assert (info.base_model, info.is_lora, info.lora_rank) == (BASE, True, 4)
+
+
+def test_a_saved_state_resumes_exactly(client):
+    """Train 2 steps, save weights and optimizer, train 2 more; a client made from the save and trained the same
+    2 steps ends at the same log-probs (AdamW's moments and step count came back too)."""
+    tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=7).result()
+    batch = _ce_batch()
+    for _ in range(2):
+        _train(tc, batch, [])
+    path = tc.save_state("two").result().path
+    assert path == f"tinker://{tc.model_id}/weights/two"
+    for _ in range(2):
+        _train(tc, batch, [])
+    resumed = client.create_training_client_from_state_with_optimizer(path).result()
+    weights_only = client.create_training_client_from_state(path).result()
+    for _ in range(2):
+        _train(resumed, batch, [])
+        _train(weights_only, batch, [])
+    assert _logprobs(resumed, SEQS) == pytest.approx(_logprobs(tc, SEQS), abs=1e-6)
+    assert max(abs(p - q) for p, q in zip(_logprobs(weights_only, SEQS), _logprobs(tc, SEQS))) > 1e-4  # fresh moments differ
+
+
+def test_a_saved_sampler_exports_to_a_plain_hf_directory(server, client, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from postrl.algorithms import token_logprobs
+
+    _, service = server
+    tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=9).result()
+    _train(tc, _ce_batch(), [])
+    path = tc.save_weights_for_sampler(name="export-me").result().path
+    prompt = [5, 17, 23]
+    seq = client.create_sampling_client(model_path=path).result().sample(
+        types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=5, temperature=0.0)).result().sequences[0]
+    out = service.jobs.call(lambda: service.engine.export(path, tmp_path / "hf"))
+    assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
+    model = AutoModelForCausalLM.from_pretrained(out)
+    ids = torch.tensor([prompt + seq.tokens])
+    with torch.no_grad():
+        logp, _ = token_logprobs(model(input_ids=ids[:, :-1]).logits[0], ids[0, 1:])
+    assert logp[len(prompt) - 1 :].tolist() == pytest.approx(seq.logprobs, abs=1e-4)

@@ -270,8 +270,14 @@ def cmd_serve_tinker(args) -> int:
     from postrl.serve.app import Limits
 
     cfg = load_config(args.config, args.overrides)
+    if args.export:
+        from postrl.serve.engine import Engine
+
+        engine = Engine(cfg.model.path, args.model_name or cfg.model.path, args.state_dir, cfg.model.dtype)
+        console.print(f"exported {args.export} to {engine.export(args.export, args.out or 'exported')}", highlight=False)
+        return 0
     serve(cfg, host=args.host, port=args.port, api_key=args.api_key or os.environ.get("TINKER_API_KEY", ""),
-          name=args.model_name, allow_remote=args.allow_remote, log=console.print, http=HttpLimits(max_body_bytes=args.max_body_bytes),
+          state_dir=args.state_dir, name=args.model_name, allow_remote=args.allow_remote, log=console.print, http=HttpLimits(max_body_bytes=args.max_body_bytes),
           limits=Limits(max_datums=args.max_datums, max_tokens=args.max_tokens))  # fmt: skip
     return 0
 
@@ -342,6 +348,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="the key clients send (tml-...; default $TINKER_API_KEY)")
     p.add_argument("--model-name", default=None, help="the base_model name clients use (default model.path)")
     p.add_argument("--allow-remote", action="store_true", help="listen on a non-loopback --host")
+    p.add_argument("--state-dir", default="runs/tinker", help="where saved weights and optimizer states go (tinker:// paths)")
+    p.add_argument("--export", default=None, metavar="TINKER_PATH", help="write a saved sampler (tinker://.../sampler_weights/NAME) "
+                   "as a plain Hugging Face model directory to --out, and exit")
+    p.add_argument("--out", default=None, help="the directory --export writes")
     p.add_argument("--max-body-bytes", type=int, default=256 * 2**20, help="largest request body (default 256 MiB)")
     p.add_argument("--max-datums", type=int, default=4096, help="most datums per forward_backward")
     p.add_argument("--max-tokens", type=int, default=32768, help="most tokens per datum or prompt")

@@ -40,9 +40,11 @@ def check_listen(host: str, allow_remote: bool, api_key: str) -> list[str]:
     return problems
 
 
-def serve(cfg: Any, *, host: str, port: int, api_key: str, name: str | None = None, allow_remote: bool = False,
-          limits: Any = None, http: Any = None, log=print, stop: threading.Event | None = None, ready=None) -> None:
-    """Serve the Tinker API over `cfg.model.path` until SIGTERM / SIGINT (or `stop` is set)."""
+def serve(cfg: Any, *, host: str, port: int, api_key: str, state_dir: str = "runs/tinker", name: str | None = None,
+          allow_remote: bool = False, limits: Any = None, http: Any = None, log=print, stop: threading.Event | None = None,
+          ready=None) -> None:
+    """Serve the Tinker API over `cfg.model.path` until SIGTERM / SIGINT (or `stop` is set); then every training
+    client's state is saved as `<state_dir>/<model_id>/weights/on-exit` (load it with its tinker:// path)."""
     from postrl.agents.server import Gate, HttpLimits, Server, Tally
     from postrl.serve.app import Limits, make_app
     from postrl.serve.engine import Engine
@@ -58,7 +60,7 @@ def serve(cfg: Any, *, host: str, port: int, api_key: str, name: str | None = No
     if allow_remote:
         log(f"WARNING: listening on {host}, not loopback (--allow-remote): anyone who reaches it with the key can use it")
     limits, http = limits or Limits(), http or HttpLimits(max_body_bytes=256 * 2**20)
-    engine = Engine(cfg.model.path, name or cfg.model.path, cfg.model.dtype)
+    engine = Engine(cfg.model.path, name or cfg.model.path, state_dir, cfg.model.dtype)
     service = Service(engine, limits)
     refused = Tally()
     gate = Gate(http, refused)
@@ -74,6 +76,8 @@ def serve(cfg: Any, *, host: str, port: int, api_key: str, name: str | None = No
     try:
         stop.wait()
     finally:
-        server.close()
+        server.close()  # no new work; what was queued runs, then the clients are saved
+        for path in service.save_all("on-exit"):
+            log(f"postrl serve-tinker: saved {path}")
         service.close()
         log("postrl serve-tinker: stopped")

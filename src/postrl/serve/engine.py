@@ -56,10 +56,11 @@ class Sampler:
 class Engine:
     """The base model at `path` (a directory, hub id or builtin:NAME), served under `name`."""
 
-    def __init__(self, path: str, name: str, dtype: str = "float32", lora_alpha: float = 32.0, max_context: int = 4096):
+    def __init__(self, path: str, name: str, state_dir: str | Path, dtype: str = "float32", lora_alpha: float = 32.0, max_context: int = 4096):
         from postrl.models import load_model, load_tokenizer, resolve_model_path
 
         self.name, self.lora_alpha, self.max_context = name, lora_alpha, max_context
+        self.state_dir = Path(state_dir)
         self.path = resolve_model_path(path)
         self.tokenizer = load_tokenizer(self.path)
         self.model = load_model(self.path, dtype)
@@ -105,14 +106,17 @@ class Engine:
             if isinstance(m, BaseTunerLayer):
                 m.set_adapter(adapter)
 
-    def create_client(self, base_model: str, lora: dict[str, Any]) -> str:
-        if base_model != self.name:
+    def create_client(self, model_id: str, base_model: str | None, lora: dict[str, Any]) -> str:
+        """A new training client `model_id` (the SDK's `<session>:train:<n>`): a fresh adapter and optimizer."""
+        if base_model not in (None, self.name):
             raise UserError(f"base_model '{base_model}' is not served here; this server trains '{self.name}'")
         if not 1 <= lora["rank"] <= 512:
             raise UserError(f"lora_config.rank must be in 1..512, got {lora['rank']}")
-        model_id = f"m{next(self._ids)}"
-        params = self._inject(model_id, lora)
-        self.clients[model_id] = Client(model_id, dict(lora), params, torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95)))
+        if model_id in self.clients:
+            raise UserError(f"model_id '{model_id}' exists already")
+        adapter = f"t{next(self._ids)}"
+        params = self._inject(adapter, lora)
+        self.clients[model_id] = Client(adapter, dict(lora), params, torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95)))
         return model_id
 
     def client(self, model_id: str) -> Client:
@@ -187,6 +191,7 @@ class Engine:
         path = f"tinker://{model_id}/sampler_weights/{name}" if name else None
         sampler = Sampler(adapter, path, client.lora)
         if path:
+            self._write(path, client, optimizer=False)
             self.paths[path] = sampler
         return path, self.open_session(sampler)
 
@@ -197,8 +202,13 @@ class Engine:
 
     def sampler_for(self, base_model: str | None, model_path: str | None) -> Sampler:
         if model_path:
-            if model_path not in self.paths:
-                raise UserError(f"unknown sampler path '{model_path}': save_weights_for_sampler gives the paths this server holds")
+            if model_path not in self.paths:  # saved by an earlier server on this state directory
+                saved = self._read(model_path, "sampler_weights")
+                adapter = f"s{next(self._ids)}"
+                for p, value in zip(self._inject(adapter, saved["lora"]), saved["weights"]):
+                    p.data.copy_(value)
+                    p.requires_grad_(False)
+                self.paths[model_path] = Sampler(adapter, model_path, saved["lora"])
             return self.paths[model_path]
         if base_model != self.name:
             raise UserError(f"base_model '{base_model}' is not served here; this server samples '{self.name}'")
@@ -266,3 +276,103 @@ class Engine:
                 raise UserError(f"stop string {s!r} is {len(encoded)} tokens; this server stops on single-token strings or token ids")
             ids.append(encoded[0])
         return ids
+
+    # ------------------------------------------------------------------------------------ checkpoints
+    def _dir(self, path: str, kind: str) -> Path:
+        """tinker://<model_id>/<kind>/<name> -> <state_dir>/<model_id>/<kind>/<name>, refusing anything else."""
+        import re
+
+        m = re.fullmatch(r"tinker://([A-Za-z0-9_.:-]{1,200})/(weights|sampler_weights)/([A-Za-z0-9_.-]{1,200})", path or "")
+        if m is None or m.group(2) != kind or ".." in path:
+            raise UserError(f"'{path}' is not a tinker://<model_id>/{kind}/<name> path of this server")
+        return self.state_dir / m.group(1).replace(":", "_") / kind / m.group(3)
+
+    def _write(self, path: str, client: Client, optimizer: bool) -> None:
+        """The client's adapter (safetensors), its LoRA settings and step count, and with `optimizer` AdamW's state,
+        written to a scratch directory and renamed into place (checkpoint/files.py: a crash leaves no half copy)."""
+        import json
+        import shutil
+
+        from safetensors.torch import save_file
+
+        from postrl.checkpoint.files import fsync_tree
+        from postrl.utils import scratch_path
+
+        out = self._dir(path, "weights" if optimizer else "sampler_weights")
+        tmp = scratch_path(out)
+        tmp.mkdir(parents=True)
+        save_file({f"{i:05d}": p.detach().cpu().contiguous() for i, p in enumerate(client.params)}, str(tmp / "adapter.safetensors"))
+        (tmp / "client.json").write_text(json.dumps({"base_model": self.name, "lora": client.lora, "steps": client.steps}))
+        if optimizer:
+            torch.save(client.optimizer.state_dict(), tmp / "optimizer.pt")
+        fsync_tree(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+
+    def _read(self, path: str, kind: str) -> dict[str, Any]:
+        import json
+
+        from safetensors.torch import load_file
+
+        from postrl.checkpoint.files import torch_load
+
+        where = self._dir(path, kind)
+        if not (where / "client.json").is_file():
+            raise UserError(f"no saved weights at '{path}' ({where})")
+        meta = json.loads((where / "client.json").read_text())
+        tensors = load_file(str(where / "adapter.safetensors"))
+        meta["weights"] = [tensors[k] for k in sorted(tensors)]
+        if (where / "optimizer.pt").is_file():
+            meta["optimizer"] = torch_load(where / "optimizer.pt")
+        return meta
+
+    def save_state(self, model_id: str, name: str) -> str:
+        path = f"tinker://{model_id}/weights/{name}"
+        self._write(path, self.client(model_id), optimizer=True)
+        return path
+
+    def load_state(self, model_id: str, path: str, optimizer: bool, create: bool) -> str:
+        """The saved adapter (and with `optimizer` AdamW's state and step count) into client `model_id`, made
+        here when `create`: resuming continues exactly where the saved client stood."""
+        saved = self._read(path, "weights")
+        if saved["base_model"] != self.name:
+            raise UserError(f"'{path}' was trained on '{saved['base_model']}'; this server serves '{self.name}'")
+        if create:
+            self.create_client(model_id, None, saved["lora"])
+        client = self.client(model_id)
+        if client.lora != saved["lora"] or len(client.params) != len(saved["weights"]):
+            raise UserError(f"'{path}' holds a LoRA of {saved['lora']}; this client has {client.lora}")
+        with torch.no_grad():
+            for p, value in zip(client.params, saved["weights"]):
+                p.copy_(value)
+        if optimizer:
+            client.optimizer.load_state_dict(saved["optimizer"])
+            client.steps = saved["steps"]
+        return model_id
+
+    def export(self, path: str, out: str | Path) -> Path:
+        """A saved sampler's weights as a plain Hugging Face model directory: the base with the adapter merged in."""
+        import warnings
+
+        from postrl import lora
+        from postrl.models import load_model
+
+        saved = self._read(path, "sampler_weights")
+        model = load_model(self.path, "float32")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            lora.apply(model, saved["lora"]["rank"], self.lora_alpha, self._targets(saved["lora"]))
+        adapted = [p for n, p in model.named_parameters() if f".{lora.ADAPTER}." in n]
+        with torch.no_grad():
+            for p, value in zip(adapted, saved["weights"]):
+                p.copy_(value)
+        state = dict(lora.merged(model, model.state_dict().items()))
+        plain = load_model(self.path, "float32")
+        if "lm_head" in self._targets(saved["lora"]):  # the adapted unembedding is no longer the embedding
+            plain.config.tie_word_embeddings = False
+            plain.lm_head.weight = torch.nn.Parameter(plain.lm_head.weight.detach().clone())
+        plain.load_state_dict(state)
+        plain.save_pretrained(str(out))
+        self.tokenizer.save_pretrained(str(out))
+        return Path(out)

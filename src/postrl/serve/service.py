@@ -36,6 +36,8 @@ class Service:
             "forward_backward": (bytes, self.forward_backward),
             "optim_step": (types.OptimStepRequest, self.optim_step),
             "save_weights_for_sampler": (types.SaveWeightsForSamplerRequest, self.save_weights_for_sampler),
+            "save_weights": (types.SaveWeightsRequest, self.save_weights),
+            "load_weights": (types.LoadWeightsRequest, self.load_weights),
             "create_sampling_session": (types.CreateSamplingSessionRequest, self.create_sampling_session),
             "samplers": (None, self.get_sampler),
             "asample": (types.SampleRequest, self.sample),
@@ -76,10 +78,11 @@ class Service:
 
     def weights_info(self, body: dict) -> dict:
         path = body.get("tinker_path")
-        sampler = self.engine.paths.get(path) if isinstance(path, str) else None
-        if sampler is None:
-            raise UserError(f"unknown tinker_path {path!r}")
-        lora = sampler.lora
+        if not isinstance(path, str):
+            raise UserError("weights_info needs tinker_path")
+        kind = "sampler_weights" if "/sampler_weights/" in path else "weights"
+        sampler = self.engine.paths.get(path)
+        lora = sampler.lora if sampler is not None else self.engine._read(path, kind)["lora"]
         return {
             "base_model": self.engine.name, "is_lora": True, "lora_rank": lora["rank"], "train_unembed": lora.get("train_unembed", True),
             "train_mlp": lora.get("train_mlp", True), "train_attn": lora.get("train_attn", True),
@@ -93,8 +96,30 @@ class Service:
             raise UserError("only LoRA training clients are served: pass lora_config (create_lora_training_client)")
         if req.optimizer_config.type != "adamw":
             raise UserError(f"optimizer '{req.optimizer_config.type}' is not served; AdamW is")
-        lora = req.lora_config.model_dump()
-        return self.future(lambda: {"type": "create_model", "model_id": self.engine.create_client(req.base_model, lora)})
+        lora, model_id = req.lora_config.model_dump(), f"{req.session_id}:train:{req.model_seq_id}"  # the SDK's own naming
+        return self.future(lambda: {"type": "create_model", "model_id": self.engine.create_client(model_id, req.base_model, lora)}, model_id)
+
+    def save_weights(self, req: Any) -> dict:
+        name = _checked_name(req.path) if req.path is not None else f"step-{self.engine.client(req.model_id).steps:06d}"
+        return self.future(lambda: {"type": "save_weights", "path": self.engine.save_state(req.model_id, name)}, req.model_id)
+
+    def load_weights(self, req: Any) -> dict:
+        if req.model_id is not None:  # into an existing client
+            model_id, create = req.model_id, False
+        elif req.session_id is not None and req.model_seq_id is not None:  # a new client made by the load
+            if req.session_id not in self.sessions:
+                raise UserError(f"unknown session_id '{req.session_id}': create_session first")
+            model_id, create = f"{req.session_id}:train:{req.model_seq_id}", True
+        else:
+            raise UserError("load_weights needs model_id, or session_id with model_seq_id")
+        if req.base_model not in (None, self.engine.name):
+            raise UserError(f"base_model '{req.base_model}' is not served here; this server trains '{self.engine.name}'")
+
+        def run() -> dict:
+            self.engine.load_state(model_id, req.path, req.optimizer, create)
+            return {"type": "load_weights", "path": req.path, "model_id": model_id}
+
+        return self.future(run, model_id)
 
     def forward_backward(self, raw: bytes) -> dict:
         req = wire.parse_forward_backward(raw, self.limits.max_datums, self.limits.max_tokens)
@@ -113,11 +138,10 @@ class Service:
         return self.future(lambda: {"metrics": self.engine.optim_step(req.model_id, adam)}, req.model_id)
 
     def save_weights_for_sampler(self, req: Any) -> dict:
-        if req.path is not None and not (0 < len(req.path) <= 200 and req.path.replace("-", "").replace("_", "").replace(".", "").isalnum()):
-            raise UserError("path must be 1-200 characters of letters, digits, '-', '_' and '.'")
+        name = _checked_name(req.path) if req.path is not None else None
 
         def run() -> dict:
-            path, session = self.engine.save_for_sampler(req.model_id, req.path)
+            path, session = self.engine.save_for_sampler(req.model_id, name)
             return {"type": "save_weights_for_sampler", "path": path, "sampling_session_id": session}
 
         return self.future(run, req.model_id)
@@ -167,5 +191,17 @@ class Service:
             return {"error": message[:2000], "category": "user" if user else "server"}
         return future.result()
 
+    def save_all(self, name: str) -> list[str]:
+        """Every training client's state saved as `name` (on the engine thread, after the work queued before it)."""
+        return self.jobs.call(lambda: [self.engine.save_state(model_id, name) for model_id in list(self.engine.clients)])
+
     def close(self) -> None:
         self.jobs.close()
+
+
+def _checked_name(name: str) -> str:
+    import re
+
+    if not re.fullmatch(r"[A-Za-z0-9_.-]{1,200}", name) or name in (".", ".."):
+        raise UserError(f"checkpoint name {name!r}: use 1-200 letters, digits, '-', '_' and '.'")
+    return name
