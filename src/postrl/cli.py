@@ -269,6 +269,8 @@ def cmd_serve_tinker(args) -> int:
     from postrl.serve import serve
     from postrl.serve.app import Limits
 
+    if args.config and "=" in args.config and not os.path.exists(args.config):  # no CONFIG, only overrides
+        args.config, args.overrides = None, [args.config, *args.overrides]
     cfg = load_config(args.config, args.overrides)
     if args.export:
         from postrl.serve.engine import Engine

@@ -15,7 +15,6 @@ Only the engine thread (serve/app.py) calls into an Engine: it holds no locks.
 from __future__ import annotations
 
 import contextlib
-import copy
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -125,11 +124,19 @@ class Engine:
         return self.clients[model_id]
 
     # ------------------------------------------------------------------------------------ training
-    def _logprobs(self, tokens_BT: torch.Tensor, mask_BT: torch.Tensor, targets_BT: torch.Tensor, temperature: float = 1.0):
+    def _logprobs(self, inputs: list[list[int]], targets: list[torch.Tensor], temperature: float = 1.0) -> list[torch.Tensor]:
+        """Per sequence, the log-probs of `targets[i][t]` after `inputs[i][: t + 1]`: one forward over the sequences
+        right-padded (positions stay 0..len-1), the trainer's `token_logprobs` on its logits."""
+        T = max(len(x) for x in inputs)
+        tokens_BT = torch.zeros(len(inputs), T, dtype=torch.long)
+        targets_BT, mask_BT = torch.zeros_like(tokens_BT), torch.zeros_like(tokens_BT)
+        for i, (x, y) in enumerate(zip(inputs, targets)):
+            tokens_BT[i, : len(x)], targets_BT[i, : len(x)], mask_BT[i, : len(x)] = torch.tensor(x), y.long(), 1
         logits_BTV = self.model(input_ids=tokens_BT, attention_mask=mask_BT).logits
         B, T, V = logits_BTV.shape
         logp_N, _ = token_logprobs(logits_BTV.reshape(B * T, V), targets_BT.reshape(-1), temperature)
-        return logp_N.view(B, T)
+        logp_BT = logp_N.view(B, T)
+        return [logp_BT[i, : len(x)] for i, x in enumerate(inputs)]
 
     def forward_backward(self, req: wire.FwdBwd) -> tuple[list[dict[str, torch.Tensor]], dict[str, float]]:
         """Tinker's forward_backward: the loss summed over the datums; gradients add to the adapter's until optim_step."""
@@ -147,21 +154,16 @@ class Engine:
                 raise UserError(f"datum {i} has no tokens")
             self._check_tokens(d.tokens, f"datum {i}")
             self._check_tokens(d.inputs["target_tokens"].tolist(), f"datum {i}'s target_tokens")
-        T = max(len(d.tokens) for d in req.data)
-        tokens_BT = torch.zeros(len(req.data), T, dtype=torch.long)  # right-padded: positions stay 0..len-1
-        targets_BT, mask_BT = torch.zeros_like(tokens_BT), torch.zeros_like(tokens_BT)
-        for i, d in enumerate(req.data):
-            n = len(d.tokens)
-            tokens_BT[i, :n], targets_BT[i, :n], mask_BT[i, :n] = torch.tensor(d.tokens), d.inputs["target_tokens"].long(), 1
         self._activate(client.name)
-        with torch.no_grad() if req.forward_only else contextlib.nullcontext():
-            logp_BT = self._logprobs(tokens_BT, mask_BT, targets_BT)
-            losses = [loss_fn(logp_BT[i, : len(d.tokens)], d.inputs, req.config) for i, d in enumerate(req.data)]
-            total = torch.stack(losses).sum()
-            if not req.forward_only:
-                total.backward()
-        self._activate(NO_ADAPTER)
-        outputs = [{"logprobs": logp_BT[i, : len(d.tokens)].detach()} for i, d in enumerate(req.data)]
+        try:
+            with torch.no_grad() if req.forward_only else contextlib.nullcontext():
+                logp = self._logprobs([d.tokens for d in req.data], [d.inputs["target_tokens"] for d in req.data])
+                total = torch.stack([loss_fn(lp, d.inputs, req.config) for lp, d in zip(logp, req.data)]).sum()
+                if not req.forward_only:
+                    total.backward()
+        finally:
+            self._activate(NO_ADAPTER)
+        outputs = [{"logprobs": lp.detach()} for lp in logp]
         return outputs, {"loss:sum": float(total.detach())}
 
     def optim_step(self, model_id: str, adam: dict[str, float]) -> dict[str, float]:
@@ -235,47 +237,56 @@ class Engine:
         self._check_tokens(prompt, "the prompt")
         if not prompt:
             raise UserError("the prompt has no tokens")
-        stop_ids = tuple(self._stop_ids(params.get("stop")))
+        stop_ids, stop_texts = self._stops(params.get("stop"))
         temperature = float(params.get("temperature", 1.0))
         max_tokens = params.get("max_tokens") or 16
         if len(prompt) + max_tokens > self.max_context:
             raise UserError(f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) is over the model's {self.max_context}")
         sp = SamplingParams(
             temperature=temperature if temperature > 0 else 1.0, top_p=params.get("top_p", 1.0), top_k=params.get("top_k", -1),
-            max_tokens=max_tokens, n=n, seed=params.get("seed"), greedy=temperature <= 0, stop_token_ids=stop_ids,
+            max_tokens=max_tokens, n=n, seed=params.get("seed"), greedy=temperature <= 0, stop_token_ids=tuple(stop_ids),
         )  # fmt: skip
         self._activate(sampler.adapter)
         try:
             engine = HFEngine(self.model, self.tokenizer)
             completions = engine.generate([prompt], sp)
             completions = completions * n if sp.greedy else completions  # argmax: one completion, n times
-            out, prompt_lp = [], None
-            for c in completions:
-                full = prompt + c.token_ids
-                ids = torch.tensor([full])
-                logp = self._logprobs(ids[:, :-1], torch.ones_like(ids[:, :-1]), ids[:, 1:], temperature if temperature > 0 else 1.0)[0]
-                out.append((c.token_ids, logp[len(prompt) - 1 :].tolist(), c.finished))
-                if prompt_logprobs and prompt_lp is None:
-                    prompt_lp = [math.nan] + logp[: len(prompt) - 1].tolist()
+            completions = [self._cut(c, stop_texts) for c in completions]
+            full = [prompt + c.token_ids for c in completions]
+            logp = self._logprobs([f[:-1] for f in full], [torch.tensor(f[1:]) for f in full], temperature if temperature > 0 else 1.0)
+            out = [(c.token_ids, lp[len(prompt) - 1 :].tolist(), c.finished) for c, lp in zip(completions, logp)]
+            prompt_lp = [math.nan] + logp[0][: len(prompt) - 1].tolist() if prompt_logprobs else None
         finally:
             self._activate(NO_ADAPTER)
         return out, prompt_lp
 
-    def _stop_ids(self, stop: Any) -> list[int]:
-        """Tinker's `stop` (token ids, or strings): the ids that end a completion. A string stops when it is one token."""
+    def _stops(self, stop: Any) -> tuple[list[int], list[str]]:
+        """Tinker's `stop` (token ids, or strings) as (ids that end a completion, longer strings cut afterwards)."""
         if stop is None:
-            return []
-        stops = [stop] if isinstance(stop, str) else list(stop)
-        ids = []
-        for s in stops:
+            return [], []
+        ids, texts = [], []
+        for s in [stop] if isinstance(stop, str) else list(stop):
             if isinstance(s, int):
                 ids.append(s)
-                continue
-            encoded = self.tokenizer.encode(s, add_special_tokens=False)
-            if len(encoded) != 1:
-                raise UserError(f"stop string {s!r} is {len(encoded)} tokens; this server stops on single-token strings or token ids")
-            ids.append(encoded[0])
-        return ids
+            elif isinstance(s, str) and s:
+                encoded = self.tokenizer.encode(s, add_special_tokens=False)
+                ids.append(encoded[0]) if len(encoded) == 1 else texts.append(s)
+        if len(texts) > 16 or any(len(t) > 256 for t in texts):
+            raise UserError("at most 16 stop strings of at most 256 characters each")
+        return ids, texts
+
+    def _cut(self, c: Any, texts: list[str]) -> Any:
+        """The completion up to and including the first token whose text completes a stop string: generation ran on
+        to max_tokens (the HF engine stops on token ids only), so the rest is dropped here."""
+        import dataclasses
+
+        if not texts:
+            return c
+        for k in range(1, len(c.token_ids) + 1):
+            text = self.tokenizer.decode(c.token_ids[:k])
+            if any(t in text for t in texts):
+                return dataclasses.replace(c, token_ids=c.token_ids[:k], finished=True)
+        return c
 
     # ------------------------------------------------------------------------------------ checkpoints
     def _dir(self, path: str, kind: str) -> Path:
