@@ -275,7 +275,7 @@ def cmd_serve_tinker(args) -> int:
     if args.export:
         from postrl.serve.engine import Engine
 
-        engine = Engine(cfg.model.path, args.model_name or cfg.model.path, args.state_dir, cfg.model.dtype)
+        engine = Engine(cfg.model.path, args.model_name or cfg.model.path, args.state_dir, cfg.model.dtype, tiny=cfg.model.tiny)
         console.print(f"exported {args.export} to {engine.export(args.export, args.out or 'exported')}", highlight=False)
         return 0
     serve(cfg, host=args.host, port=args.port, api_key=args.api_key or os.environ.get("TINKER_API_KEY", ""),

@@ -60,7 +60,7 @@ def serve(cfg: Any, *, host: str, port: int, api_key: str, state_dir: str = "run
     if allow_remote:
         log(f"WARNING: listening on {host}, not loopback (--allow-remote): anyone who reaches it with the key can use it")
     limits, http = limits or Limits(), http or HttpLimits(max_body_bytes=256 * 2**20)
-    engine = Engine(cfg.model.path, name or cfg.model.path, state_dir, cfg.model.dtype)
+    engine = Engine(cfg.model.path, name or cfg.model.path, state_dir, cfg.model.dtype, tiny=cfg.model.tiny)
     service = Service(engine, limits)
     refused = Tally()
     gate = Gate(http, refused)

@@ -55,15 +55,17 @@ class Sampler:
 class Engine:
     """The base model at `path` (a directory, hub id or builtin:NAME), served under `name`."""
 
-    def __init__(self, path: str, name: str, state_dir: str | Path, dtype: str = "float32", lora_alpha: float = 32.0, max_context: int = 4096):
+    def __init__(self, path: str, name: str, state_dir: str | Path, dtype: str = "float32", lora_alpha: float = 32.0, max_context: int = 32768,
+                 tiny: dict | None = None):
         from postrl.models import load_model, load_tokenizer, resolve_model_path
 
         self.name, self.lora_alpha, self.max_context = name, lora_alpha, max_context
         self.state_dir = Path(state_dir)
-        self.path = resolve_model_path(path)
+        self.path = resolve_model_path(path, tiny)
         self.tokenizer = load_tokenizer(self.path)
         self.model = load_model(self.path, dtype)
         self.model.requires_grad_(False)
+        self.max_context = min(max_context, getattr(self.model.config, "max_position_embeddings", None) or max_context)
         self.model.eval()  # no dropout: the same batch gives the same gradients
         self.linear = {n.rsplit(".", 1)[-1] for n, m in self.model.named_modules() if isinstance(m, torch.nn.Linear)}
         self.clients: dict[str, Client] = {}
