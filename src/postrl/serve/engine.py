@@ -25,7 +25,7 @@ import torch
 
 from postrl.algorithms import token_logprobs
 from postrl.errors import UserError
-from postrl.serve import wire
+from postrl.serve.wire import FwdBwd
 from postrl.serve.losses import get_loss
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -140,7 +140,7 @@ class Engine:
         logp_BT = logp_N.view(B, T)
         return [logp_BT[i, : len(x)] for i, x in enumerate(inputs)]
 
-    def forward_backward(self, req: wire.FwdBwd) -> tuple[list[dict[str, torch.Tensor]], dict[str, float]]:
+    def forward_backward(self, req: FwdBwd) -> tuple[list[dict[str, torch.Tensor]], dict[str, float]]:
         """Tinker's forward_backward: the loss summed over the datums; gradients add to the adapter's until optim_step."""
         client = self.client(req.model_id)
         loss_fn, needs = get_loss(req.loss_fn)

@@ -13,7 +13,7 @@ import uuid
 from typing import Any
 
 from postrl.errors import UserError
-from postrl.serve import wire
+from postrl.serve.wire import forward_backward_output, parse_forward_backward, sample_response
 from postrl.serve.app import Jobs, Limits
 
 
@@ -122,11 +122,11 @@ class Service:
         return self.future(run, model_id)
 
     def forward_backward(self, raw: bytes) -> dict:
-        req = wire.parse_forward_backward(raw, self.limits.max_datums, self.limits.max_tokens)
+        req = parse_forward_backward(raw, self.limits.max_datums, self.limits.max_tokens)
 
         def run() -> bytes:
             outputs, metrics = self.engine.forward_backward(req)
-            return wire.forward_backward_output(outputs, metrics)
+            return forward_backward_output(outputs, metrics)
 
         return self.future(run, req.model_id)
 
@@ -170,7 +170,7 @@ class Service:
             e = self.engine
             sampler = e.session(req.sampling_session_id) if req.sampling_session_id else e.sampler_for(req.base_model, req.model_path)
             sequences, prompt_lp = e.sample(sampler, prompt, req.num_samples, params, bool(req.prompt_logprobs))
-            return wire.sample_response(sequences, prompt_lp)
+            return sample_response(sequences, prompt_lp)
 
         reply = self.future(run)
         reply["sample_sequence_ids"] = [f"{reply['request_id']}-{i}" for i in range(req.num_samples)]
