@@ -51,7 +51,7 @@ class Limits:
     max_samples: int = 256  # num_samples per asample
     max_json_depth: int = 32
     max_queued: int = 4096  # requests waiting for the engine thread
-    poll_s: float = 5.0  # how long retrieve_future waits for a result before answering try_again
+    poll_s: float = 20.0  # how long retrieve_future waits for a result before answering try_again (the SDK waits 45 s)
     keep: int = 10000  # finished futures kept for clients that poll again
     keep_s: float = 3600.0
 
