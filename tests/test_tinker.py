@@ -352,3 +352,25 @@ def test_a_saved_sampler_exports_to_a_plain_hf_directory(server, client, tmp_pat
     with torch.no_grad():
         logp, _ = token_logprobs(model(input_ids=ids[:, :-1]).logits[0], ids[0, 1:])
     assert logp[len(prompt) - 1 :].tolist() == pytest.approx(seq.logprobs, abs=1e-4)
+
+
+def test_saved_weights_outlive_the_server(server, client):
+    """A new server (a new Engine) on the same state directory samples from a saved sampler path with the same
+    weights, and makes a training client from a saved state."""
+    from postrl.serve.engine import Engine
+
+    _, service = server
+    tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=11).result()
+    _train(tc, _ce_batch(), [])
+    sampler_path = tc.save_weights_for_sampler(name="kept").result().path
+    state_path = tc.save_state("kept").result().path
+    prompt = [5, 17, 23]
+    seq = client.create_sampling_client(model_path=sampler_path).result().sample(
+        types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=5, temperature=0.0)).result().sequences[0]
+    other = Engine(BASE, BASE, service.engine.state_dir)
+    (tokens, logprobs, _), = other.sample(other.sampler_for(None, sampler_path), prompt, 1, {"temperature": 0.0, "max_tokens": 5}, False)[0]
+    assert tokens == seq.tokens and logprobs == pytest.approx(seq.logprobs, abs=1e-5)
+    other.load_state("s:train:0", state_path, optimizer=True, create=True)
+    assert other.clients["s:train:0"].steps == 1
+    with pytest.raises(Exception, match="not a tinker://"):
+        other.load_state("s:train:1", "tinker://../../etc/weights/x", optimizer=True, create=True)
