@@ -117,10 +117,10 @@ def _reference(engine, model_id, batch, loss_of):
     engine._activate(client.name)
     total = 0.0
     for d in batch:
-        ids = torch.tensor([d.model_input.to_ints()])
+        ids = torch.tensor([d.model_input.to_ints()], device=engine.device)
         logits = engine.model(input_ids=ids).logits[0]
-        logp, _ = token_logprobs(logits, torch.tensor(d.loss_fn_inputs["target_tokens"].tolist()))
-        total = total + loss_of(logp, {k: torch.tensor(v.tolist()) for k, v in d.loss_fn_inputs.items()})
+        logp, _ = token_logprobs(logits, torch.tensor(d.loss_fn_inputs["target_tokens"].tolist(), device=engine.device))
+        total = total + loss_of(logp, {k: torch.tensor(v.tolist(), device=engine.device) for k, v in d.loss_fn_inputs.items()})
     total.backward()
     engine._activate("__base__")
     grads = [p.grad.detach().clone() for p in client.params]
@@ -177,7 +177,10 @@ def test_losses_and_gradients_equal_postrls_formulas(server, client, name, confi
             cur = tc.forward([_datum(s, weights=[1.0] * (len(s) - 1))], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_torch()
             old = cur + 0.15 * torch.randn(len(s) - 1, generator=g)
             adv = torch.randn(len(s) - 1, generator=g)
-            batch.append(_datum(s, logprobs=old.tolist(), advantages=adv.tolist()))
+            # built the way rl_loop.py builds them: prompt chunk + sampled chunk, TensorData.from_torch
+            model_input = types.ModelInput.from_ints(s[:2]).append(types.EncodedTextChunk(tokens=s[2:-1]))
+            inputs = {"target_tokens": torch.tensor(s[1:]), "logprobs": old, "advantages": adv}
+            batch.append(types.Datum(model_input=model_input, loss_fn_inputs={k: types.TensorData.from_torch(v) for k, v in inputs.items()}))
     out = tc.forward_backward(batch, name, loss_fn_config=config).result()
     served_grads = service.jobs.call(lambda: _grads(engine, tc.model_id))
     ref_loss, ref_grads = service.jobs.call(lambda: _reference(engine, tc.model_id, batch, _postrl(name, config or {})))

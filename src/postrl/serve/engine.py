@@ -63,7 +63,9 @@ class Engine:
         self.state_dir = Path(state_dir)
         self.path = resolve_model_path(path, tiny)
         self.tokenizer = load_tokenizer(self.path)
-        self.model = load_model(self.path, dtype)
+        # one device for the whole server: the first GPU where there is one (adapters and AdamW state live beside it)
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.model = load_model(self.path, dtype).to(self.device)
         self.model.requires_grad_(False)
         self.max_context = min(max_context, getattr(self.model.config, "max_position_embeddings", None) or max_context)
         self.model.eval()  # no dropout: the same batch gives the same gradients
@@ -134,6 +136,7 @@ class Engine:
         targets_BT, mask_BT = torch.zeros_like(tokens_BT), torch.zeros_like(tokens_BT)
         for i, (x, y) in enumerate(zip(inputs, targets)):
             tokens_BT[i, : len(x)], targets_BT[i, : len(x)], mask_BT[i, : len(x)] = torch.tensor(x), y.long(), 1
+        tokens_BT, targets_BT, mask_BT = tokens_BT.to(self.device), targets_BT.to(self.device), mask_BT.to(self.device)
         logits_BTV = self.model(input_ids=tokens_BT, attention_mask=mask_BT).logits
         B, T, V = logits_BTV.shape
         logp_N, _ = token_logprobs(logits_BTV.reshape(B * T, V), targets_BT.reshape(-1), temperature)
@@ -160,7 +163,8 @@ class Engine:
         try:
             with torch.no_grad() if req.forward_only else contextlib.nullcontext():
                 logp = self._logprobs([d.tokens for d in req.data], [d.inputs["target_tokens"] for d in req.data])
-                total = torch.stack([loss_fn(lp, d.inputs, req.config) for lp, d in zip(logp, req.data)]).sum()
+                inputs = [{k: v.to(self.device) for k, v in d.inputs.items()} for d in req.data]
+                total = torch.stack([loss_fn(lp, x, req.config) for lp, x in zip(logp, inputs)]).sum()
                 if not req.forward_only:
                     total.backward()
         finally:
