@@ -377,3 +377,27 @@ def test_saved_weights_outlive_the_server(server, client):
     assert other.clients["s:train:0"].steps == 1
     with pytest.raises(Exception, match="not a tinker://"):
         other.load_state("s:train:1", "tinker://../../etc/weights/x", optimizer=True, create=True)
+
+
+def test_samplers_beyond_the_limit_are_released_and_named_ones_come_back(server, client):
+    _, service = server
+    engine = service.engine
+    limit = engine.max_samplers
+    service.jobs.call(lambda: setattr(engine, "max_samplers", 2))
+    try:
+        tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=13).result()
+        _train(tc, _ce_batch(), [])
+        prompt, greedy = types.ModelInput.from_ints([5, 17, 23]), types.SamplingParams(max_tokens=4, temperature=0.0)
+        unnamed = tc.save_weights_and_get_sampling_client().result()
+        named_path = tc.save_weights_for_sampler(name="lru").result().path
+        named = client.create_sampling_client(model_path=named_path).result()
+        first = named.sample(prompt, 1, greedy).result().sequences[0]
+        for _ in range(2):  # two newer samplers push both out
+            tc.save_weights_and_get_sampling_client().result()
+        assert len(engine.held) == 2
+        with pytest.raises(tinker.RequestFailedError, match="released"):
+            unnamed.sample(prompt, 1, greedy).result()
+        again = named.sample(prompt, 1, greedy).result().sequences[0]  # reloaded from the state directory
+        assert again.tokens == first.tokens and again.logprobs == pytest.approx(first.logprobs, abs=1e-6)
+    finally:
+        service.jobs.call(lambda: setattr(engine, "max_samplers", limit))

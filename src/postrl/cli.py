@@ -279,7 +279,7 @@ def cmd_serve_tinker(args) -> int:
         console.print(f"exported {args.export} to {engine.export(args.export, args.out or 'exported')}", highlight=False)
         return 0
     serve(cfg, host=args.host, port=args.port, api_key=args.api_key or os.environ.get("TINKER_API_KEY", ""),
-          state_dir=args.state_dir, name=args.model_name, allow_remote=args.allow_remote, log=console.print, http=HttpLimits(max_body_bytes=args.max_body_bytes),
+          state_dir=args.state_dir, name=args.model_name, max_samplers=args.max_samplers, allow_remote=args.allow_remote, log=console.print, http=HttpLimits(max_body_bytes=args.max_body_bytes),
           limits=Limits(max_datums=args.max_datums, max_tokens=args.max_tokens))  # fmt: skip
     return 0
 
@@ -351,6 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-name", default=None, help="the base_model name clients use (default model.path)")
     p.add_argument("--allow-remote", action="store_true", help="listen on a non-loopback --host")
     p.add_argument("--state-dir", default="runs/tinker", help="where saved weights and optimizer states go (tinker:// paths)")
+    p.add_argument("--max-samplers", type=int, default=32, help="sampler adapters held in memory at once (least recently used "
+                   "released; a named one reloads from --state-dir)")
     p.add_argument("--export", default=None, metavar="TINKER_PATH", help="write a saved sampler (tinker://.../sampler_weights/NAME) "
                    "as a plain Hugging Face model directory to --out, and exit")
     p.add_argument("--out", default=None, help="the directory --export writes")

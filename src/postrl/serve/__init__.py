@@ -41,7 +41,7 @@ def check_listen(host: str, allow_remote: bool, api_key: str) -> list[str]:
 
 
 def serve(cfg: Any, *, host: str, port: int, api_key: str, state_dir: str = "runs/tinker", name: str | None = None,
-          allow_remote: bool = False, limits: Any = None, http: Any = None, log=print, stop: threading.Event | None = None,
+          allow_remote: bool = False, max_samplers: int = 32, limits: Any = None, http: Any = None, log=print, stop: threading.Event | None = None,
           ready=None) -> None:
     """Serve the Tinker API over `cfg.model.path` until SIGTERM / SIGINT (or `stop` is set); then every training
     client's state is saved as `<state_dir>/<model_id>/weights/on-exit` (load it with its tinker:// path)."""
@@ -60,7 +60,7 @@ def serve(cfg: Any, *, host: str, port: int, api_key: str, state_dir: str = "run
     if allow_remote:
         log(f"WARNING: listening on {host}, not loopback (--allow-remote): anyone who reaches it with the key can use it")
     limits, http = limits or Limits(), http or HttpLimits(max_body_bytes=256 * 2**20)
-    engine = Engine(cfg.model.path, name or cfg.model.path, state_dir, cfg.model.dtype, tiny=cfg.model.tiny)
+    engine = Engine(cfg.model.path, name or cfg.model.path, state_dir, cfg.model.dtype, tiny=cfg.model.tiny, max_samplers=max_samplers)
     service = Service(engine, limits)
     refused = Tally()
     gate = Gate(http, refused)

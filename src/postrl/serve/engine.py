@@ -50,17 +50,20 @@ class Sampler:
     adapter: str  # NO_ADAPTER: the base model
     path: str | None
     lora: dict[str, Any] = field(default_factory=dict)
+    released: bool = False  # its adapter was dropped to bound memory (a named one comes back from disk)
 
 
 class Engine:
     """The base model at `path` (a directory, hub id or builtin:NAME), served under `name`."""
 
     def __init__(self, path: str, name: str, state_dir: str | Path, dtype: str = "float32", lora_alpha: float = 32.0, max_context: int = 32768,
-                 tiny: dict | None = None):
+                 tiny: dict | None = None, max_samplers: int = 32):
         from postrl.models import load_model, load_tokenizer, resolve_model_path
 
         self.name, self.lora_alpha, self.max_context = name, lora_alpha, max_context
         self.state_dir = Path(state_dir)
+        self.max_samplers = max_samplers  # sampler adapters held at once; the least recently used beyond are released
+        self.held: dict[str, Sampler] = {}  # adapter -> sampler, least recently used first
         self.path = resolve_model_path(path, tiny)
         self.tokenizer = load_tokenizer(self.path)
         # one device for the whole server: the first GPU where there is one (adapters and AdamW state live beside it)
@@ -201,7 +204,21 @@ class Engine:
         if path:
             self._write(path, client, optimizer=False)
             self.paths[path] = sampler
+        self._hold(sampler)
         return path, self.open_session(sampler)
+
+    def _hold(self, sampler: Sampler) -> None:
+        """Mark `sampler` most recently used; release the least recently used adapters beyond `max_samplers`."""
+        from peft.tuners.tuners_utils import delete_adapter
+
+        self.held.pop(sampler.adapter, None)
+        self.held[sampler.adapter] = sampler
+        while len(self.held) > self.max_samplers:
+            adapter, old = next(iter(self.held.items()))
+            del self.held[adapter]
+            delete_adapter(self.model, adapter, prefix="lora_")
+            self.model.peft_config.pop(adapter, None)
+            old.released = True
 
     def open_session(self, sampler: Sampler) -> str:
         session = f"sampler-{next(self._ids)}"
@@ -210,22 +227,38 @@ class Engine:
 
     def sampler_for(self, base_model: str | None, model_path: str | None) -> Sampler:
         if model_path:
-            if model_path not in self.paths:  # saved by an earlier server on this state directory
-                saved = self._read(model_path, "sampler_weights")
-                adapter = f"s{next(self._ids)}"
-                for p, value in zip(self._inject(adapter, saved["lora"]), saved["weights"]):
-                    p.data.copy_(value)
-                    p.requires_grad_(False)
-                self.paths[model_path] = Sampler(adapter, model_path, saved["lora"])
+            if model_path not in self.paths or self.paths[model_path].released:  # saved earlier, or released: from disk
+                self.paths[model_path] = self._load_sampler(model_path)
+            self._hold(self.paths[model_path])
             return self.paths[model_path]
         if base_model != self.name:
             raise UserError(f"base_model '{base_model}' is not served here; this server samples '{self.name}'")
         return Sampler(NO_ADAPTER, None)
 
+    def _load_sampler(self, path: str) -> Sampler:
+        saved = self._read(path, "sampler_weights")
+        adapter = f"s{next(self._ids)}"
+        for p, value in zip(self._inject(adapter, saved["lora"]), saved["weights"]):
+            p.data.copy_(value)
+            p.requires_grad_(False)
+        sampler = Sampler(adapter, path, saved["lora"])
+        self._hold(sampler)
+        return sampler
+
     def session(self, session_id: str) -> Sampler:
         if session_id not in self.samplers:
             raise UserError(f"unknown sampling_session_id '{session_id}'")
-        return self.samplers[session_id]
+        sampler = self.samplers[session_id]
+        if sampler.released:
+            if sampler.path is None:
+                raise UserError(
+                    f"sampling session '{session_id}' was released: the server holds the {self.max_samplers} most recently used "
+                    "samplers (serve-tinker --max-samplers). Fix: save_weights_and_get_sampling_client again, or save with a name."
+                )
+            sampler = self.samplers[session_id] = self.sampler_for(None, sampler.path)
+        if sampler.adapter != NO_ADAPTER:
+            self._hold(sampler)
+        return sampler
 
     def _check_tokens(self, tokens: list[int], what: str) -> None:
         V = self.model.get_input_embeddings().num_embeddings
