@@ -49,6 +49,12 @@ def client(server):
     return tinker.ServiceClient(base_url=server[0], api_key=KEY)
 
 
+def tokenizer_of(path: str):
+    from postrl.models import load_tokenizer, resolve_model_path
+
+    return load_tokenizer(resolve_model_path(path))
+
+
 def _datum(tokens: list[int], **inputs) -> types.Datum:
     return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": tokens[1:], **inputs})
 
@@ -78,6 +84,7 @@ def test_sdk_trains_a_lora_client_and_the_loss_falls(client):
         losses.append(out.metrics["loss:sum"])
         assert [len(o["logprobs"].tolist()) for o in out.loss_fn_outputs] == [len(s) - 1 for s in SEQS]
     assert losses[-1] < 0.7 * losses[0], losses
+    assert tc.get_tokenizer().encode("12 + 3") == tokenizer_of(BASE).encode("12 + 3")  # offline: the served model's own
 
 
 def test_sample_reports_the_trainers_logprobs(client):

@@ -80,4 +80,4 @@ def serve(cfg: Any, *, host: str, port: int, api_key: str, state_dir: str = "run
         for path in service.save_all("on-exit"):
             log(f"postrl serve-tinker: saved {path}")
         service.close()
-        log("postrl serve-tinker: stopped")
+        log(f"postrl serve-tinker: stopped ({refused.pop()} requests refused while serving)")

@@ -69,11 +69,13 @@ class Service:
         return {"supported_models": [{"model_name": e.name, "max_context_length": e.max_context, "trainable": True, "sampleable": True}]}
 
     def get_info(self, req: Any) -> dict:
+        # tokenizer_id: the model's local directory, so the SDK's get_tokenizer() loads it without the hub (the
+        # client runs on this machine; a remote client reads the tokenizer from its own copy)
         client = self.engine.client(req.model_id)
         arch = (getattr(self.engine.model.config, "architectures", None) or [None])[0]
         return {
             "type": "get_info", "model_id": req.model_id, "model_name": self.engine.name, "is_lora": True,
-            "lora_rank": client.lora["rank"], "model_data": {"arch": arch, "model_name": self.engine.name, "tokenizer_id": self.engine.name},
+            "lora_rank": client.lora["rank"], "model_data": {"arch": arch, "model_name": self.engine.name, "tokenizer_id": self.engine.path},
         }  # fmt: skip
 
     def weights_info(self, body: dict) -> dict:
