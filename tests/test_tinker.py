@@ -121,7 +121,7 @@ def _reference(engine, model_id, batch, loss_of):
     client = engine.clients[model_id]
     for p in client.params:
         p.grad = None
-    engine._activate(client.name)
+    engine._activate(client.adapter)
     total = 0.0
     for d in batch:
         ids = torch.tensor([d.model_input.to_ints()], device=engine.device)

@@ -36,9 +36,9 @@ NO_ADAPTER = "__base__"  # an adapter name no module has: the base model alone
 
 @dataclass
 class Client:
-    """A training client: its adapter, its LoRA settings, its optimizer and its step count."""
+    """A training client: its adapter's name in the model, its LoRA settings, its optimizer and its step count."""
 
-    name: str
+    adapter: str
     lora: dict[str, Any]
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
@@ -47,6 +47,8 @@ class Client:
 
 @dataclass
 class Sampler:
+    """Frozen weights to sample from: an adapter copied at save_weights_for_sampler, or the base model alone."""
+
     adapter: str  # NO_ADAPTER: the base model
     path: str | None
     lora: dict[str, Any] = field(default_factory=dict)
@@ -127,7 +129,7 @@ class Engine:
 
     def client(self, model_id: str) -> Client:
         if model_id not in self.clients:
-            raise UserError(f"unknown model_id '{model_id}' (this server holds {', '.join(self.clients) or 'none'})")
+            raise UserError(f"unknown model_id '{model_id}': never created here (a restarted server holds no clients; load a saved state)")
         return self.clients[model_id]
 
     # ------------------------------------------------------------------------------------ training
@@ -162,7 +164,7 @@ class Engine:
                 raise UserError(f"datum {i} has no tokens")
             self._check_tokens(d.tokens, f"datum {i}")
             self._check_tokens(d.inputs["target_tokens"].tolist(), f"datum {i}'s target_tokens")
-        self._activate(client.name)
+        self._activate(client.adapter)
         try:
             with torch.no_grad() if req.forward_only else contextlib.nullcontext():
                 logp = self._logprobs([d.tokens for d in req.data], [d.inputs["target_tokens"] for d in req.data])
