@@ -77,7 +77,7 @@ def serve(cfg: Any, *, host: str, port: int, api_key: str, state_dir: str = "run
         stop.wait()
     finally:
         server.close()  # no new work; what was queued runs, then the clients are saved
-        for path in service.save_all("on-exit"):
-            log(f"postrl serve-tinker: saved {path}")
+        for line in service.save_all("on-exit"):
+            log(f"postrl serve-tinker: {line}")
         service.close()
         log(f"postrl serve-tinker: stopped ({refused.pop()} requests refused while serving)")

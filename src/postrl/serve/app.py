@@ -56,13 +56,19 @@ class Limits:
     keep_s: float = 3600.0
 
 
+@dataclass
+class _Entry:
+    future: concurrent.futures.Future
+    done_at: float = 0.0  # monotonic time it finished (0: running or queued)
+
+
 class Jobs:
     """The engine thread and the futures of its work, by request id."""
 
     def __init__(self, limits: "Limits"):
         self.limits = limits
         self.queue: queue.Queue = queue.Queue()
-        self.futures: OrderedDict[str, tuple[concurrent.futures.Future, list[float]]] = OrderedDict()
+        self.futures: OrderedDict[str, _Entry] = OrderedDict()
         self.lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name="postrl-tinker-engine", daemon=True)
         self.thread.start()
@@ -70,23 +76,24 @@ class Jobs:
     def submit(self, fn: Callable[[], Any]) -> str:
         if self.queue.qsize() >= self.limits.max_queued:
             raise UserError(f"the server has {self.limits.max_queued} requests waiting; retry later")
-        request_id, future = uuid.uuid4().hex, concurrent.futures.Future()
+        request_id, entry = uuid.uuid4().hex, _Entry(concurrent.futures.Future())
+        entry.future.add_done_callback(lambda _: setattr(entry, "done_at", time.monotonic()))
         with self.lock:
             self._forget_old()
-            self.futures[request_id] = (future, [0.0])
-        self.queue.put((future, fn))
+            self.futures[request_id] = entry
+        self.queue.put((entry.future, fn))
         return request_id
 
     def get(self, request_id: str) -> concurrent.futures.Future | None:
         with self.lock:
             entry = self.futures.get(request_id)
-        return entry[0] if entry else None
+        return entry.future if entry else None
 
     def _forget_old(self) -> None:
+        """Drop finished futures older than keep_s, and the oldest finished ones beyond `keep`."""
         now = time.monotonic()
-        for rid, (future, done_at) in list(self.futures.items()):
-            over = len(self.futures) > self.limits.keep
-            if future.done() and (over or (done_at[0] and now - done_at[0] > self.limits.keep_s)):
+        for rid, entry in list(self.futures.items()):
+            if entry.done_at and (len(self.futures) > self.limits.keep or now - entry.done_at > self.limits.keep_s):
                 del self.futures[rid]
 
     def _run(self) -> None:
@@ -102,10 +109,6 @@ class Jobs:
             except Exception as exc:  # noqa: BLE001 - a fault on one request is that request's error, never the server's
                 log.error("a request failed: %s", "".join(traceback.format_exception(exc)))
                 future.set_exception(exc)
-            with self.lock:
-                for entry in self.futures.values():
-                    if entry[0] is future:
-                        entry[1][0] = time.monotonic()
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the engine thread, in order with the queued work, and wait for it (shutdown, tests)."""

@@ -194,8 +194,19 @@ class Service:
         return future.result()
 
     def save_all(self, name: str) -> list[str]:
-        """Every training client's state saved as `name` (on the engine thread, after the work queued before it)."""
-        return self.jobs.call(lambda: [self.engine.save_state(model_id, name) for model_id in list(self.engine.clients)])
+        """Every training client's state saved as `name` (on the engine thread, after the work queued before it);
+        one line per client: the path, or why it could not be saved."""
+
+        def run() -> list[str]:
+            said = []
+            for model_id in list(self.engine.clients):
+                try:
+                    said.append(f"saved {self.engine.save_state(model_id, name)}")
+                except Exception as exc:  # noqa: BLE001 - one client's failure must not cost the others their save
+                    said.append(f"could not save {model_id}: {type(exc).__name__}: {exc}")
+            return said
+
+        return self.jobs.call(run)
 
     def close(self) -> None:
         self.jobs.close()
