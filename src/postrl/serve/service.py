@@ -157,7 +157,9 @@ class Service:
         return await asyncio.wrap_future(self.jobs.get(self.jobs.submit(run)))
 
     def get_sampler(self, body: dict, session_id: str = "") -> dict:
-        sampler = self.engine.session(session_id)
+        sampler = self.engine.samplers.get(session_id)  # read only: the engine thread owns the adapters
+        if sampler is None:
+            raise UserError(f"unknown sampling_session_id '{session_id}'")
         return {"sampler_id": session_id, "base_model": self.engine.name, "model_path": sampler.path}
 
     def sample(self, req: Any) -> dict:
