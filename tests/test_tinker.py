@@ -225,6 +225,8 @@ def test_bad_bodies_are_refused_with_the_field_named(server):
     assert r.status_code == 400 and "nests deeper" in r.json()["detail"]
     r = httpx.post(f"{url}/api/v1/asample", content=b"x" * (2**20 + 1), headers=h)
     assert r.status_code == 413 and "over 1048576 bytes" in r.json()["detail"]
+    r = httpx.post(f"{url}/api/v1/optim_step", json={"model_id": "m", "adam_params": {"learning_rate": -1.0}}, headers=h)
+    assert r.status_code == 400 and "AdamParams out of range" in r.json()["detail"]
     r = httpx.post(f"{url}/api/v1/retrieve_future", json={"request_id": "nope"}, headers=h)
     assert r.status_code == 400 and "unknown request_id" in r.json()["detail"]
 

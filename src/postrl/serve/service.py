@@ -9,6 +9,7 @@ would not send is refused with the field named.
 from __future__ import annotations
 
 import asyncio
+import math
 import uuid
 from typing import Any
 
@@ -137,6 +138,11 @@ class Service:
         if getattr(params, "type", "adamw") not in ("adamw", None) and not hasattr(params, "beta1"):
             raise UserError(f"optimizer params of type '{params.type}' are not served; AdamParams are")
         adam = params.model_dump()
+        bad = [k for k, v in adam.items() if isinstance(v, float) and not math.isfinite(v)]
+        if bad or adam["learning_rate"] < 0 or not (0 <= adam["beta1"] < 1 and 0 <= adam["beta2"] < 1) or adam["eps"] <= 0 \
+                or adam["weight_decay"] < 0 or adam["grad_clip_norm"] < 0:  # fmt: skip
+            raise UserError(f"AdamParams out of range ({adam}): need finite learning_rate >= 0, 0 <= beta1, beta2 < 1, eps > 0, "
+                            "weight_decay >= 0, grad_clip_norm >= 0")  # fmt: skip
         return self.future(lambda: {"metrics": self.engine.optim_step(req.model_id, adam)}, req.model_id)
 
     def save_weights_for_sampler(self, req: Any) -> dict:
