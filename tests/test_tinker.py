@@ -410,3 +410,21 @@ def test_samplers_beyond_the_limit_are_released_and_named_ones_come_back(server,
         assert again.tokens == first.tokens and again.logprobs == pytest.approx(first.logprobs, abs=1e-6)
     finally:
         service.jobs.call(lambda: setattr(engine, "max_samplers", limit))
+
+
+def test_a_stopping_server_fails_its_queued_work_instead_of_running_it():
+    from postrl.errors import UserError
+    from postrl.serve.app import Jobs, Limits
+
+    jobs, started, release, ran = Jobs(Limits()), threading.Event(), threading.Event(), []
+    running = jobs.get(jobs.submit(lambda: (started.set(), release.wait(30))))
+    assert started.wait(30)
+    queued = [jobs.get(jobs.submit(lambda i=i: ran.append(i))) for i in range(3)]
+    assert jobs.cancel_queued("the server is stopping") == 3
+    release.set()
+    running.result(30)
+    assert jobs.call(lambda: "saved") == "saved" and ran == []  # work submitted after the cancel still runs
+    for f in queued:
+        with pytest.raises(UserError):
+            f.result(1)
+    jobs.close()

@@ -43,8 +43,9 @@ def check_listen(host: str, allow_remote: bool, api_key: str) -> list[str]:
 def serve(cfg: Any, *, host: str, port: int, api_key: str, state_dir: str = "runs/tinker", name: str | None = None,
           allow_remote: bool = False, max_samplers: int = 32, limits: Any = None, http: Any = None, log=print, stop: threading.Event | None = None,
           ready=None) -> None:
-    """Serve the Tinker API over `cfg.model.path` until SIGTERM / SIGINT (or `stop` is set); then every training
-    client's state is saved as `<state_dir>/<model_id>/weights/on-exit` (load it with its tinker:// path)."""
+    """Serve the Tinker API over `cfg.model.path` until SIGTERM / SIGINT (or `stop` is set); then the request
+    running finishes, the queued ones fail with "the server is stopping", and every training client's state is
+    saved as `<state_dir>/<model_id>/weights/on-exit` (load it with its tinker:// path)."""
     from postrl.agents.server import Gate, HttpLimits, Server, Tally
     from postrl.serve.app import Limits, make_app
     from postrl.serve.engine import Engine
@@ -76,7 +77,10 @@ def serve(cfg: Any, *, host: str, port: int, api_key: str, state_dir: str = "run
     try:
         stop.wait()
     finally:
-        server.close()  # no new work; what was queued runs, then the clients are saved
+        server.close()  # no new requests
+        dropped = service.jobs.cancel_queued("the server is stopping (SIGTERM); this request was not run")
+        if dropped:
+            log(f"postrl serve-tinker: {dropped} queued requests not run")
         for line in service.save_all("on-exit"):
             log(f"postrl serve-tinker: {line}")
         service.close()

@@ -115,6 +115,17 @@ class Jobs:
         request_id = self.submit(fn)
         return self.get(request_id).result()
 
+    def cancel_queued(self, why: str) -> int:
+        """Fail every request not yet started with `why` (a stopping server does not run stale work); how many."""
+        n = 0
+        while True:
+            try:
+                future, _ = self.queue.get_nowait()
+            except queue.Empty:
+                return n
+            future.set_exception(UserError(why))
+            n += 1
+
     def close(self) -> None:
         self.queue.put(None)
         self.thread.join(timeout=60)
