@@ -365,6 +365,11 @@ def test_a_saved_sampler_exports_to_a_plain_hf_directory(server, client, tmp_pat
         logp, _ = token_logprobs(model(input_ids=ids[:, :-1]).logits[0], ids[0, 1:])
     assert logp[len(prompt) - 1 :].tolist() == pytest.approx(seq.logprobs, abs=1e-4)
 
+    from postrl.cli import main  # the same through the command line
+
+    assert main(["serve-tinker", f"model.path={BASE}", "--state-dir", str(service.engine.state_dir), "--export", path, "--out", str(tmp_path / "cli")]) == 0
+    assert (tmp_path / "cli" / "model.safetensors").is_file()
+
 
 def test_saved_weights_outlive_the_server(server, client):
     """A new server (a new Engine) on the same state directory samples from a saved sampler path with the same
