@@ -28,7 +28,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
-from postrl.agents import results
+from postrl.agents.results import show
 from postrl.agents.sandbox import (
     CallStats,
     SandboxResult,
@@ -344,7 +344,7 @@ def _text_of(value: Any) -> str:
             text = json.dumps(value, ensure_ascii=False, default=str)
         except (TypeError, ValueError):
             text = str(value)
-    text = str.__str__(text) if isinstance(text, str) else results.show(text)
+    text = str.__str__(text) if isinstance(text, str) else show(text)
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
