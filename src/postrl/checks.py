@@ -4,8 +4,9 @@ builtin:python, an interpreter for a verifiers environment.
 
 `load_config` is the config as `postrl train` and `check-config` take it: read and validated by
 postrl.config (which knows nothing of this machine), then checked here, every problem at once as one
-UserError. It stands above postrl.config, postrl.agents and postrl.preflight, so the config that every
-module reads stands on none of them.
+UserError. It stands above postrl.config, postrl.agents, postrl.rewards and postrl.preflight, so the
+config that every module reads stands on none of them; it hands the config the rewards registry's
+verifier-name resolver, so a typo in reward.verifiers is reported with the config's other problems.
 """
 
 from __future__ import annotations
@@ -19,14 +20,16 @@ from postrl.agents.sandbox import refusal
 from postrl.agents.tools import load_tools
 from postrl.agents.verifiers_python import interpreter_problems
 from postrl.config import Config, read_config
+from postrl.config.schema import VERIFIER_CHECK
 from postrl.errors import UserError
 from postrl.preflight import looks_like_hub_id, run_model_problems
+from postrl.rewards.registry import verifier_problems
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None, check_paths: bool = True) -> Config:
     """Load a YAML file, apply dotted overrides, validate (`postrl.config.read_config`); optionally check this
     machine (`environment_problems`: input paths exist, the logging sinks' packages are installed, ...)."""
-    cfg = read_config(path, overrides)
+    cfg = read_config(path, overrides, context={VERIFIER_CHECK: verifier_problems})
     if check_paths:
         problems = environment_problems(cfg)
         if problems:

@@ -147,7 +147,7 @@ def cmd_preprocess(args) -> int:
 
 
 def cmd_verify(argv: list[str]) -> int:
-    from postrl.rewards.verify_cli import main_verify
+    from postrl.verify_cli import main_verify
 
     return main_verify(argv)
 

@@ -100,19 +100,20 @@ def _section_at(cls: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
     return cls
 
 
-def build_config(tree: dict, source: str = "config") -> Config:
-    """Validate a config tree; raise a UserError that lists every problem."""
+def build_config(tree: dict, source: str = "config", context: dict | None = None) -> Config:
+    """Validate a config tree; raise a UserError that lists every problem. `context` is pydantic's validation
+    context: what the layers above hand the schema (VERIFIER_CHECK, the rewards registry's name resolver)."""
     try:
-        return Config.model_validate(tree)
+        return Config.model_validate(tree, context=context)
     except ValidationError as exc:
         problems = []
         for err in exc.errors():
             problems.extend(_describe_error(err, Config))
-        problems += [p for p in _cross_section_problems(tree, exc) if p not in problems]
+        problems += [p for p in _cross_section_problems(tree, exc, context) if p not in problems]
         raise UserError(*problems, title=f"{source}: {len(problems)} problem(s) in the configuration") from None
 
 
-def _cross_section_problems(tree: dict, exc: ValidationError) -> list[str]:
+def _cross_section_problems(tree: dict, exc: ValidationError, context: dict | None) -> list[str]:
     """The checks of a section or across sections (model validators such as Config._derive), which pydantic
     skips while a field below them is bad: run again on the tree with the bad keys at their defaults, keeping
     the problems that do not mention a key that was reset."""
@@ -132,7 +133,7 @@ def _cross_section_problems(tree: dict, exc: ValidationError) -> list[str]:
                 node = node[part]
         trial.setdefault("model", {}).setdefault("path", "builtin:tiny-qwen2")
         try:
-            Config.model_validate(trial)
+            Config.model_validate(trial, context=context)
             break
         except ValidationError as again:
             exc = again
@@ -177,9 +178,10 @@ def _split_guides_overrides(overrides: list[str]) -> tuple[list[tuple[str, Any]]
     return list(conv.flat().items()), native
 
 
-def read_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
-    """Load a YAML file, apply dotted overrides, validate, log the notes on keys without effect. Nothing of
-    this machine is checked here: `postrl.checks.load_config` adds that (paths, models, packages, tools)."""
+def read_config(path: str | Path | None, overrides: list[str] | None = None, context: dict | None = None) -> Config:
+    """Load a YAML file, apply dotted overrides, validate (`context`: see build_config), log the notes on keys
+    without effect. Nothing of this machine is checked here: `postrl.checks.load_config` adds that (paths,
+    models, packages, tools) and hands down the verifier-name resolver."""
     tree: dict = {}
     source = str(path) if path else "command line"
     if path is not None:
@@ -189,7 +191,7 @@ def read_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         _set_dotted(tree, key, value)
     for key, value in parse_overrides(native):
         _set_dotted(tree, key, value)
-    cfg = build_config(tree, source)
+    cfg = build_config(tree, source, context)
     for note in config_notes(cfg):
         logging.getLogger("postrl.config").warning("note: %s", note)
     return cfg

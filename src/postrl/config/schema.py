@@ -14,7 +14,7 @@ import difflib
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator, model_validator
 
 from postrl.config.knobs import BuiltinTaskConfig, ShapesTaskConfig, ToolArithmeticConfig
 from postrl.config.rules import derive
@@ -760,6 +760,11 @@ class JudgeConfig(Section):
         return v
 
 
+# The validation context's key for the verifier-name resolver, a function of [(name, kwargs)] -> problems
+# (postrl.rewards.registry.verifier_problems); without it names are checked when the rewards are built.
+VERIFIER_CHECK = "verifier_problems"
+
+
 class RewardConfig(Section):
     verifiers: list[VerifierSpec] = Field(
         default_factory=lambda: [VerifierSpec(name="math_17k_acc")],
@@ -797,12 +802,13 @@ class RewardConfig(Section):
 
     @field_validator("verifiers")
     @classmethod
-    def _resolve(cls, v: list[VerifierSpec]) -> list[VerifierSpec]:
+    def _resolve(cls, v: list[VerifierSpec], info: ValidationInfo) -> list[VerifierSpec]:
         # Resolve names now (built-ins, and users' 'module:function' imported here), so that a typo is
-        # reported by check-config with the other problems, not by train after the model has loaded.
-        from postrl.rewards.registry import verifier_problems
-
-        problems = verifier_problems([(spec.name, spec.kwargs) for spec in v])
+        # reported by check-config with the other problems, not by train after the model has loaded. The
+        # resolver is the rewards registry's, handed down by the caller (VERIFIER_CHECK in the validation
+        # context: postrl.checks.load_config, `postrl verify`): the config stands below the rewards.
+        check = (info.context or {}).get(VERIFIER_CHECK)
+        problems = check([(spec.name, spec.kwargs) for spec in v]) if check else []
         if problems:
             raise ValueError("\n".join(problems))
         return v
