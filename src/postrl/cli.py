@@ -226,7 +226,7 @@ def _convert(source_arg: str, env_args: list[str], overrides: list[str], base: s
     """(conversion, source name, postrl YAML) of a MindSpeed-RL YAML, a verl script or override list, or an
     inline verl command line; validated (a problem names the source line its postrl key came from) without
     importing the user's code unless `allow_code`."""
-    from postrl.config import _is_config_key, build_config, parse_overrides, read_yaml_mapping
+    from postrl.config import build_config, is_config_key, parse_overrides, read_yaml_mapping
     from postrl.guides import Mapped, _build_tree, _flatten, convert_file, convert_verl, inert, render_yaml
 
     env = _env(env_args)
@@ -234,7 +234,7 @@ def _convert(source_arg: str, env_args: list[str], overrides: list[str], base: s
         conv, source = convert_verl([source_arg, *overrides] if source_arg != "-" else overrides, "the command line"), "the command line"
     else:
         conv, source = convert_file(source_arg, env, overrides), source_arg
-    unknown = [o for o in conv.rest if not _is_config_key(o.split("=", 1)[0].lstrip("+"))]
+    unknown = [o for o in conv.rest if not is_config_key(o.split("=", 1)[0].lstrip("+"))]
     if unknown:
         raise UserError(*(f"override '{o}' names neither a key of {source} ({conv.dialect}) nor a postrl key, so it cannot "
                           "be applied. Fix: correct the key (docs/guides.md lists both)." for o in unknown))  # fmt: skip

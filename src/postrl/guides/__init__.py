@@ -4,7 +4,7 @@ Users of the MindSpeed-RL / verl guides carry settings such as `actor_rollout_re
 `rl_config.clip_higher_enable: true`. One table per dialect says, for every key the guides use,
 which postrl key it becomes (and how its value is translated) or why it has no postrl counterpart
 and what postrl offers instead. `postrl convert-config` writes the translated YAML, and `postrl
-train` accepts verl-style dotted overrides through the same table (`config.read_config`).
+train` accepts verl-style dotted overrides through the same table (`checks.load_config`).
 
 A conversion returns a `Conversion`: the postrl tree, one `Mapped` record per source key that was
 translated, and one `Unmapped` record per key that was not, so that no key is silently lost. The
