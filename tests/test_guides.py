@@ -12,7 +12,7 @@ from conftest import tiny_overrides
 from postrl.checks import load_config
 from postrl.cli import main
 from postrl.config import build_config
-from postrl.guides import _flatten, convert_file, convert_verl, read_verl_overrides, render_yaml
+from postrl.guides import flatten, convert_file, convert_verl, read_verl_overrides, render_yaml
 
 INPUTS = Path(__file__).resolve().parent / "guides_inputs"
 GUIDES = sorted(p for p in INPUTS.iterdir() if p.is_file())  # the seeds/ snippets: tests/test_guides_seeds.py
@@ -25,7 +25,7 @@ def _source_keys(path: Path) -> set[str]:
         keys = set()
         for top, value in tree.items():
             if isinstance(value, dict):
-                keys |= {f"{top}.{k}" for k in _flatten(value)}
+                keys |= {f"{top}.{k}" for k in flatten(value)}
             else:
                 keys.add(top)
         return keys
