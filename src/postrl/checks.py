@@ -21,7 +21,7 @@ from postrl.agents.env import load_environment
 from postrl.agents.sandbox import refusal
 from postrl.agents.tools import load_tools
 from postrl.agents.verifiers_python import interpreter_problems
-from postrl.config import Config, is_config_key, read_config
+from postrl.config import Config, build_config, is_config_key, read_config
 from postrl.config.schema import VERIFIER_CHECK
 from postrl.errors import UserError
 from postrl.guides import convert_verl, split_overrides
@@ -41,6 +41,12 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, che
             source = str(path) if path else "command line"
             raise UserError(*problems, title=f"{source}: {len(problems)} problem(s) in the configuration")
     return cfg
+
+
+def validate_tree(tree: dict, source: str = "config") -> Config:
+    """`config.build_config` with the verifier names resolved by the rewards registry (a typo or a function
+    that does not take its kwargs is reported with the config's other problems); nothing of this machine."""
+    return build_config(tree, source, {VERIFIER_CHECK: verifier_problems})
 
 
 def guides_overrides(overrides: list[str]) -> tuple[list[tuple[str, Any]], list[str]]:

@@ -178,11 +178,8 @@ def _from_script(args):
     The run is built from the validated tree; the written YAML reads back as that same tree (render_yaml checks)."""
     from pathlib import Path
 
-    from postrl.checks import environment_problems
-    from postrl.config import build_config
-    from postrl.config.schema import VERIFIER_CHECK
+    from postrl.checks import environment_problems, validate_tree
     from postrl.guides import code_keys, sends_keys
-    from postrl.rewards.registry import verifier_problems
 
     conv, source, text = _convert(args.config, args.env, args.overrides, None, allow_code=args.allow_code)
     console.print(text, markup=False, highlight=False, soft_wrap=True)
@@ -194,7 +191,7 @@ def _from_script(args):
             f"(`postrl train {args.config} --allow-code`), or remove them from {source}.",
             title=f"{source} sets {len(code)} setting(s) that run code other than postrl's or send the model's code away, and nothing of a script runs unless you allow it",
         )
-    cfg = build_config(conv.tree, f"{source} converted", {VERIFIER_CHECK: verifier_problems})
+    cfg = validate_tree(conv.tree, f"{source} converted")
     problems = environment_problems(cfg)
     if problems:
         raise UserError(*problems, title=f"{source} converted: {len(problems)} problem(s) in the configuration")
@@ -228,9 +225,8 @@ def _convert(source_arg: str, env_args: list[str], overrides: list[str], base: s
     """(conversion, source name, postrl YAML) of a MindSpeed-RL YAML, a verl script or override list, or an
     inline verl command line; validated (a problem names the source line its postrl key came from) without
     importing the user's code unless `allow_code`."""
-    from postrl.config import build_config, is_config_key, parse_overrides, read_yaml_mapping
-    from postrl.config.schema import VERIFIER_CHECK
-    from postrl.rewards.registry import verifier_problems
+    from postrl.checks import validate_tree
+    from postrl.config import is_config_key, parse_overrides, read_yaml_mapping
     from postrl.guides import Mapped, build_tree, convert_file, convert_verl, flatten, inert, render_yaml
 
     env = _env(env_args)
@@ -255,7 +251,7 @@ def _convert(source_arg: str, env_args: list[str], overrides: list[str], base: s
         )
     text = render_yaml(conv, source)
     try:
-        build_config(conv.tree if allow_code else inert(conv.tree), f"{source} converted", {VERIFIER_CHECK: verifier_problems})  # a bad value: say so now
+        validate_tree(conv.tree if allow_code else inert(conv.tree), f"{source} converted")  # a bad value: say so now
     except UserError as exc:  # name the source line each postrl key came from
         origin = {k: (f"line {conv.lines[m.source]}: " if m.source in conv.lines else "") + m.source for m in conv.mapped for k in m.targets}
         raise UserError(*(_with_origin(p, origin) for p in exc.problems), title=exc.title) from None
