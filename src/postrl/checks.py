@@ -66,7 +66,7 @@ def path_problems(cfg: Config) -> list[str]:
     """Input files and model paths that do not exist (checked before anything starts)."""
     problems = []
     mp = cfg.model.path
-    if not mp.startswith("builtin:") and not Path(mp).expanduser().exists() and not looks_like_hub_id(mp):
+    if not mp.startswith("builtin:") and not mp.endswith(".gguf") and not Path(mp).expanduser().exists() and not looks_like_hub_id(mp):
         problems.append(
             f"model.path: '{mp}' does not exist. The policy is loaded from a Hugging Face model directory. "
             "Fix: point model.path at a directory with config.json (for the tiny default, run "

@@ -46,7 +46,8 @@ class ModelConfig(Section):
         description="Hugging Face model directory or hub id (e.g. Qwen/Qwen2.5-7B-Instruct, "
         "Qwen/Qwen2.5-VL-7B-Instruct), or 'builtin:tiny-qwen2' / 'builtin:tiny-qwen2.5-vl' for the built-in "
         "tiny text / vision-language model (built locally and cached), 'builtin:tiny-qwen3-moe' for a tiny "
-        "mixture-of-experts model."
+        "mixture-of-experts model, 'builtin:smollm2-135m-instruct' for a small pretrained instruct model (the `real` "
+        "extra), or a .gguf file (dequantized once into a cached model directory)."
     )
     tokenizer_path: str | None = Field(None, description="Tokenizer/processor location; defaults to `path`.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
