@@ -8,26 +8,25 @@ and the user's module by its spec (`load_agent`), and runs many programs at once
 in-process path does (agents/programs.py: a thread per sync program, one event loop for async ones,
 an `openai` client per program pointed at its session's URL).
 
-The parent sends [session key, session URL, model name, row] over a socket pair, as length-prefixed
-JSON frames, and a reader thread per worker turns each reply [key, "ok" | "error", value] into the
-gateway's ("done", session, ...) event, so time limits, counting and recording are the in-process
-path's. Nothing a worker sends is unpickled: its frames are capped (MAX_REPLY_BYTES) and checked
+The parent sends [session key, session URL, model name, row] over a socket pair, as postrl/ipc.py's
+JSON frames (no time limit on a frame: a worker holding one up is a stuck worker, killed as one), and
+a reader thread per worker turns each reply [key, "ok" | "error", value] into the gateway's ("done",
+session, ...) event, so time limits, counting and recording are the in-process path's. Nothing a
+worker sends is unpickled: its frames are capped (MAX_REPLY_BYTES, 64 levels deep) and checked
 (`parse_reply`), and a bad one ends that worker as a death does. The worker starts from a scrubbed
-environment (agents/child_env.py). A worker that dies
-(`os._exit`, a segfault, the OOM killer) ends its running programs as errors and is started again;
-a worker holding a program past `agent_timeout_s` is killed and started again at the end of the
-`generate` call (a thread cannot be killed; a process can).
+environment (agents/child_env.py). A worker that dies (`os._exit`, a segfault, the OOM killer, or
+mid-frame) ends its running programs as errors and is started again; a worker holding a program past
+`agent_timeout_s` is killed and started again at the end of the `generate` call (a thread cannot be
+killed; a process can).
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-import json
 import os
 import queue
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -35,53 +34,19 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from postrl import ipc
 from postrl.agents import results
 from postrl.agents.child_env import child_env
 from postrl.agents.programs import Programs, check_outcomes, load_agent
 from postrl.agents.session import Session
+from postrl.ipc import FrameError
 
-HEADER = struct.Struct(">I")  # a frame: its length (4 bytes, big-endian), then that many bytes of UTF-8 JSON
 MAX_REPLY_BYTES = 64 * 1024  # a worker's frame: (key, outcome, a number or a short error) needs far less
+MAX_ROW_BYTES = 1 << 30  # the trainer's frames to a worker: trusted, as large as its dataset rows
+MAX_ROW_DEPTH = 1000  # and as deep: a row nested past this is no dataset's
 MAX_ERROR_CHARS = 2000  # a worker cuts the user's exception message to this before sending it
 
-
-class BadFrame(Exception):
-    """A frame that is not what the protocol allows: too long, not JSON, or not of the expected shape."""
-
-
-def encode_frame(obj: Any) -> bytes:
-    """One frame: `obj` as JSON (TypeError / ValueError when it is not JSON-able)."""
-    data = json.dumps(obj).encode()
-    return HEADER.pack(len(data)) + data
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(min(n - len(buf), 1 << 16))
-        if not chunk:
-            raise EOFError("the connection ended")
-        buf += chunk
-    return bytes(buf)
-
-
-def recv_frame(sock: socket.socket, max_bytes: int) -> Any:
-    """The next frame's value; EOFError when the connection ends between frames, BadFrame when the frame is
-    longer than `max_bytes` (refused before reading it) or is not JSON."""
-    header = sock.recv(HEADER.size, socket.MSG_WAITALL)
-    if not header:
-        raise EOFError("the connection ended")
-    if len(header) < HEADER.size:
-        raise BadFrame(f"a frame header of {len(header)} bytes")
-    (n,) = HEADER.unpack(header)
-    if n > max_bytes:
-        raise BadFrame(f"a frame of {n} bytes (at most {max_bytes})")
-    try:
-        return json.loads(_recv_exact(sock, n))
-    except EOFError:
-        raise BadFrame("a frame cut short") from None
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise BadFrame(f"a frame that is not JSON ({type(exc).__name__})") from None
+BadFrame = FrameError  # a frame that is not what the protocol allows: too long, not JSON, or not of the expected shape
 
 
 def parse_reply(msg: Any) -> tuple[str, str, Any]:
@@ -129,14 +94,14 @@ class _Worker:
         self.bad_frame: str | None = None  # why the reader ended the worker, when a frame was bad
         self._events, self._lock = events, threading.Lock()
         self._out: queue.Queue = queue.Queue()
-        self._out.put(encode_frame({"sys_path": list(sys.path), "spec": spec, "timeout_s": timeout_s}))
+        self._out.put(ipc.encode({"sys_path": list(sys.path), "spec": spec, "timeout_s": timeout_s}))
         threading.Thread(target=self._write, name=f"postrl-agent-worker-w{self.proc.pid}", daemon=True).start()
         threading.Thread(target=self._read, name=f"postrl-agent-worker-{self.proc.pid}", daemon=True).start()
 
     def launch(self, s: Session, url: str, model_name: str) -> bool:
         """Send the program to the worker; False if the worker has ended (its reader has reported its programs)."""
         try:
-            frame = encode_frame([s.key, url, model_name, s.row])
+            frame = ipc.encode([s.key, url, model_name, s.row])
         except (TypeError, ValueError) as exc:  # the row cannot go to a worker: this program fails, not the rollout
             self._events.put(("done", s, "error", TypeError(f"the dataset row does not convert to JSON for a worker process ({exc})")))
             return True
@@ -160,7 +125,7 @@ class _Worker:
         try:
             while True:
                 try:
-                    key, outcome, value = parse_reply(recv_frame(self.sock, MAX_REPLY_BYTES))
+                    key, outcome, value = parse_reply(ipc.recv(self.sock, MAX_REPLY_BYTES, None))
                 except (EOFError, OSError):
                     break
                 with self._lock:
@@ -266,7 +231,7 @@ def _serve(sock: socket.socket) -> None:
     import httpx  # noqa: F401 - imported before the first program comes, not by it
     import openai  # noqa: F401
 
-    init = recv_frame(sock, 1 << 30)  # the trainer's frames: trusted, as large as its dataset rows
+    init = ipc.recv(sock, MAX_ROW_BYTES, None, MAX_ROW_DEPTH)
     sys.path[:] = init["sys_path"]
     events: queue.Queue = queue.Queue()
     try:
@@ -291,14 +256,14 @@ def _serve(sock: socket.socket) -> None:
             if outcome == "error":
                 value = [type(value).__name__, results.error_text(value).partition(": ")[2]]
             try:
-                sock.sendall(encode_frame([s.key, outcome, value]))
+                sock.sendall(ipc.encode([s.key, outcome, value]))
             except OSError:  # the parent is gone
                 os._exit(0)
 
     threading.Thread(target=send, name="postrl-agent-worker-send", daemon=True).start()
     while True:
         try:
-            key, url, model_name, row = recv_frame(sock, 1 << 30)
+            key, url, model_name, row = ipc.recv(sock, MAX_ROW_BYTES, None, MAX_ROW_DEPTH)
         except (EOFError, OSError):
             os._exit(0)  # the parent closed the pool or died: the programs' threads end with the process
         programs.launch(SimpleNamespace(key=key, row=row), url, model_name)

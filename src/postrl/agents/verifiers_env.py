@@ -40,6 +40,7 @@ from postrl.agents import results
 from postrl.agents.child_env import child_env
 from postrl.agents.verifiers_python import interpreter_problems
 from postrl.errors import UserError
+from postrl.ipc import FrameError
 from postrl.rewards.verdict import fails_nearly_always
 from postrl.rollout.base import EngineWrapper
 
@@ -51,8 +52,7 @@ MAX_LINE_BYTES = 16 * 1024 * 1024  # one line from the environment's process (th
 MAX_DATASET_BYTES = 4 * 1024**3  # a dataset's chunks together
 
 
-class BadLine(Exception):
-    """A line from the environment's process that the protocol does not allow (too long, not JSON, another shape)."""
+BadLine = FrameError  # a line from the environment's process that the protocol does not allow (too long, not JSON, ...)
 
 
 def _number(v: Any) -> bool:

@@ -17,8 +17,8 @@ the allowlisted one of agents/child_env.py (no HF_TOKEN or other credential, HOM
 
 Trust flows down only. The parent's calls go to a worker pickled (the verifier function travels by
 name). A worker reads model-written text with sympy, which evaluates what it parses, so its replies
-are hostile input: each is one `send_bytes` frame of JSON, read raw from the pipe (at most
-MAX_REPLY_BYTES, complete within FRAME_TIMEOUT_S; never unpickled) and parsed into a declared
+are hostile input: each is one `send_bytes` frame of JSON, read raw from the pipe by postrl/ipc.py (at
+most MAX_REPLY_BYTES, complete within FRAME_TIMEOUT_S; never unpickled) and parsed into a declared
 shape (`Ready` or `Reply`, pydantic, strict). A frame that is too long, cut short, not JSON, not of
 that shape, or for a task the worker was not given ends that worker as a hard time limit does: it
 is killed and replaced, and its call in flight is an error ("verifier worker sent a malformed
@@ -32,7 +32,6 @@ import json
 import logging
 import multiprocessing as mp
 import os
-import struct
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ from typing import Annotated, Any, Callable, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, TypeAdapter, ValidationError, model_validator
 
+from postrl.ipc import FrameError, recv_bytes
 from postrl.rewards.verdict import InvalidVerdict, VerifierResult, to_result
 
 log = logging.getLogger("postrl.rewards")
@@ -50,7 +50,6 @@ MAX_BOOT_FAILURES = 3
 MAX_REPLY_BYTES = 64 * 1024  # a worker's frame: a score, a few named metrics and a short message need far less
 MAX_MESSAGE_CHARS = 500  # a worker cuts an error message to this before sending it
 FRAME_TIMEOUT_S = 5.0  # from a frame's first byte to its last (a worker writes a frame at once)
-_FRAME_HEADER = struct.Struct("!i")  # multiprocessing's frame: a signed big-endian length, then the bytes
 
 
 @dataclass
@@ -165,8 +164,7 @@ def _utf8(text: str) -> str:
 
 
 # ------------------------------------------------------------------ what a worker may send
-class BadReply(Exception):
-    """A worker's frame that the protocol does not allow; the message says how."""
+BadReply = FrameError  # a worker's frame that the protocol does not allow; the message says how
 
 
 class _Frame(BaseModel):
@@ -218,30 +216,6 @@ def parse_frame(data: bytes) -> Ready | Reply:
         raise BadReply(f"{first['msg']}{f' at {where}' if where else ''} ({len(data)} bytes)") from None
     except Exception as exc:  # noqa: BLE001 - whatever else the parser meets is the frame's fault
         raise BadReply(f"{type(exc).__name__} while parsing ({len(data)} bytes)") from None
-
-
-def recv_frame(conn: Connection, max_bytes: int, timeout_s: float) -> bytes:
-    """The next frame a worker wrote with `conn.send_bytes`, read from the pipe itself: a frame longer than
-    `max_bytes` is refused before it is read, one that does not arrive whole within `timeout_s` is refused
-    (`Connection.recv_bytes` would wait for it for ever). EOFError when the pipe ends between frames."""
-    deadline = time.monotonic() + timeout_s
-    header = _read_exact(conn, _FRAME_HEADER.size, deadline)
-    (n,) = _FRAME_HEADER.unpack(header)
-    if not 0 <= n <= max_bytes:  # -1: multiprocessing's mark of a frame over 2 GiB
-        raise BadReply(f"a frame of {n if n >= 0 else 'over 2**31'} bytes (at most {max_bytes})")
-    return _read_exact(conn, n, deadline)
-
-
-def _read_exact(conn: Connection, n: int, deadline: float) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        if not wait([conn], timeout=max(0.0, deadline - time.monotonic())):
-            raise BadReply(f"a frame cut short ({len(buf)} of {n} bytes arrived in time)")
-        chunk = os.read(conn.fileno(), n - len(buf))
-        if not chunk:  # the worker ended (mid-frame too: its death, not its message, is what to report)
-            raise EOFError("the worker's pipe ended")
-        buf += chunk
-    return bytes(buf)
 
 
 class _Worker:
@@ -357,7 +331,7 @@ class VerifierPool:
 
     def _receive(self, w: _Worker, results: list[Outcome | None]) -> None:
         try:
-            msg = parse_frame(recv_frame(w.conn, MAX_REPLY_BYTES, FRAME_TIMEOUT_S))
+            msg = parse_frame(recv_bytes(w.conn, MAX_REPLY_BYTES, FRAME_TIMEOUT_S))
             if isinstance(msg, Ready) and (w.ready or msg.pid != w.proc.pid):
                 raise BadReply(f"a ready message (pid {msg.pid}) from worker {w.proc.pid}, ready already: {w.ready}")
             if isinstance(msg, Reply) and msg.task != w.task:
