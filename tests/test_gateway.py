@@ -1,4 +1,4 @@
-"""The OpenAI-compatible rollout endpoint (agents/gateway.py): token-in-token-out, segments, containment.
+"""The OpenAI-compatible rollout endpoint (agents/endpoint/gateway.py): token-in-token-out, segments, containment.
 
 The engine is tests/test_agents.py's `ScriptEngine` (a policy that is a fixed script of turns; the
 endpoint's logic is under test, not a model); the programs are plain `openai` client code.
@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from postrl.agents.gateway import AgentGateway
-from postrl.agents.loop import AgentLoop
+from postrl.agents.endpoint.gateway import AgentGateway
+from postrl.agents.loop.loop import AgentLoop
 from postrl.agents.session import Session
-from postrl.agents.tools import call_tool, load_tools
+from postrl.agents.tools.tools import call_tool, load_tools
 from postrl.config import MultiTurnConfig, RolloutConfig
 from postrl.rollout.base import Completion, EngineCapabilities, SamplingParams
 from tests.test_agents import TOOLS, ScriptEngine, _call, _ids, _prompt, tokenizer  # noqa: F401 - the module's fixture

@@ -112,7 +112,7 @@ def build_run(cfg, role: str, log: Callable[[str], None] | None = None, *, runti
     `examples` and `sampler_state`, `prepare`s its policy copy (the published weights) and `wrap`s the
     engine (versions, partial rollout)."""
     assert role in ROLES, f"unknown role {role!r}"
-    from postrl.agents.loop import tool_schemas
+    from postrl.agents.loop.loop import tool_schemas
 
     say = log or (lambda msg: None)
     if role == "trainer" and cfg.rollout.placement == "pool" and cfg.cluster.ray_address is None:

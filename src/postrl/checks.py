@@ -14,10 +14,10 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
-from postrl.agents.env import load_environment
-from postrl.agents.sandbox import refusal
-from postrl.agents.tools import load_tools
-from postrl.agents.verifiers_python import interpreter_problems
+from postrl.agents.loop.env import load_environment
+from postrl.agents.sandbox.sandbox import refusal
+from postrl.agents.tools.tools import load_tools
+from postrl.agents.verifiers.python import interpreter_problems
 from postrl.config import Config, read_config
 from postrl.errors import UserError
 from postrl.preflight import looks_like_hub_id, run_model_problems
@@ -96,7 +96,7 @@ def missing_packages(logging_cfg: Any) -> list[str]:
 
 
 def sandbox_problems(cfg: Config) -> list[str]:
-    """builtin:python on the local backend where this machine cannot isolate it (postrl.agents.sandbox.refusal)."""
+    """builtin:python on the local backend where this machine cannot isolate it (postrl.agents.sandbox.sandbox.refusal)."""
     mt = cfg.rollout.multi_turn
     if not mt.enable or "builtin:python" not in mt.tools or mt.sandbox.backend != "local":
         return []

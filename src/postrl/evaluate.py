@@ -121,7 +121,7 @@ def evaluate(engine, tokenizer, reward_fn, examples: list, eval_cfg, name: str, 
     """acc_mean@n and pass@k of the engine's completions on `examples` (see the module docstring); `agent`:
     the engine is the agent loop (rollout.multi_turn.enable), which takes the prompts' rows. `record`
     (samples.SampleWriter.for_validation) receives (name, examples, completions, acc, scores) to write them."""
-    from postrl.agents.loop import generate_for, model_text, model_tokens
+    from postrl.turns import generate_for, model_text, model_tokens
     from postrl.rollout import SamplingParams
 
     greedy = eval_cfg.temperature == 0
@@ -157,7 +157,7 @@ def load_val_sets(files: list[str], tokenizer, data_cfg, max_prompts: int, modal
     """Validation sets by name (at most `max_prompts` prompts each): the trainer's, `postrl eval`'s, SFT's.
 
     `modality` is the policy's adapter (None: text), which encodes prompts with images; `tools` the agent
-    loop's tool schemas (postrl.agents.loop.tool_schemas).
+    loop's tool schemas (postrl.agents.loop.loop.tool_schemas).
     """
     from postrl.data.dataset import load_prompts
 

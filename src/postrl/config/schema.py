@@ -23,7 +23,7 @@ from postrl.config.rules import derive
 
 def env_names(names: list[str], key: str) -> list[str]:
     """`names` when each is an environment variable's name (letters, digits, underscores, not starting with a digit)."""
-    from postrl.agents.child_env import ENV_NAME
+    from postrl.children import ENV_NAME
 
     bad = [n for n in names if not ENV_NAME.fullmatch(n)]
     if bad:
@@ -312,7 +312,7 @@ class RolloutConfig(Section):
         "environment processes (and the rollout worker or pool replicas that start them) get beside the allowlist (PATH, "
         "locale, TZ, TMPDIR, PYTHON*, thread and device settings, the HF cache paths; HOME is an empty directory), e.g. "
         "[OPENAI_API_KEY] for a program that calls another service; the rest of the trainer's (HF_TOKEN, WANDB_API_KEY, "
-        "cloud keys) stays behind (agents/child_env.py, docs/agents.md).",
+        "cloud keys) stays behind (children.py, docs/agents.md).",
     )
 
     @field_validator("agent_env_passthrough")
@@ -771,7 +771,7 @@ class RewardConfig(Section):
     workers: int = Field(2, ge=1, description="Worker processes for verification.")
     env_passthrough: list[str] = Field(
         default_factory=list, description="Environment variables the verifier worker processes (and the rollout worker or "
-        "pool replicas that start them) get beside the allowlist (agents/child_env.py; HOME is an empty directory), e.g. "
+        "pool replicas that start them) get beside the allowlist (children.py; HOME is an empty directory), e.g. "
         "[OPENAI_API_KEY] for a verifier that calls a service; the rest of the trainer's (HF_TOKEN, WANDB_API_KEY, cloud "
         "keys) stays behind.",
     )

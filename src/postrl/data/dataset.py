@@ -37,7 +37,7 @@ def read_rows(
     """All rows of one data file (parquet, jsonl, json list) or built-in split, or 'verifiers:train' / 'verifiers:eval':
     the dataset / eval_dataset of rollout.environment (`environment`: its settings, DataConfig._environment)."""
     if path.startswith("verifiers:"):
-        from postrl.agents.verifiers_env import dataset_rows
+        from postrl.agents.verifiers.env import dataset_rows
 
         return dataset_rows(path, environment)
     if path.startswith("builtin:"):
@@ -99,7 +99,7 @@ def load_prompts(
     """Tokenised prompts of `files` and a summary {rows, dropped_overlong, dropped_bad, kept}.
 
     `modality` is the policy's adapter (None: text); it encodes the rows with images. `tools` are the agent
-    loop's tool schemas (postrl.agents.loop.tool_schemas), rendered by the chat template.
+    loop's tool schemas (postrl.agents.loop.loop.tool_schemas), rendered by the chat template.
     """
     examples: list[PromptExample] = []
     dropped, total, bad = 0, 0, 0

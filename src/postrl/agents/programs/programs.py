@@ -1,7 +1,7 @@
 """The users' agent programs of `rollout.agent`: loaded by name, run one per sample against the endpoint.
 
 A sync function runs on a thread of its own, an async one as a task on one event loop; each gets an
-`openai` client pointed at its sample's session. The gateway (agents/gateway.py) launches them and
+`openai` client pointed at its sample's session. The gateway (agents/endpoint/gateway.py) launches them and
 hears of their end on its event queue as ("done", session, "ok" | "error", value).
 """
 
@@ -147,7 +147,7 @@ class Programs:
 
 def check_outcomes(sessions: list[Session], cfg: Any) -> None:
     """Stop the run when (nearly) every program of one rollout failed: raised, ran past its time limit, returned
-    no number, or never called the model (the gateway's outcomes, agents/gateway.py `_finish`). Each such sample
+    no number, or never called the model (the gateway's outcomes, agents/endpoint/gateway.py `_finish`). Each such sample
     scores 0 and trains nothing, so the batch carries no signal. The share is the reward sources' rule
     (rewards/verdict.py); a rollout cut short (some program still "running") is not judged."""
     if any(s.outcome == "running" for s in sessions):

@@ -32,7 +32,7 @@ from email.utils import parsedate_to_datetime
 from functools import lru_cache
 from urllib.parse import urlsplit
 
-from postrl.agents.sandbox import CallStats, SandboxResult
+from postrl.agents.sandbox.sandbox import CallStats, SandboxResult
 
 log = logging.getLogger(__name__)
 

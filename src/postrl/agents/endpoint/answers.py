@@ -14,8 +14,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from postrl.agents.endpoint import Job
-from postrl.agents.parse import _BLOCK, ParseError, parse_tool_calls
+from postrl.agents.endpoint.jobs import Job
+from postrl.toolcall import BLOCK, ParseError, parse_tool_calls
 from postrl.rollout.base import Completion, cut_at_stop
 
 
@@ -101,4 +101,4 @@ def respond(job: Job, choices: list[tuple[list[int], list[float] | None, str]], 
 
 
 def _outside_calls(text: str) -> str:
-    return _BLOCK.sub("", text).strip()
+    return BLOCK.sub("", text).strip()

@@ -28,8 +28,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
-from postrl.agents import results
-from postrl.agents.sandbox import (
+import postrl.agents.results as results
+from postrl.agents.sandbox.sandbox import (
     CallStats,
     SandboxResult,
     isolation,
@@ -84,7 +84,7 @@ def run_sandboxed(code: str, timeout_s: float, settings: dict | None = None) -> 
     """Run `code` on the backend `settings["backend"]` names (local, sandbox_fusion): the same result either way."""
     settings = dict(settings or {})
     if settings.pop("backend", "local") == "sandbox_fusion":
-        from postrl.agents.sandbox_fusion import run_remote
+        from postrl.agents.sandbox.fusion import run_remote
 
         return run_remote(code, timeout_s=timeout_s, **{k: v for k, v in settings.items() if k in REMOTE_KEYS})
     return run_python(code, timeout_s=timeout_s, **{k: v for k, v in settings.items() if k in LOCAL_KEYS})
@@ -94,7 +94,7 @@ def start_python_tool(settings: dict, say: Callable[[str], Any] | None = None) -
     """At the start of a run with builtin:python: a UserError where its code cannot be fenced (what, why, fix);
     else one line on how it is fenced, through `say` (and a warning to the log at every run that is not fenced)."""
     if settings.get("backend", "local") == "sandbox_fusion":
-        from postrl.agents.sandbox_fusion import plain_http_warning
+        from postrl.agents.sandbox.fusion import plain_http_warning
 
         line = f"sandbox: the python tool's code runs on the SandboxFusion service at {settings.get('url')} (its isolation)"
         if (warning := plain_http_warning(str(settings.get("url") or ""))) is not None:

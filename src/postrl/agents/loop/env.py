@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Protocol, runtime_checkable
 
-from postrl.agents import results
+import postrl.agents.results as results
 from postrl.errors import UserError
 from postrl.rewards.verdict import fails_nearly_always
 from postrl.utils import import_named
