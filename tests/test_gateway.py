@@ -68,6 +68,22 @@ def test_a_three_turn_tool_chat_through_the_endpoint_has_the_agent_loops_ids_mas
     assert (m["agent/requests_mean"], m["agent/segments_mean"], m["agent/errors"], m["agent/bad_requests"]) == (3.0, 1.0, 0, 0)
 
 
+def test_an_unreadable_tool_call_is_counted_in_the_endpoints_metrics(tokenizer):
+    """A turn whose tool call nests past the reader's limit is answered as text (no tool_calls) and counted once in
+    agent/unreadable, as the agent loop counts it (issue 60); the count is popped per step."""
+    from tests.test_untrusted_text import DEEP_CALL
+
+    gw, _ = _gateway(tokenizer, [DEEP_CALL + "</tool_call>"], chat_agent)
+    try:
+        (got,) = gw.generate([_prompt(tokenizer)], SamplingParams(max_tokens=20_000, greedy=True), rows=[{"prompt": QUESTION}])
+        m = gw.pop_metrics()
+        again = gw.pop_metrics()
+    finally:
+        gw.close()
+    assert got.tool_calls == 0 and (m["agent/unreadable"], m["agent/requests_mean"], m["agent/errors"]) == (1.0, 1.0, 0)
+    assert again["agent/unreadable"] == 0.0
+
+
 def test_concurrent_programs_are_sampled_in_one_engine_call_per_turn(tokenizer):
     async def async_agent(client, row):  # an async program (AsyncOpenAI) takes the same path
         messages = list(row["prompt"])

@@ -30,11 +30,12 @@ from postrl.agents.endpoint.schema import BadRequest, error_body
 from postrl.agents.endpoint.server import Pending, Tally
 from postrl.agents.session import Session
 from postrl.rollout.base import Completion, SamplingParams
+from postrl.untrusted import AGENT_UNREADABLE
 
 CLOSED = "this session is closed (its sample ended or ran out of time)"
 STAT_KEYS = (
     "agent/errors", "agent/timeouts", "agent/internal_errors", "agent/requests", "agent/engine_calls", "agent/ticks",
-    "timing/agent_generate", "timing/agent_engine", "timing/agent_render", "timing/agent_idle",
+    AGENT_UNREADABLE, "timing/agent_generate", "timing/agent_engine", "timing/agent_render", "timing/agent_idle",
 )  # fmt: skip
 
 
@@ -207,7 +208,7 @@ class Scheduler:
 
     def answer(self, job: Job, room: int, outs: list[Completion], stops: set[int]) -> None:
         with self.contained(job.pending):
-            self.shaper.answer(job, room, outs, stops)
+            self.shaper.answer(job, room, outs, stops, self.stats)
 
     def sample(self, batch: list[Pending], params: SamplingParams) -> int:
         """Render, sample and answer one batch of requests; returns the number of engine calls made."""
