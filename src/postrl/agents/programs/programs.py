@@ -17,8 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from postrl.agents.session import Session
-from postrl.errors import UserError
-from postrl.rewards.verdict import fails_nearly_always
+from postrl.errors import UserError, fails_nearly_always
 
 
 def load_agent(spec: str) -> Any:
@@ -149,7 +148,7 @@ def check_outcomes(sessions: list[Session], cfg: Any) -> None:
     """Stop the run when (nearly) every program of one rollout failed: raised, ran past its time limit, returned
     no number, or never called the model (the gateway's outcomes, agents/endpoint/gateway.py `_finish`). Each such sample
     scores 0 and trains nothing, so the batch carries no signal. The share is the reward sources' rule
-    (rewards/verdict.py); a rollout cut short (some program still "running") is not judged."""
+    (postrl/errors.py); a rollout cut short (some program still "running") is not judged."""
     if any(s.outcome == "running" for s in sessions):
         return
     failed = [s for s in sessions if s.outcome in ("error", "timeout")]

@@ -39,8 +39,7 @@ from typing import TYPE_CHECKING, Any
 import postrl.agents.results as results
 from postrl.children import child_env
 from postrl.agents.verifiers.python import interpreter_problems
-from postrl.errors import UserError
-from postrl.rewards.verdict import fails_nearly_always
+from postrl.errors import UserError, fails_nearly_always
 from postrl.rollout.base import EngineWrapper
 
 if TYPE_CHECKING:
@@ -354,7 +353,7 @@ class VerifiersAgent:
 
     def check_batch(self) -> None:
         """Stop the run when verifiers recorded an error in (nearly) every rollout of one batch (the rule of
-        rewards/verdict.py): the rubric scored them, but an errored rollout (e.g. every model request refused)
+        postrl/errors.py): the rubric scored them, but an errored rollout (e.g. every model request refused)
         carries no signal. Rollouts that raised are the gateway's rule (agents/programs/programs.py `check_outcomes`)."""
         with self._lock:
             (n, errored, first), self._batch = self._batch, [0, 0, ""]
