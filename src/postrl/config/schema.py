@@ -18,6 +18,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, Va
 
 from postrl.config.knobs import BuiltinTaskConfig, ShapesTaskConfig, ToolArithmeticConfig
 from postrl.config.rules import derive
+from postrl.utils import is_loopback
 
 
 
@@ -415,7 +416,7 @@ class RolloutConfig(Section):
                 "is set: the agent loop would have nothing to call or talk to, and run as single-turn rollout. Fix: list "
                 "the tools (e.g. [builtin:calculator]) or name an environment, or set rollout.multi_turn.enable: false."
             )
-        if (self.agent or self.environment) and not self.agent_allow_remote and not _is_loopback(self.agent_host):
+        if (self.agent or self.environment) and not self.agent_allow_remote and not is_loopback(self.agent_host):
             raise ValueError(
                 f"rollout.agent_host is {self.agent_host}, an address other machines can reach, but the endpoint trusts "
                 "whoever knows a session key and samples with the policy being trained. Fix: leave rollout.agent_host at "
@@ -453,18 +454,6 @@ class RolloutConfig(Section):
                 "still runs the agent loop, each trajectory under one version)."
             )
         return self
-
-
-def _is_loopback(host: str) -> bool:
-    """`host` names this machine only: localhost or a loopback address (127.0.0.0/8, ::1)."""
-    import ipaddress
-
-    if host.strip().lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 # ----------------------------------------------------------------------------------------- algorithm

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import inspect
 import queue
 import threading
@@ -18,6 +17,7 @@ from typing import Any
 
 from postrl.agents.session import Session
 from postrl.errors import UserError, fails_nearly_always
+from postrl.utils import import_named, load_file_module
 
 
 def load_agent(spec: str) -> Any:
@@ -32,16 +32,12 @@ def load_agent(spec: str) -> Any:
         path = Path(module_name)
         if not path.is_file():
             raise UserError(f"rollout.agent '{spec}': the file {path} does not exist. Fix: give a path to your agent's file.")
-        mod_spec = importlib.util.spec_from_file_location(f"postrl_user_agent_{path.stem}", path)
-        module = importlib.util.module_from_spec(mod_spec)
         try:
-            mod_spec.loader.exec_module(module)
-        except Exception as exc:  # noqa: BLE001 - the user's module failed on import
-            raise UserError(f"rollout.agent '{spec}': importing {path} failed ({type(exc).__name__}: {exc}). Fix the file.") from None
+            module = load_file_module(path, "postrl_user_agent_")
+        except ValueError as exc:
+            raise UserError(f"rollout.agent '{spec}': {exc}. Fix the file.") from None
         fn = getattr(module, attr, None)
     else:
-        from postrl.utils import import_named
-
         try:
             fn = import_named(spec, f"rollout.agent '{spec}'")
         except ValueError as exc:
