@@ -118,7 +118,7 @@ def test_the_description_is_one_line_that_says_what_is_isolated():
 from sandbox_catalogue import CASES  # noqa: E402 - tests/ is on the path (conftest)
 
 CATALOGUE = Path(__file__).with_name("sandbox_catalogue.py")
-SRC = str(Path(sandbox_mod.__file__).parents[2])
+SRC = str(Path(sandbox_mod.__file__).parents[3])
 
 
 @pytest.fixture(scope="module")
@@ -338,7 +338,7 @@ def test_an_ordinary_user_gets_the_same_fences_through_a_user_namespace(userns):
     try:
         proc = subprocess.run(
             ["/usr/bin/setpriv", "--reuid=65533", "--regid=65533", "--clear-groups", "/usr/bin/python3", "-I", "-c",
-             f"import sys; sys.path[:0] = [{str(Path(sandbox_mod.__file__).parents[2])!r}, {shared!r}]\n" + USERNS_SCRIPT, target],
+             f"import sys; sys.path[:0] = [{SRC!r}, {shared!r}]\n" + USERNS_SCRIPT, target],
             capture_output=True, text=True, timeout=120, cwd="/", env={"PATH": path, "HOME": "/"},
         )
         assert proc.returncode == 0, proc.stderr
