@@ -115,7 +115,7 @@ class _Worker:
 
     def __init__(self, spec: str, timeout_s: float, events: queue.Queue, passthrough: list[str] = ()):
         parent, child = socket.socketpair()
-        src = str(Path(__file__).resolve().parents[2])  # postrl's own source root, whatever sys.path the worker gets
+        src = str(Path(__file__).resolve().parents[3])  # postrl's own source root, whatever sys.path the worker gets
         pythonpath = os.pathsep.join([src] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "postrl.agents.programs.workers", str(child.fileno())], pass_fds=(child.fileno(),),
