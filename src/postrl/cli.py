@@ -1,4 +1,4 @@
-"""Command line: postrl train | sft | rm | eval | doctor | preprocess | verify | export | check-config | convert-config | report | tiny-model.
+"""Command line: postrl train | sft | rm | eval | doctor | preprocess | verify | export | check-config | convert-config | report | serve-tinker | tiny-model.
 
 Every command takes a YAML config and dotted overrides (`algorithm.clip_ratio_high=0.3`). A problem
 the user can fix is printed as one short paragraph per problem, without a traceback, and the
@@ -293,6 +293,27 @@ def cmd_tiny_model(args) -> int:
     return 0
 
 
+def cmd_serve_tinker(args) -> int:
+    from postrl.agents.endpoint.server import HttpLimits
+    from postrl.checks import load_config
+    from postrl.serve import serve
+    from postrl.serve.app import Limits
+
+    if args.config and "=" in args.config and not os.path.exists(args.config):  # no CONFIG, only overrides
+        args.config, args.overrides = None, [args.config, *args.overrides]
+    cfg = load_config(args.config, args.overrides)
+    if args.export:
+        from postrl.serve.engine import Engine
+
+        engine = Engine(cfg.model.path, args.model_name or cfg.model.path, args.state_dir, cfg.model.dtype, tiny=cfg.model.tiny)
+        console.print(f"exported {args.export} to {engine.export(args.export, args.out or 'exported')}", highlight=False)
+        return 0
+    serve(cfg, host=args.host, port=args.port, api_key=args.api_key or os.environ.get("TINKER_API_KEY", ""),
+          state_dir=args.state_dir, name=args.model_name, max_samplers=args.max_samplers, allow_remote=args.allow_remote, log=console.print, http=HttpLimits(max_body_bytes=args.max_body_bytes),
+          limits=Limits(max_datums=args.max_datums, max_tokens=args.max_tokens))  # fmt: skip
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="postrl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -355,6 +376,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a variable the script uses ($NAME); NAME alone takes its value from your environment (read for no other name)")
     p.add_argument("--base", default=None, metavar="CONFIG", help="a postrl config the converted keys go over (for fragments)")
     p.set_defaults(fn=cmd_convert_config)
+    p = sub.add_parser("serve-tinker", help="serve the Tinker API (training clients, samplers) on this machine")
+    p.add_argument("config", nargs="?", default=None, help="YAML config (model.path is the base model; default builtin:tiny-qwen2)")
+    p.add_argument("overrides", nargs="*", default=[], help="dotted overrides, e.g. model.path=builtin:tiny-qwen2")
+    p.add_argument("--host", default="127.0.0.1", help="listen address (loopback unless --allow-remote)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="the key clients send (tml-...; default $TINKER_API_KEY)")
+    p.add_argument("--model-name", default=None, help="the base_model name clients use (default model.path)")
+    p.add_argument("--allow-remote", action="store_true", help="listen on a non-loopback --host")
+    p.add_argument("--state-dir", default="runs/tinker", help="where saved weights and optimizer states go (tinker:// paths)")
+    p.add_argument("--max-samplers", type=int, default=32, help="sampler adapters held in memory at once (least recently used "
+                   "released; a named one reloads from --state-dir)")
+    p.add_argument("--export", default=None, metavar="TINKER_PATH", help="write a saved sampler (tinker://.../sampler_weights/NAME) "
+                   "as a plain Hugging Face model directory to --out, and exit")
+    p.add_argument("--out", default=None, help="the directory --export writes")
+    p.add_argument("--max-body-bytes", type=int, default=256 * 2**20, help="largest request body (default 256 MiB)")
+    p.add_argument("--max-datums", type=int, default=4096, help="most datums per forward_backward")
+    p.add_argument("--max-tokens", type=int, default=32768, help="most tokens per datum or prompt")
+    p.set_defaults(fn=cmd_serve_tinker)
     p = sub.add_parser("tiny-model", help="build (or find in the cache) the tiny Qwen2 model")
     p.add_argument("--out", default=None)
     p.set_defaults(fn=cmd_tiny_model)

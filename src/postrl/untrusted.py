@@ -36,6 +36,7 @@ from typing import Any, Callable, ContextManager, TypeVar
 MAX_JSON_CHARS = 1 << 20  # one tool call's JSON: a megabyte of arguments is far past any honest call
 MAX_JSON_DEPTH = 64  # as rollout.agent_max_json_depth's default: deeper than any tool schema nests
 MAX_EXPONENT = 1000  # a number whose decimal exponent is larger than this is compared, never expanded
+MAX_MATH_DEPTH = 48  # brackets nested deeper than any honest answer: math-verify's parser takes ~10 ms a level
 
 AGENT_UNREADABLE = "agent/unreadable"  # model turns whose tool calls a limit refused (counted by the agent loop)
 REWARD_UNREADABLE = "reward/unreadable"  # verifier inputs refused by a limit, scored wrong (counted per step)
@@ -106,6 +107,18 @@ def json_depth(value: Any, limit: int) -> int:
             if deepest > limit:
                 return deepest
             stack.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
+def bracket_depth(text: str) -> int:
+    """The deepest nesting of (), [] and {} in `text` (unbalanced closers ignored), in one linear pass."""
+    depth = deepest = 0
+    for ch in text:
+        if ch in "([{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in ")]}" and depth:
+            depth -= 1
     return deepest
 
 

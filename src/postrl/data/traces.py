@@ -21,6 +21,7 @@ from typing import Any
 
 from postrl.errors import UserError
 from postrl.toolcall import call_end_id
+from postrl.untrusted import Unreadable, load_json
 
 
 
@@ -120,13 +121,24 @@ def normalize_messages(messages: Any, where: str) -> Any:
             )
         value = m.get("value", "")
         if str(m["from"]).lower() == "function_call":
-            import json
-
-            call = json.loads(value) if isinstance(value, str) else value
+            call = _function_call(value, f"{where}: message {k}")
             out.append({"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]})
         else:
             out.append({"role": role, "content": value, **({"name": m["name"]} if "name" in m else {})})
     return out
+
+
+def _function_call(value: Any, where: str) -> dict:
+    """A ShareGPT function_call message's JSON, read under the size and depth caps of model-written JSON."""
+    try:
+        call = load_json(value) if isinstance(value, str) else value
+    except Unreadable as exc:
+        raise UserError(f"{where} is a function_call whose value is not readable JSON ({exc}). "
+                        "Fix: write it as a JSON object {\"name\": ..., \"arguments\": {...}}.") from None
+    if not isinstance(call, dict):
+        raise UserError(f"{where} is a function_call whose value is a {type(call).__name__}, not an object. "
+                        "Fix: write it as a JSON object {\"name\": ..., \"arguments\": {...}}.")
+    return call
 
 
 def sft_pair(row: dict, prompt_key: str, response_key: str, where: str) -> tuple[Any, Any, list[dict] | None]:

@@ -14,7 +14,7 @@ import logging
 import threading
 
 from postrl.rewards.text import last_boxed, normalize_math, numbers_equal, parse_number, simple_value
-from postrl.untrusted import REWARD_UNREADABLE, exact_value, trip
+from postrl.untrusted import MAX_MATH_DEPTH, REWARD_UNREADABLE, bracket_depth, exact_value, trip
 
 # A final answer longer than this (and longer than 20x the ground truth) is not worth a symbolic
 # check: it is scored wrong unless it matches the ground truth as a string.
@@ -70,10 +70,16 @@ def quick_equal(pred: str | None, truth: str) -> bool | None:
             return True
         if not (pv[1] or tv[1]):
             return False  # two exact values that differ; a decimal may be a rounding: ask math-verify
-    if len(pred) > max(MAX_ANSWER_CHARS, 20 * len(truth)):
+    if len(pred) > max(MAX_ANSWER_CHARS, 20 * len(truth)) or too_deep(pred):
         trip(REWARD_UNREADABLE)
         return False
     return None
+
+
+def too_deep(text: str) -> bool:
+    """Brackets nested past `MAX_MATH_DEPTH`: math-verify's LaTeX parser would spend seconds a sample on them
+    (a \\boxed{ of 5000 `[` took 48 s), so such text is scored wrong, counted, before it is parsed."""
+    return bracket_depth(text) > MAX_MATH_DEPTH
 
 
 def _timeout() -> int | None:
@@ -125,6 +131,9 @@ def completion_matches(completion: str, truth: str) -> bool:
         truth = truth.rsplit("####", 1)[1].strip()
     gold = _parse(truth)
     if not gold:
+        return False
+    if too_deep(completion):
+        trip(REWARD_UNREADABLE)
         return False
     target = parse(completion, parsing_timeout=_timeout())
     return bool(target) and bool(verify(gold, target, timeout_seconds=_timeout()))

@@ -28,7 +28,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
-import postrl.agents.results as results
+from postrl.agents.results import error_text, show
 from postrl.agents.sandbox.sandbox import (
     CallStats,
     SandboxResult,
@@ -344,7 +344,7 @@ def _text_of(value: Any) -> str:
             text = json.dumps(value, ensure_ascii=False, default=str)
         except (TypeError, ValueError):
             text = str(value)
-    text = str.__str__(text) if isinstance(text, str) else results.show(text)
+    text = str.__str__(text) if isinstance(text, str) else show(text)
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
@@ -364,7 +364,7 @@ def _run_in_thread(tool: Tool, arguments: dict, timeout_s: float) -> ToolResult:
         try:
             box.append(ToolResult(_text_of(tool.fn(**arguments)), "ok"))
         except BaseException as exc:  # noqa: BLE001 - a tool's bug costs its call only
-            box.append(ToolResult(results.error_text(exc), "error"))  # its message is user code too
+            box.append(ToolResult(error_text(exc), "error"))  # its message is user code too
 
     thread = threading.Thread(target=target, name=f"postrl-tool-{tool.name}", daemon=True)
     thread.start()
@@ -412,5 +412,5 @@ def _call(tools: dict[str, Tool], name: str, arguments: dict | str | None, timeo
                 return python(timeout_s=timeout_s, limits=tool.sandbox_limits, **arguments)
             return tool.fn(**arguments)
         except Exception as exc:  # noqa: BLE001 - defensive: built-ins return errors, but never raise into the loop
-            return ToolResult(results.error_text(exc), "error")
+            return ToolResult(error_text(exc), "error")
     return _run_in_thread(tool, arguments, timeout_s)
