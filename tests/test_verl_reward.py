@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from postrl.checks import validate_tree
 from postrl.cli import main
-from postrl.config import build_config
 from postrl.errors import UserError
 from postrl.guides import convert_verl
 from postrl.rewards.registry import RewardFunction
@@ -27,7 +27,7 @@ def _row(source: str, truth, index: int) -> dict:
 def _reward_cfg(name: str = "compute_score", *more: str):
     conv = convert_verl(["actor_rollout_ref.model.path=m", f"custom_reward_function.path={REWARD}", f"custom_reward_function.name={name}",
                          "reward_model.reward_manager=naive", *more])  # fmt: skip
-    return conv, build_config(conv.tree)
+    return conv, validate_tree(conv.tree)
 
 
 def test_the_keys_become_a_verifier_that_replaces_the_managers_default():
@@ -73,7 +73,7 @@ def test_a_wrong_name_or_signature_is_a_config_error(name, message, tmp_path):
     bad.write_text("def _bad(completion, ground_truth, row):\n    return 1.0\n")
     conv = convert_verl(["actor_rollout_ref.model.path=m", f"custom_reward_function.path={bad}", f"custom_reward_function.name={name}"])
     with pytest.raises(UserError, match=message):
-        build_config(conv.tree)
+        validate_tree(conv.tree)
 
 
 def test_reward_kwargs_reach_the_function_as_verl_binds_them():
@@ -92,7 +92,7 @@ def test_a_reward_kwarg_the_function_does_not_take_is_a_config_error():
     conv = convert_verl(["actor_rollout_ref.model.path=m", f"custom_reward_function.path={REWARD}",
                          "custom_reward_function.reward_kwargs.scael=2"])  # fmt: skip
     with pytest.raises(UserError, match=r"kwargs scael, which its function compute_score\(data_source"):
-        build_config(conv.tree)
+        validate_tree(conv.tree)
 
 
 @pytest.mark.slow
@@ -111,5 +111,5 @@ def test_train_takes_a_verl_script(tmp_path, capsys):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]  # trainer.total_training_steps=2 after the script wins over its 5
     assert all(f"grpo/verl:{REWARD}:compute_score/mean" in r for r in rows)  # the user's file scored every step
-    cfg = build_config(__import__("yaml").safe_load((run / "converted_from_verl.yaml").read_text()))
+    cfg = validate_tree(__import__("yaml").safe_load((run / "converted_from_verl.yaml").read_text()))
     assert (cfg.algorithm.clip_ratio_high, cfg.algorithm.loss_agg_mode, cfg.rollout.max_tokens) == (0.28, "token-mean", 12)

@@ -25,7 +25,7 @@ import contextlib
 import functools
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -195,8 +195,9 @@ class Actor:
         return out
 
     # ---------------------------------------------------------------------------------- update
-    def update(self, packed: Packed, use_ref: bool = False) -> dict[str, float]:
-        """Mini-batches x micro-batches with gradient accumulation; returns the actor/* metrics."""
+    def update(self, packed: Packed, use_ref: bool = False, commit: Callable[[], None] = lambda: None) -> dict[str, float]:
+        """Mini-batches x micro-batches with gradient accumulation; returns the actor/* metrics. `commit()` is called
+        before the first optimizer step (a stop signal abandons the step only before it: runtime.StopOnSignal)."""
         t = self.cfg.train
         mini = t.mini_batch_size * self.G // distributed.data_parallel_size()  # this rank's rows of a mini-batch
         sums = _WeightedSums(self.dp_group)
@@ -210,7 +211,7 @@ class Actor:
         # Ulysses attention through forward and backward: gradient checkpointing recomputes inside the backward.
         ulysses = sp.ulysses(self.train_model, self.sp_group) if self.sp_group is not None else contextlib.nullcontext()
         with ulysses:
-            self._epochs(packed, mini, use_ref, sums, grad_norms)
+            self._epochs(packed, mini, use_ref, sums, grad_norms, commit)
         lr = self.optimizer.param_groups[0]["lr"]
         nonfinite = self.nonfinite.end_step(step, lr, self.runtime.dtype, self._skipped)  # stops after K in a row
         with warnings.catch_warnings():  # a skipped first step: "scheduler.step() before optimizer.step()" is intended
@@ -223,7 +224,9 @@ class Actor:
             out["actor/loss_scale"] = self.scaler.get_scale()
         return out
 
-    def _epochs(self, packed: Packed, mini: int, use_ref: bool, sums: "_WeightedSums", grad_norms: list[float]) -> None:
+    def _epochs(
+        self, packed: Packed, mini: int, use_ref: bool, sums: "_WeightedSums", grad_norms: list[float], commit: Callable[[], None]
+    ) -> None:  # fmt: skip
         """The optimizer steps of `update`: epochs x mini-batches, each accumulated over its micro-batches."""
         t = self.cfg.train
         for epoch in range(t.epochs_per_batch):
@@ -239,6 +242,7 @@ class Actor:
                     pg_total += pg
                     kl_total += kl
                     bad += [] if loss_finite else [j]
+                commit()  # from here the optimizer and the weights change: the step finishes
                 self.scaler.unscale_(self.optimizer)  # fp16: the gradients at their true size before clipping
                 grad_norm = distributed.clip_grad_norm_(self.params, t.grad_clip)
                 overflow = not bool(torch.isfinite(grad_norm))  # fp16: an overflow is the scaler's cue to halve the scale

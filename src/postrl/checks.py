@@ -4,13 +4,16 @@ builtin:python, an interpreter for a verifiers environment.
 
 `load_config` is the config as `postrl train` and `check-config` take it: read and validated by
 postrl.config (which knows nothing of this machine), then checked here, every problem at once as one
-UserError. It stands above postrl.config, postrl.agents and postrl.preflight, so the config that every
-module reads stands on none of them.
+UserError; the guides' verl-style overrides on a command line are translated here (postrl.guides). It
+stands above postrl.config, postrl.guides, postrl.agents, postrl.rewards and postrl.preflight, so the
+config that every module reads stands on none of them; it hands the config the rewards registry's
+verifier-name resolver, so a typo in reward.verifiers is reported with the config's other problems.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -18,15 +21,20 @@ from postrl.agents.loop.env import load_environment
 from postrl.agents.sandbox.sandbox import refusal
 from postrl.agents.tools.tools import load_tools
 from postrl.agents.verifiers.python import interpreter_problems
-from postrl.config import Config, read_config
+from postrl.config import Config, build_config, is_config_key, read_config
+from postrl.config.schema import VERIFIER_CHECK
 from postrl.errors import UserError
+from postrl.guides import convert_verl, split_overrides
 from postrl.preflight import looks_like_hub_id, run_model_problems
+from postrl.rewards.registry import verifier_problems
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None, check_paths: bool = True) -> Config:
-    """Load a YAML file, apply dotted overrides, validate (`postrl.config.read_config`); optionally check this
-    machine (`environment_problems`: input paths exist, the logging sinks' packages are installed, ...)."""
-    cfg = read_config(path, overrides)
+    """Load a YAML file, apply dotted overrides (the guides' verl-style ones translated), validate
+    (`postrl.config.read_config`); optionally check this machine (`environment_problems`: input paths exist,
+    the logging sinks' packages are installed, ...)."""
+    verl, native = guides_overrides(overrides or [])
+    cfg = read_config(path, native, context={VERIFIER_CHECK: verifier_problems}, translated=verl)
     if check_paths:
         problems = environment_problems(cfg)
         if problems:
@@ -35,11 +43,30 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, che
     return cfg
 
 
+def validate_tree(tree: dict, source: str = "config") -> Config:
+    """`config.build_config` with the verifier names resolved by the rewards registry (a typo or a function
+    that does not take its kwargs is reported with the config's other problems); nothing of this machine."""
+    return build_config(tree, source, {VERIFIER_CHECK: verifier_problems})
+
+
+def guides_overrides(overrides: list[str]) -> tuple[list[tuple[str, Any]], list[str]]:
+    """verl-style overrides (`actor_rollout_ref.rollout.n=8`, `data.train_batch_size=4`) translated through
+    postrl.guides' table, and the postrl overrides left as they are. A verl key with no postrl counterpart
+    is reported as a warning with what postrl offers instead, so a guide's command line still runs."""
+    verl, native = split_overrides(overrides, is_config_key)
+    if not verl:
+        return [], native
+    conv = convert_verl(verl)
+    for u in conv.unmapped:
+        logging.getLogger("postrl.config").warning("override %s=%r not applied: %s", u.source, u.value, u.instead)
+    return list(conv.flat().items()), native
+
+
 def path_problems(cfg: Config) -> list[str]:
     """Input files and model paths that do not exist (checked before anything starts)."""
     problems = []
     mp = cfg.model.path
-    if not mp.startswith("builtin:") and not Path(mp).expanduser().exists() and not looks_like_hub_id(mp):
+    if not mp.startswith("builtin:") and not mp.endswith(".gguf") and not Path(mp).expanduser().exists() and not looks_like_hub_id(mp):
         problems.append(
             f"model.path: '{mp}' does not exist. The policy is loaded from a Hugging Face model directory. "
             "Fix: point model.path at a directory with config.json (for the tiny default, run "

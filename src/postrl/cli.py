@@ -147,7 +147,7 @@ def cmd_preprocess(args) -> int:
 
 
 def cmd_verify(argv: list[str]) -> int:
-    from postrl.rewards.verify_cli import main_verify
+    from postrl.verify_cli import main_verify
 
     return main_verify(argv)
 
@@ -178,8 +178,7 @@ def _from_script(args):
     The run is built from the validated tree; the written YAML reads back as that same tree (render_yaml checks)."""
     from pathlib import Path
 
-    from postrl.checks import environment_problems
-    from postrl.config import build_config
+    from postrl.checks import environment_problems, validate_tree
     from postrl.guides import code_keys, sends_keys
 
     conv, source, text = _convert(args.config, args.env, args.overrides, None, allow_code=args.allow_code)
@@ -192,7 +191,7 @@ def _from_script(args):
             f"(`postrl train {args.config} --allow-code`), or remove them from {source}.",
             title=f"{source} sets {len(code)} setting(s) that run code other than postrl's or send the model's code away, and nothing of a script runs unless you allow it",
         )
-    cfg = build_config(conv.tree, f"{source} converted")
+    cfg = validate_tree(conv.tree, f"{source} converted")
     problems = environment_problems(cfg)
     if problems:
         raise UserError(*problems, title=f"{source} converted: {len(problems)} problem(s) in the configuration")
@@ -226,23 +225,24 @@ def _convert(source_arg: str, env_args: list[str], overrides: list[str], base: s
     """(conversion, source name, postrl YAML) of a MindSpeed-RL YAML, a verl script or override list, or an
     inline verl command line; validated (a problem names the source line its postrl key came from) without
     importing the user's code unless `allow_code`."""
-    from postrl.config import _is_config_key, build_config, parse_overrides, read_yaml_mapping
-    from postrl.guides import Mapped, _build_tree, _flatten, convert_file, convert_verl, inert, render_yaml
+    from postrl.checks import validate_tree
+    from postrl.config import is_config_key, parse_overrides, read_yaml_mapping
+    from postrl.guides import Mapped, build_tree, convert_file, convert_verl, flatten, inert, render_yaml
 
     env = _env(env_args)
     if source_arg == "-" or "=" in source_arg:  # verl overrides on the command line
         conv, source = convert_verl([source_arg, *overrides] if source_arg != "-" else overrides, "the command line"), "the command line"
     else:
         conv, source = convert_file(source_arg, env, overrides), source_arg
-    unknown = [o for o in conv.rest if not _is_config_key(o.split("=", 1)[0].lstrip("+"))]
+    unknown = [o for o in conv.rest if not is_config_key(o.split("=", 1)[0].lstrip("+"))]
     if unknown:
         raise UserError(*(f"override '{o}' names neither a key of {source} ({conv.dialect}) nor a postrl key, so it cannot "
                           "be applied. Fix: correct the key (docs/guides.md lists both)." for o in unknown))  # fmt: skip
     conv.mapped += [Mapped(f"{k} (command line)", v, {k: v}) for k, v in parse_overrides(conv.rest)]
     if base:
-        tree = _flatten(read_yaml_mapping(base, example="configs/tiny_grpo.yaml", keys="sections (model:, data:, ...)"))
+        tree = flatten(read_yaml_mapping(base, example="configs/tiny_grpo.yaml", keys="sections (model:, data:, ...)"))
         conv.mapped.insert(0, Mapped(f"--base {base}", None, tree, ""))
-    _build_tree(conv)
+    build_tree(conv)
     if not (conv.tree.get("model") or {}).get("path"):
         raise UserError(
             f"{source} converts to a fragment ({len(conv.mapped)} keys, no model path: tokenizer_name_or_path / "
@@ -251,7 +251,7 @@ def _convert(source_arg: str, env_args: list[str], overrides: list[str], base: s
         )
     text = render_yaml(conv, source)
     try:
-        build_config(conv.tree if allow_code else inert(conv.tree), f"{source} converted")  # a bad value: say so now
+        validate_tree(conv.tree if allow_code else inert(conv.tree), f"{source} converted")  # a bad value: say so now
     except UserError as exc:  # name the source line each postrl key came from
         origin = {k: (f"line {conv.lines[m.source]}: " if m.source in conv.lines else "") + m.source for m in conv.mapped for k in m.targets}
         raise UserError(*(_with_origin(p, origin) for p in exc.problems), title=exc.title) from None

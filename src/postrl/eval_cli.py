@@ -16,7 +16,7 @@ def evaluate_model(cfg, log: Any = None) -> tuple[dict[str, float], str]:
     """Load model.path (model directory or checkpoint) and evaluate it on every eval file."""
     from postrl.assembly import build_run
 
-    if not cfg.model.path.startswith("builtin:"):
+    if not cfg.model.path.startswith("builtin:") and not cfg.model.path.endswith(".gguf"):  # (a GGUF: models.py)
         cfg.model.path = str(_resolve(cfg.model.path))
     run = build_run(cfg, "eval", log)  # weights in model.dtype: nothing trains here (runtime.py: precision)
     policy, agent = run.policy, cfg.rollout.takes_rows

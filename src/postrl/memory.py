@@ -380,9 +380,15 @@ def other_models(cfg, held, policy_bytes: float) -> tuple[tuple[str, float], ...
 
 def estimate_for_config(cfg, device_gib: float) -> tuple[Estimate | None, str]:
     """The estimate of a postrl Config on devices of `device_gib` GiB, and a line saying what it is of."""
-    if cfg.model.path.startswith("builtin:"):
+    from postrl.builtin import pretrained
+
+    gguf = pretrained.gguf_file(cfg.model.path)
+    if cfg.model.path.startswith("builtin:") and gguf is None:
         return None, "built-in tiny model: a few MB, no estimate needed"
-    shape, source = find_shape(cfg.model.path)
+    if gguf is not None:
+        shape, source = shape_from_config(pretrained.gguf_config(gguf)), f"the GGUF header of {gguf.name}"
+    else:
+        shape, source = find_shape(cfg.model.path)
     if shape is None:
         why = (
             f"{source} describes no dense decoder (MoE?)" if source

@@ -2,7 +2,8 @@
 
 Any Hugging Face causal LM directory or hub id loads the same way (a real Qwen2.5 config included);
 a model with a vision tower loads through its modality adapter (`postrl.modality`), chosen once from
-config.json. 'builtin:<name>' paths are the demos' tiny models (`postrl.builtin.tiny`).
+config.json. 'builtin:<name>' paths are the demos' tiny models (`postrl.builtin.tiny`) and the pretrained
+built-ins; a '.gguf' path is dequantized once into a cached model directory (`postrl.builtin.pretrained`).
 """
 
 from __future__ import annotations
@@ -22,11 +23,16 @@ from postrl.runtime import DTYPES, accelerator
 
 
 def resolve_model_path(path: str, tiny: dict | None = None) -> str:
-    """`path` itself, or for 'builtin:<name>' the directory of the built (cached) tiny model."""
+    """`path` itself, or the (cached) model directory of a 'builtin:<name>' or of a '.gguf' file."""
+    from postrl.builtin import pretrained
+
     if path.startswith("builtin:"):
         from postrl.builtin.tiny import build_tiny_model
 
-        return str(build_tiny_model(path.split(":", 1)[1], **(tiny or {})))
+        name = path.split(":", 1)[1]
+        return str(pretrained.builtin_dir(name) if name in pretrained.PRETRAINED else build_tiny_model(name, **(tiny or {})))
+    if path.endswith(".gguf"):
+        return str(pretrained.gguf_dir(path))
     return path
 
 

@@ -142,8 +142,8 @@ def check_model(path: str, role: Role, tokenizer_dir: str | None = None, policy_
     read their own; None for the others). `policy_vocab`: the policy tokenizer's size, which a role that
     reads token ids of the policy (reference, critic, teacher) must fit.
     """
-    if path.startswith("builtin:"):
-        return []
+    if path.startswith("builtin:") or path.endswith(".gguf"):
+        return builtin_or_gguf_problems(path, role.key)
     d = model_dir(path)
     if d is None:
         return []  # a hub id not cached here: the loader downloads it (and says so when it cannot)
@@ -192,6 +192,25 @@ def check_model(path: str, role: Role, tokenizer_dir: str | None = None, policy_
     return problems
 
 
+def builtin_or_gguf_problems(path: str, key: str) -> list[str]:
+    """A 'builtin:<name>' that names no built-in model or whose package is not installed; a GGUF file that
+    transformers cannot read (postrl.builtin.pretrained), from its header."""
+    from postrl.builtin import pretrained, tiny
+    from postrl.errors import UserError
+
+    if path.endswith(".gguf"):
+        return pretrained.gguf_problems(path, key)
+    name = path.split(":", 1)[1]
+    if name not in tiny.builtin_names():
+        return [tiny.unknown_builtin(name).replace("model.path:", f"{key}:", 1)]
+    if name in pretrained.PRETRAINED:
+        try:
+            pretrained.packaged_file(name)
+        except UserError as exc:
+            return list(exc.problems)
+    return []
+
+
 def _kind_problems(where: str, role: Role, config: dict) -> list[str]:
     kind, arch = model_kind(config)
     if kind is None or role.kind == "any":
@@ -226,7 +245,7 @@ def run_model_problems(cfg: Any) -> list[str]:
     tok_dir = m.tokenizer_path or None
     problems = check_model(m.path, POLICY, tok_dir)
     policy_vocab = None
-    if not problems and not m.path.startswith("builtin:"):
+    if not problems and not m.path.startswith("builtin:") and not m.path.endswith(".gguf"):
         d = model_dir(tok_dir or m.path)
         policy_vocab = tokenizer_vocab_size(d) if d is not None and d.is_dir() else None
         problems += sequence_parallel_problems(m.path, cfg.train.sequence_parallel_size)

@@ -41,7 +41,8 @@ loaded and hands the result to whoever builds models or tensors, as nanochat's `
   the process decides once, the engines do not.
 - RNG: `seed_everything`, and `rng_state` / `set_rng_state` for exact resume.
 - Signals: `StopOnSignal` turns SIGTERM / SIGINT into a flag the loop reads after each step, or, while the
-  step only collects its batch (`abandonable`), abandons the step at once (`StepAbandoned`).
+  step has not yet changed what a checkpoint holds (`abandonable`, until `commit`: its rollout, log-probs
+  and update up to the first optimizer step), abandons the step at once (`StepAbandoned`).
 """
 
 from __future__ import annotations
@@ -374,23 +375,26 @@ def set_rng_state(state: dict) -> None:
 
 
 class StepAbandoned(BaseException):
-    """A stop signal came while the step was collecting its batch (`StopOnSignal.abandonable`). A BaseException,
+    """A stop signal came before the step changed what a checkpoint holds (`StopOnSignal.abandonable`). A BaseException,
     as KeyboardInterrupt is: no `except Exception` on the way (a user's program, the rollout) holds it up."""
 
     def __init__(self, signum: int):
-        super().__init__(f"stopped on signal {signum} while collecting the step's batch")
+        super().__init__(f"stopped on signal {signum} before the step's first optimizer step")
         self.signum = signum
 
 
 class StopOnSignal:
     """SIGTERM / SIGINT set a flag that the loop reads after each step; a second one stops at once.
 
-    A scheduler sends SIGTERM before it preempts a job: the step in flight finishes (its length
-    bounds the wait), a checkpoint is written, and the run exits cleanly. While the step is still
-    collecting its batch (inside `abandonable()`: a rollout can wait on an agent program for as long as
-    rollout.agent_timeout_s) the signal abandons the step at once instead, by raising `StepAbandoned`
-    in the main thread: nothing a checkpoint holds has changed yet. Only the main thread can install
-    handlers; elsewhere (a Ray worker thread) signals keep their default meaning.
+    A scheduler sends SIGTERM before it preempts a job and kills it about 30 s later, while one step of a
+    real model on a CPU takes minutes (its rollout, its log-prob passes, its update). So inside
+    `abandonable()`, from a step's start until `commit()` (called just before its first optimizer step),
+    the signal abandons the step at once by raising `StepAbandoned` in the main thread: nothing a checkpoint
+    holds (weights, optimizer, scheduler) has changed yet, and the checkpoint of the last completed step is
+    written with the RNG and sampler of the step's start, so a resumed run draws the same step again. A
+    signal that came just before the window opens abandons the step as it starts. After `commit()` the step
+    in flight finishes (its optimizer steps), a checkpoint is written, and the run exits cleanly. Only the
+    main thread can install handlers; elsewhere (a Ray worker thread) signals keep their default meaning.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -414,12 +418,19 @@ class StopOnSignal:
 
     @contextlib.contextmanager
     def abandonable(self, enabled: bool = True) -> Any:
-        """A stop signal inside abandons the step (`StepAbandoned`); one that came before is left to the loop."""
+        """A stop signal inside, or one that came before, abandons the step (`StepAbandoned`) until `commit()`."""
+        if enabled and self.signum:
+            raise StepAbandoned(self.signum)
         self.abandon = enabled
         try:
             yield
         finally:
             self.abandon = False
+
+    def commit(self) -> None:
+        """The step is about to change what a checkpoint holds (an optimizer step): a signal from here is left to
+        the loop, which stops after the step."""
+        self.abandon = False
 
     def __exit__(self, *exc: Any) -> None:
         for s, handler in self.previous.items():

@@ -12,6 +12,7 @@ business: the loop reads the same for every placement. Formulas live in algorith
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 from pathlib import Path
@@ -61,6 +62,7 @@ class Trainer:
         self.logger = MetricsLogger(cfg.logging.dir, cfg.logging.sinks, cfg.model_dump(mode="json"), enabled=rt.is_main,
                                     metric_names=cfg.logging.metric_names, algo=self.algo_name)  # fmt: skip
         self.step, self.timer, self._closed, self.signals = 0, Timer(), False, StopOnSignal()
+        self._phase = ""  # what the step in flight was doing, for the message of a stop signal that abandons it
         self.guards = guards.Guards(cfg, self.log)
         self.history = ValidationHistory(cfg.checkpoint.keep_best)  # the headline validation metric
         self.samples = SampleWriter(cfg, self.tokenizer, self.log, enabled=rt.is_main)  # <logging.dir>/samples/*.jsonl
@@ -129,8 +131,9 @@ class Trainer:
         self.timer = Timer()
         for part in (self.actor, self.critic) if self.critic else (self.actor,):
             part.free_grads()  # the last update's fp32 gradients: rollout needs the memory more
-        with self.timer("all"):
+        with self.timer("all"), self._abandonable():
             batch, gen_stats = self._collect()  # the global batch, the same on every rank
+            self._phase = "computing its log-probs and update (before its optimizer step)"
             with self.timer("adv"):
                 adv_B = self.experience.advantages(batch) if self.critic is None else torch.zeros(batch.size)  # GAE: below
                 local = self.actor.pack(batch, adv_B)  # this rank's rows
@@ -145,35 +148,47 @@ class Trainer:
             if self.critic is not None:  # values, GAE advantages and returns, then the critic's update (verl's order)
                 with self.timer("values"):
                     update_stats = self.critic.advantages(local)
+                self.signals.commit()  # the critic's optimizer steps come first: from here the step finishes
                 with self.timer("update_critic"):
                     update_stats.update(self.critic.update(local))
             with self.timer("update"):
-                update_stats.update(self.actor.update(local, use_ref=self.cfg.algorithm.kl.coef > 0))
+                update_stats.update(self.actor.update(local, use_ref=self.cfg.algorithm.kl.coef > 0, commit=self.signals.commit))
+            self.signals.commit()  # an update that took no optimizer step has changed nothing either way
             with self.timer("resharding_to_infer"):  # the weights for the next batches, checked where they land
                 update_stats.update(self.batches.publish(self.model, self.step + 1))
         self.samples.rollout(self.step + 1, batch)
         return self._step_metrics(batch, gen_stats, update_stats)
 
+    @contextlib.contextmanager
+    def _abandonable(self):
+        """A stop signal before the step's first optimizer step (its rollout, which can wait on agent programs for
+        rollout.agent_timeout_s; its log-prob passes; its update's micro-batches) abandons the step at once (one process
+        only: no rank waits in a collective), so a preempted run exits within seconds: the steps trained so far are
+        checkpointed as they were before this step began (its RNG and sampler too), and a resumed run redoes it."""
+        before = {"rng": rng_state(), "sampler": self.sampler.state_dict()}
+        self._phase = "collecting its batch"
+        try:
+            with self.signals.abandonable(not distributed.is_distributed()):
+                yield
+        except StepAbandoned as exc:
+            self._save_trained(before)
+            self.close()
+            done = f"stopped after step {self.step} with a checkpoint in {self.cfg.checkpoint.dir}" if self.step else "stopped before any step"
+            self.log(f"[yellow]{signal.Signals(exc.signum).name} received: {done}; step {self.step + 1}, which was {self._phase}, "
+                     "was abandoned; run the same command again to continue (checkpoint.resume: auto).[/yellow]")  # fmt: skip
+            raise Stopped(exc.signum) from None
+
     def _collect(self):
-        """The step's batch. When the data stops the run (dynamic sampling exhausted, every reward failing) or a stop
-        signal abandons a rollout stuck on agent programs (one process only: no rank waits in a collective), the
+        """The step's batch. When the data stops the run (dynamic sampling exhausted, every reward failing), the
         steps trained so far are checkpointed first, as they were before this step began."""
         before = {"rng": rng_state(), "sampler": self.sampler.state_dict()}
         try:
-            with self.signals.abandonable(not distributed.is_distributed()):
-                return self.batches.next_batch(self.step, self.timer)
+            return self.batches.next_batch(self.step, self.timer)
         except UserError as exc:
             if (path := self._save_trained(before)) is None:
                 raise  # nothing trained yet, or this step's checkpoint exists
             raise UserError(*exc.problems, f"The {self.step} step(s) trained so far are saved in {path}; after the fix, the "
                             "same command continues from there (checkpoint.resume: auto).", title=exc.title) from None  # fmt: skip
-        except StepAbandoned as exc:
-            self._save_trained(before)
-            self.close()
-            done = f"stopped after step {self.step} with a checkpoint in {self.cfg.checkpoint.dir}" if self.step else "stopped before any step"
-            self.log(f"[yellow]{signal.Signals(exc.signum).name} received: {done}; step {self.step + 1}, which was collecting its "
-                     "batch, was abandoned; run the same command again to continue (checkpoint.resume: auto).[/yellow]")  # fmt: skip
-            raise Stopped(exc.signum) from None
 
     def _save_trained(self, before: dict) -> Path | None:
         """Checkpoint the steps trained so far, with the RNG and sampler of `before` (the step's start)."""

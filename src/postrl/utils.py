@@ -56,15 +56,19 @@ def publish_dir(tmp: Path, target: Path, done: Callable[[Path], bool] | None = N
     raise OSError(f"could not publish {tmp} as {target}: other writers kept replacing it")
 
 
-def get_dotted(row: dict, dotted: str, default: Any = None) -> Any:
-    """row['a']['b'] for 'a.b' (a literal key 'a.b' wins); `default` when any level is missing."""
-    if dotted in row:
+def get_dotted(row: Any, dotted: str, default: Any = None) -> Any:
+    """row['a']['b'] for 'a.b', list items by integer index ('msgs.-1.content'); a literal key 'a.b' wins;
+    `default` when any level is missing."""
+    if isinstance(row, dict) and dotted in row:
         return row[dotted]
-    node: Any = row
+    node = row
     for key in dotted.split("."):
-        if not isinstance(node, dict) or key not in node:
+        if isinstance(node, dict) and key in node:
+            node = node[key]
+        elif isinstance(node, list) and key.lstrip("-").isdigit() and -len(node) <= int(key) < len(node):
+            node = node[int(key)]
+        else:
             return default
-        node = node[key]
     return node
 
 

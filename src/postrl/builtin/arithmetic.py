@@ -65,10 +65,10 @@ def make_problem(rng: random.Random, max_value: int, n_operands: int, subtractio
     }
 
 
-def to_verl_row(problem: dict, index: int, split: str, style: str = "solution") -> dict:
+def to_verl_row(problem: dict, index: int, split: str, style: str = "solution", instruction: str = "") -> dict:
     return {
         "data_source": "arithmetic",
-        "prompt": [{"role": "user", "content": problem["question"]}],
+        "prompt": [{"role": "user", "content": f"{problem['question']} {instruction}".strip()}],
         "ability": "math",
         "reward_model": {"style": "rule", "ground_truth": problem["answer"]},
         "extra_info": {
@@ -89,15 +89,17 @@ def generate_splits(
     terse_ratio: float = 0.0,
     hasty_ratio: float = 0.0,
     seed: int = 1234,
+    instruction: str = "",
 ) -> dict[str, list[dict]]:
-    """Rows of both splits; validation signatures never occur in training."""
+    """Rows of both splits; validation signatures never occur in training. `instruction` follows each question
+    (a pretrained instruct model is told how to answer; the tiny models learn it from SFT instead)."""
     rng = random.Random(seed)
 
     def to_row(p: dict, index: int, split: str) -> dict:
         style = "solution"
         if split == "train" and rng.random() < terse_ratio:
             style = "hasty_solution" if rng.random() < hasty_ratio else "terse_solution"
-        return to_verl_row(p, index, split, style)
+        return to_verl_row(p, index, split, style, instruction)
 
     return cache.disjoint_splits(
         {"val": val_size, "train": train_size},

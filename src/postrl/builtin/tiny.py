@@ -22,13 +22,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable
 
 from postrl.builtin import arithmetic, cache, shapes, tool_arithmetic
 from postrl.errors import UserError
 from postrl.utils import cache_dir, publish_dir, scratch_path
+
+if TYPE_CHECKING:
+    import torch  # imported where a model is built: check-config names the built-in models without it
 
 TINY_VERSION = 2  # tiny-qwen2; bump when the architecture or the tokenizer corpus changes (invalidates the cache)
 TINY_VL_VERSION = 3  # tiny-qwen2.5-vl; same rule
@@ -142,6 +143,7 @@ def _language_model(spec: dict, tokenizer: Any) -> dict[str, Any]:
 
 
 def _qwen2(spec: dict, tokenizer: Any) -> tuple[torch.nn.Module, list[Any]]:
+    import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(**_language_model(spec, tokenizer))
@@ -150,6 +152,7 @@ def _qwen2(spec: dict, tokenizer: Any) -> tuple[torch.nn.Module, list[Any]]:
 
 
 def _qwen3_moe(spec: dict, tokenizer: Any) -> tuple[torch.nn.Module, list[Any]]:
+    import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     config = Qwen3MoeConfig(
@@ -167,6 +170,7 @@ def _qwen3_moe(spec: dict, tokenizer: Any) -> tuple[torch.nn.Module, list[Any]]:
 
 
 def _qwen2_5_vl(spec: dict, tokenizer: Any) -> tuple[torch.nn.Module, list[Any]]:
+    import torch
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -242,6 +246,22 @@ TINY_MODELS: dict[str, TinyKind] = {
 }
 
 
+def builtin_names() -> list[str]:
+    """Every 'builtin:<name>' model: the tiny ones and the pretrained ones (postrl.builtin.pretrained)."""
+    from postrl.builtin.pretrained import PRETRAINED
+
+    return [*TINY_MODELS, *PRETRAINED]
+
+
+def unknown_builtin(name: str) -> str:
+    """The error for a 'builtin:<name>' model path that names no built-in model."""
+    return (
+        f"model.path: 'builtin:{name}' is not a built-in model. Fix: use one of "
+        + ", ".join(f"'builtin:{n}'" for n in builtin_names())
+        + ", or a Hugging Face model directory, hub id or .gguf file."
+    )
+
+
 def train_tokenizer(vocab_size: int, special_tokens: list[str], chat_template: str, corpus: list[str]):
     """A byte-level BPE tokenizer with single-digit tokens, EOS <|im_end|> and pad <|endoftext|>."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -275,11 +295,7 @@ def build_tiny_model(name: str = "tiny-qwen2", out_dir: str | Path | None = None
 
     kind = TINY_MODELS.get(name)
     if kind is None:
-        raise UserError(
-            f"unknown built-in model 'builtin:{name}'; the built-in models are "
-            + " and ".join(f"'builtin:{n}'" for n in TINY_MODELS)
-            + "."
-        )
+        raise UserError(unknown_builtin(name))
     unknown = set(overrides) - set(kind.defaults)
     if unknown:
         raise UserError(

@@ -43,6 +43,9 @@ class BuiltinTaskConfig(TaskKnobs):
     min_operands: int = Field(2, ge=2, description="Fewest numbers in a problem.")
     max_operands: int = Field(3, ge=2, description="Most numbers in a problem.")
     subtraction: bool = Field(True, description="Allow 'gives away' steps (subtraction, never below zero).")
+    instruction: str = Field(
+        "", description="Text after each question, e.g. 'Answer with just the number.' for a pretrained instruct model."
+    )
 
 
 class ShapesTaskConfig(TaskKnobs):

@@ -1,6 +1,7 @@
-"""Reading the run configuration: a YAML file, dotted overrides (and the guides' verl-style ones, translated
-by postrl.guides), validation with every problem reported at once as a UserError (what, why, how to fix),
-the notes on keys without effect. What this machine lacks for the run is postrl.checks' (it stands above).
+"""Reading the run configuration: a YAML file, dotted overrides, validation with every problem reported at
+once as a UserError (what, why, how to fix), the notes on keys without effect. The guides' verl-style
+overrides are translated by postrl.guides, and what this machine lacks for the run is checked, in
+postrl.checks (it stands above both).
 """
 
 from __future__ import annotations
@@ -100,19 +101,20 @@ def _section_at(cls: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
     return cls
 
 
-def build_config(tree: dict, source: str = "config") -> Config:
-    """Validate a config tree; raise a UserError that lists every problem."""
+def build_config(tree: dict, source: str = "config", context: dict | None = None) -> Config:
+    """Validate a config tree; raise a UserError that lists every problem. `context` is pydantic's validation
+    context: what the layers above hand the schema (VERIFIER_CHECK, the rewards registry's name resolver)."""
     try:
-        return Config.model_validate(tree)
+        return Config.model_validate(tree, context=context)
     except ValidationError as exc:
         problems = []
         for err in exc.errors():
             problems.extend(_describe_error(err, Config))
-        problems += [p for p in _cross_section_problems(tree, exc) if p not in problems]
+        problems += [p for p in _cross_section_problems(tree, exc, context) if p not in problems]
         raise UserError(*problems, title=f"{source}: {len(problems)} problem(s) in the configuration") from None
 
 
-def _cross_section_problems(tree: dict, exc: ValidationError) -> list[str]:
+def _cross_section_problems(tree: dict, exc: ValidationError, context: dict | None) -> list[str]:
     """The checks of a section or across sections (model validators such as Config._derive), which pydantic
     skips while a field below them is bad: run again on the tree with the bad keys at their defaults, keeping
     the problems that do not mention a key that was reset."""
@@ -132,7 +134,7 @@ def _cross_section_problems(tree: dict, exc: ValidationError) -> list[str]:
                 node = node[part]
         trial.setdefault("model", {}).setdefault("path", "builtin:tiny-qwen2")
         try:
-            Config.model_validate(trial)
+            Config.model_validate(trial, context=context)
             break
         except ValidationError as again:
             exc = again
@@ -157,39 +159,27 @@ def read_yaml_mapping(path: str | Path, example: str, keys: str) -> dict:
     return tree
 
 
-def _is_config_key(dotted: str) -> bool:
+def is_config_key(dotted: str) -> bool:
+    """Whether a dotted key names a field of the config (`train.lr`), not a section or an unknown key."""
     loc = tuple(dotted.split("."))
     return _section_at(Config, loc[:-1]) is not None and loc[-1] in _section_at(Config, loc[:-1]).model_fields
 
 
-def _split_guides_overrides(overrides: list[str]) -> tuple[list[tuple[str, Any]], list[str]]:
-    """verl-style overrides (`actor_rollout_ref.rollout.n=8`, `data.train_batch_size=4`) translated through
-    postrl.guides' table, and the postrl overrides left as they are. A verl key with no postrl counterpart
-    is reported as a warning with what postrl offers instead, so a guide's command line still runs."""
-    from postrl.guides import convert_verl, split_overrides
-
-    verl, native = split_overrides(overrides, _is_config_key)
-    if not verl:
-        return [], native
-    conv = convert_verl(verl)
-    for u in conv.unmapped:
-        logging.getLogger("postrl.config").warning("override %s=%r not applied: %s", u.source, u.value, u.instead)
-    return list(conv.flat().items()), native
-
-
-def read_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
-    """Load a YAML file, apply dotted overrides, validate, log the notes on keys without effect. Nothing of
-    this machine is checked here: `postrl.checks.load_config` adds that (paths, models, packages, tools)."""
+def read_config(path: str | Path | None, overrides: list[str] | None = None, context: dict | None = None,
+                translated: list[tuple[str, Any]] = ()) -> Config:
+    """Load a YAML file, apply `translated` (dotted key, value) pairs then the dotted overrides, validate
+    (`context`: see build_config), log the notes on keys without effect. Nothing of this machine is checked
+    here: `postrl.checks.load_config` adds that (paths, models, packages, tools), translates the guides'
+    verl-style overrides and hands down the verifier-name resolver."""
     tree: dict = {}
     source = str(path) if path else "command line"
     if path is not None:
         tree = read_yaml_mapping(path, example="configs/tiny_dapo.yaml", keys="sections (model:, data:, ...)")
-    verl, native = _split_guides_overrides(overrides or [])
-    for key, value in verl:
+    for key, value in translated:
         _set_dotted(tree, key, value)
-    for key, value in parse_overrides(native):
+    for key, value in parse_overrides(overrides or []):
         _set_dotted(tree, key, value)
-    cfg = build_config(tree, source)
+    cfg = build_config(tree, source, context)
     for note in config_notes(cfg):
         logging.getLogger("postrl.config").warning("note: %s", note)
     return cfg

@@ -14,7 +14,7 @@ import difflib
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator, model_validator
 
 from postrl.config.knobs import BuiltinTaskConfig, ShapesTaskConfig, ToolArithmeticConfig
 from postrl.config.rules import derive
@@ -22,7 +22,7 @@ from postrl.utils import is_loopback
 
 
 
-def env_names(names: list[str], key: str) -> list[str]:
+def env_names(names: list[str]) -> list[str]:
     """`names` when each is an environment variable's name (letters, digits, underscores, not starting with a digit)."""
     from postrl.children import ENV_NAME
 
@@ -31,6 +31,11 @@ def env_names(names: list[str], key: str) -> list[str]:
         raise ValueError(f"lists {bad[:3]}, which {'are' if len(bad) > 1 else 'is'} not the name of an environment "
                          "variable: it names variables to pass to child processes. Fix: list names such as OPENAI_API_KEY.")
     return names
+
+
+# The *env_passthrough keys: names of environment variables handed to child processes beside the allowlist.
+EnvNames = Annotated[list[str], AfterValidator(env_names)]
+
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=False, protected_namespaces=())
@@ -42,7 +47,8 @@ class ModelConfig(Section):
         description="Hugging Face model directory or hub id (e.g. Qwen/Qwen2.5-7B-Instruct, "
         "Qwen/Qwen2.5-VL-7B-Instruct), or 'builtin:tiny-qwen2' / 'builtin:tiny-qwen2.5-vl' for the built-in "
         "tiny text / vision-language model (built locally and cached), 'builtin:tiny-qwen3-moe' for a tiny "
-        "mixture-of-experts model."
+        "mixture-of-experts model, 'builtin:smollm2-135m-instruct' for a small pretrained instruct model (the `real` "
+        "extra), or a .gguf file (dequantized once into a cached model directory)."
     )
     tokenizer_path: str | None = Field(None, description="Tokenizer/processor location; defaults to `path`.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
@@ -308,18 +314,13 @@ class RolloutConfig(Section):
         description="rollout.agent: 0 runs the programs in the trainer's process; N >= 1 runs them in N worker processes, so their "
         "own CPU (the openai client, tools) does not share the trainer's GIL, and a stuck or crashing program is contained.",
     )  # fmt: skip
-    agent_env_passthrough: list[str] = Field(
+    agent_env_passthrough: EnvNames = Field(
         default_factory=list, description="rollout.agent / rollout.environment: environment variables the worker and "
         "environment processes (and the rollout worker or pool replicas that start them) get beside the allowlist (PATH, "
         "locale, TZ, TMPDIR, PYTHON*, thread and device settings, the HF cache paths; HOME is an empty directory), e.g. "
         "[OPENAI_API_KEY] for a program that calls another service; the rest of the trainer's (HF_TOKEN, WANDB_API_KEY, "
         "cloud keys) stays behind (children.py, docs/agents.md).",
     )
-
-    @field_validator("agent_env_passthrough")
-    @classmethod
-    def _env_names(cls, v: list[str]) -> list[str]:
-        return env_names(v, "rollout.agent_env_passthrough")
     agent_batch_wait_ms: float = Field(
         20.0, ge=0, description="rollout.agent: the endpoint samples the requests it holds once every running program "
         "waits on one, or when none arrived for this long (at most 10x this after the first).",
@@ -749,6 +750,11 @@ class JudgeConfig(Section):
         return v
 
 
+# The validation context's key for the verifier-name resolver, a function of [(name, kwargs)] -> problems
+# (postrl.rewards.registry.verifier_problems); without it names are checked when the rewards are built.
+VERIFIER_CHECK = "verifier_problems"
+
+
 class RewardConfig(Section):
     verifiers: list[VerifierSpec] = Field(
         default_factory=lambda: [VerifierSpec(name="math_17k_acc")],
@@ -758,17 +764,12 @@ class RewardConfig(Section):
     )
     timeout_s: float = Field(5.0, gt=0, description="Per-call time limit of an answer-equivalence check.")
     workers: int = Field(2, ge=1, description="Worker processes for verification.")
-    env_passthrough: list[str] = Field(
+    env_passthrough: EnvNames = Field(
         default_factory=list, description="Environment variables the verifier worker processes (and the rollout worker or "
         "pool replicas that start them) get beside the allowlist (children.py; HOME is an empty directory), e.g. "
         "[OPENAI_API_KEY] for a verifier that calls a service; the rest of the trainer's (HF_TOKEN, WANDB_API_KEY, cloud "
         "keys) stays behind.",
     )
-
-    @field_validator("env_passthrough")
-    @classmethod
-    def _env_names(cls, v: list[str]) -> list[str]:
-        return env_names(v, "reward.env_passthrough")
     reward_model: RewardModelConfig | None = Field(
         None, description="A reward model added to the rule verifiers by weight (training rewards only; docs/rewards.md)."
     )
@@ -786,12 +787,13 @@ class RewardConfig(Section):
 
     @field_validator("verifiers")
     @classmethod
-    def _resolve(cls, v: list[VerifierSpec]) -> list[VerifierSpec]:
+    def _resolve(cls, v: list[VerifierSpec], info: ValidationInfo) -> list[VerifierSpec]:
         # Resolve names now (built-ins, and users' 'module:function' imported here), so that a typo is
-        # reported by check-config with the other problems, not by train after the model has loaded.
-        from postrl.rewards.registry import verifier_problems
-
-        problems = verifier_problems([(spec.name, spec.kwargs) for spec in v])
+        # reported by check-config with the other problems, not by train after the model has loaded. The
+        # resolver is the rewards registry's, handed down by the caller (VERIFIER_CHECK in the validation
+        # context: postrl.checks.load_config, `postrl verify`): the config stands below the rewards.
+        check = (info.context or {}).get(VERIFIER_CHECK)
+        problems = check([(spec.name, spec.kwargs) for spec in v]) if check else []
         if problems:
             raise ValueError("\n".join(problems))
         return v

@@ -26,6 +26,7 @@ import ast
 import fnmatch
 import re
 from dataclasses import dataclass, field
+from typing import Callable
 
 MAX_WORD = 10_000  # characters of one arithmetic expression; one expanded word may be 10x that
 MAX_DEPTH = 16  # nesting of ${...} defaults, $((...)) and variables holding expressions
@@ -549,21 +550,17 @@ def _double_bracket(raw: list[str]) -> bool | None:
         pattern = words[2] if len(words) == 3 and words[1] in ("=", "==", "!=") else None
         return _single_test([unquote(w) for w in words], pattern)
 
-    def conjunction() -> bool | None:
+    def chain(op: str, operand: Callable[[], bool | None], combine: Callable) -> bool | None:
+        """operand (op operand)*, left to right: && binds tighter than ||, as in [[ ]]."""
         nonlocal pos
-        v = primary()
-        while pos < len(raw) and raw[pos] == "&&":
+        v = operand()
+        while pos < len(raw) and raw[pos] == op:
             pos += 1
-            v = kleene_and(v, primary())
+            v = combine(v, operand())
         return v
 
     def disjunction() -> bool | None:
-        nonlocal pos
-        v = conjunction()
-        while pos < len(raw) and raw[pos] == "||":
-            pos += 1
-            v = kleene_or(v, conjunction())
-        return v
+        return chain("||", lambda: chain("&&", primary, kleene_and), kleene_or)
 
     v = disjunction()
     return v if pos == len(raw) else None

@@ -11,7 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from postrl.errors import UserError
-from postrl.rewards.verify_cli import as_completion, as_ground_truth, get_path, main_verify, parse_verifiers
+from postrl.utils import get_dotted
+from postrl.verify_cli import as_completion, as_ground_truth, main_verify, parse_verifiers
 
 # ../shared/data beside the checkout (found from a git worktree nested deeper, too)
 DATA = next((p / "shared" / "data" for p in Path(__file__).resolve().parents if (p / "shared" / "data").is_dir()),
@@ -31,9 +32,9 @@ def printed(capsys, captured=None) -> dict[str, str]:
 
 def test_helpers():
     row = {"reward_model": {"ground_truth": "4"}, "a.b": 1, "msgs": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "A"}]}
-    assert get_path(row, "reward_model.ground_truth") == "4"
-    assert get_path(row, "a.b") == 1  # a literal dotted key wins
-    assert get_path(row, "msgs.1.content") == "A"
+    assert get_dotted(row, "reward_model.ground_truth") == "4"
+    assert get_dotted(row, "a.b") == 1  # a literal dotted key wins
+    assert get_dotted(row, "msgs.1.content") == "A"
     assert as_completion(row["msgs"]) == "A"
     assert as_completion({"role": "assistant", "content": "B"}) == "B"
     assert as_completion(None) == ""  # an empty generation scores like an empty string

@@ -25,26 +25,12 @@ import time
 from typing import Any, Callable
 
 from postrl.errors import UserError
+from postrl.utils import get_dotted
 
 RESPONSE_FALLBACKS = ("response", "completion", "output", "generation", "model_output", "prediction", "text")
 ANSWER_FALLBACKS = ("answer", "ground_truth", "reward_model.ground_truth", "gt", "label", "target", "final_answer")
 BATCH = 512
 _MISSING = object()
-
-
-def get_path(row: Any, dotted: str) -> Any:
-    """row["a"]["b"] for "a.b" (list items by integer index); a literal key "a.b" wins; _MISSING if absent."""
-    if isinstance(row, dict) and dotted in row:
-        return row[dotted]
-    node = row
-    for key in dotted.split("."):
-        if isinstance(node, dict) and key in node:
-            node = node[key]
-        elif isinstance(node, list) and key.lstrip("-").isdigit() and -len(node) <= int(key) < len(node):
-            node = node[int(key)]
-        else:
-            return _MISSING
-    return node
 
 
 def as_completion(value: Any) -> str:
@@ -109,12 +95,12 @@ def parse_verifiers(spec: str, weights: str | None) -> list[dict]:
 
 def _pick_key(rows: list[dict], wanted: str, explicit: bool, fallbacks: tuple[str, ...], flag: str) -> str:
     """`wanted` if any row has it; otherwise (default only) the first fallback most rows have."""
-    if any(get_path(r, wanted) is not _MISSING for r in rows) or not rows:
+    if any(get_dotted(r, wanted, _MISSING) is not _MISSING for r in rows) or not rows:
         return wanted
     keys = sorted({k for r in rows[:50] for k in r})
     if not explicit:
         for alt in fallbacks:
-            if any(get_path(r, alt) is not _MISSING for r in rows[:50]):
+            if any(get_dotted(r, alt, _MISSING) is not _MISSING for r in rows[:50]):
                 print(f"note: no '{wanted}' field; scoring '{alt}' (pass {flag} to choose another)", file=sys.stderr)
                 return alt
     raise UserError(
@@ -128,7 +114,7 @@ class _Unscorable(Exception):
 
 
 def _field(row: dict, key: str, convert: Callable[[Any], str], what: str, flag: str) -> str:
-    value = get_path(row, key)
+    value = get_dotted(row, key, _MISSING)
     if value is _MISSING:
         raise _Unscorable(f"no field '{key}' ({what}). Fix: add it, or pass {flag}.")
     try:
@@ -221,9 +207,12 @@ def _reward_config(args: argparse.Namespace) -> Any:
     from pydantic import ValidationError
 
     from postrl.config import RewardConfig
+    from postrl.config.schema import VERIFIER_CHECK
+    from postrl.rewards.registry import verifier_problems
 
+    section = {"verifiers": parse_verifiers(args.verifier, args.weights), "timeout_s": args.timeout, "workers": args.workers}
     try:
-        return RewardConfig(verifiers=parse_verifiers(args.verifier, args.weights), timeout_s=args.timeout, workers=args.workers)
+        return RewardConfig.model_validate(section, context={VERIFIER_CHECK: verifier_problems})
     except ValidationError as exc:
         raise UserError(*(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())) from None
 
