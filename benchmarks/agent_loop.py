@@ -37,7 +37,7 @@ def main() -> None:
     ap.add_argument("--by-turns", action="store_true", help="vLLM: one engine call per turn, as the HF engine (the loop before continuous batching)")
     args = ap.parse_args()
 
-    from postrl.agents.loop import AgentLoop, tool_schemas
+    from postrl.agents.loop.loop import AgentLoop, tool_schemas
     from postrl.config import DataConfig, MultiTurnConfig, RolloutConfig
     from postrl.data.dataset import load_prompts
     from postrl.models import load_model, load_tokenizer

@@ -45,8 +45,8 @@ def main() -> None:
                     help="also measure the sync program in N worker processes (rollout.agent_workers), an arm per N")  # fmt: skip
     args = ap.parse_args()
 
-    from postrl.agents.gateway import AgentGateway
-    from postrl.agents.loop import AgentLoop, tool_schemas
+    from postrl.agents.endpoint.gateway import AgentGateway
+    from postrl.agents.loop.loop import AgentLoop, tool_schemas
     from postrl.config import DataConfig, MultiTurnConfig, RolloutConfig
     from postrl.data.dataset import load_prompts
     from postrl.models import load_model, load_tokenizer, resolve_model_path

@@ -14,7 +14,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from postrl.agents.gateway import AgentGateway
+from postrl.agents.endpoint.gateway import AgentGateway
 from postrl.builtin.tiny import build_tiny_model
 from postrl.config import RolloutConfig
 from postrl.rollout.base import SamplingParams

@@ -1,6 +1,6 @@
 """The hostile catalogue: model-like code that tries to escape, exhaust or outlive the python tool's sandbox.
 
-`python sandbox_catalogue.py <backend> <case>` runs one case through `postrl.agents.tools.run_sandboxed`
+`python sandbox_catalogue.py <backend> <case>` runs one case through `postrl.agents.tools.tools.run_sandboxed`
 (backend local, or sandbox_fusion through tests/sandbox_fusion_server.py on 127.0.0.1) and exits 0 when
 it held: the call returned a result, nothing outside changed, and nothing of the run is left running.
 test_sandbox.py starts each case as PID 1 of a PID namespace of its own (`unshare --pid --fork
@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from postrl.agents.tools import run_sandboxed
+from postrl.agents.tools.tools import run_sandboxed
 
 SMALL = dict(timeout_s=10.0, memory_mb=256, max_processes=8, max_output_bytes=4096)
 CASES = {}

@@ -13,7 +13,7 @@ import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from postrl.agents.sandbox import run_python
+from postrl.agents.sandbox.sandbox import run_python
 
 
 class FakeSandboxFusion:

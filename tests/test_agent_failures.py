@@ -1,4 +1,4 @@
-"""Agent programs that fail on every sample, or hang, in a real `postrl train` (agents/programs.py `check_outcomes`,
+"""Agent programs that fail on every sample, or hang, in a real `postrl train` (agents/programs/programs.py `check_outcomes`,
 runtime.py `StopOnSignal.abandonable`): the run stops after the batch with the first error and the fix, or, on
 SIGTERM, abandons the stuck step within a bound and keeps the trained steps' checkpoint."""
 

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from postrl.agents import results
-from postrl.agents.env import EnvCalls
-from postrl.agents.gateway import AgentGateway
-from postrl.agents.program_workers import BadFrame, parse_reply
+from postrl.agents.loop.env import EnvCalls
+from postrl.agents.endpoint.gateway import AgentGateway
+from postrl.agents.programs.workers import BadFrame, parse_reply
 from postrl.config import RolloutConfig
 from postrl.rollout.base import SamplingParams
 from tests.test_agents import ScriptEngine, _prompt, tokenizer  # noqa: F401 - the module's fixture
@@ -163,7 +163,7 @@ def _unshowable(expression: str) -> str:
 
 
 def test_a_user_tools_hostile_return_or_error_is_that_calls_text_and_never_raises():
-    from postrl.agents.tools import Tool, call_tool
+    from postrl.agents.tools.tools import Tool, call_tool
 
     schema = {"type": "function", "function": {"name": "t", "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}
     for fn, status, text in ((_surrogate, "ok", "a?b"), (_giant, "error", "ValueError: "), (_unshowable, "error", "Unshowable: <its message cannot be shown>")):

@@ -1,4 +1,4 @@
-"""`rollout.agent_workers`: the users' programs in worker processes (agents/program_workers.py).
+"""`rollout.agent_workers`: the users' programs in worker processes (agents/programs/workers.py).
 
 Same engine and program as tests/test_gateway.py; the program is a module file under tmp_path, named by
 its spec (only a spec can go to a worker process)."""
@@ -12,10 +12,10 @@ import struct
 
 import pytest
 
-from postrl.agents.child_env import ALLOWED, THREADS_AND_DEVICES
-from postrl.agents.gateway import AgentGateway
-from postrl.agents.loop import AgentLoop
-from postrl.agents.program_workers import MAX_REPLY_BYTES
+from postrl.children import ALLOWED, THREADS_AND_DEVICES
+from postrl.agents.endpoint.gateway import AgentGateway
+from postrl.agents.loop.loop import AgentLoop
+from postrl.agents.programs.workers import MAX_REPLY_BYTES
 from postrl.config import MultiTurnConfig, RolloutConfig
 from postrl.rollout.base import SamplingParams
 from tests.test_agents import TOOLS, ScriptEngine, _call, _prompt, tokenizer  # noqa: F401 - the module's fixture

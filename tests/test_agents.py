@@ -15,8 +15,9 @@ import json
 
 import pytest
 
-from postrl.agents.loop import AgentLoop, model_text, model_tokens
-from postrl.agents.render import TurnRenderer
+from postrl.agents.loop.loop import AgentLoop
+from postrl.turns import model_text, model_tokens
+from postrl.agents.loop.render import TurnRenderer
 from postrl.builtin.tiny import build_tiny_model
 from postrl.checks import load_config
 from postrl.config import MultiTurnConfig

@@ -226,7 +226,7 @@ class Flaky:
 def _env_loop(modes: list[str]):
     from test_agents import ScriptEngine
 
-    from postrl.agents.loop import AgentLoop
+    from postrl.agents.loop.loop import AgentLoop
     from postrl.builtin.tiny import build_tiny_model
     from postrl.config import MultiTurnConfig
     from postrl.rollout.base import SamplingParams

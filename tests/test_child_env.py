@@ -1,4 +1,4 @@
-"""Child processes start from the allowlisted environment (agents/child_env.py, DESIGN.md section 13): with
+"""Child processes start from the allowlisted environment (children.py, DESIGN.md section 13): with
 HF_TOKEN and a cloud key in the trainer's environment and a Hugging Face token file in its HOME, a verifier
 pool worker (a real spawned process) sees neither, finds the caches by path, and gets the names the user listed;
 the pool replicas' Ray runtime environment blanks every other name."""
@@ -60,7 +60,7 @@ def test_a_verifier_worker_sees_no_token_and_an_empty_home(trainer_secrets):
 
 
 def test_the_rollout_processes_keep_engine_settings_but_no_credential(trainer_secrets, monkeypatch):
-    from postrl.agents.child_env import child_env
+    from postrl.children import child_env
     from postrl.checks import load_config
     from postrl.placement.pool import _runtime_env
 

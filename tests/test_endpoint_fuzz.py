@@ -1,4 +1,4 @@
-"""Property-based fuzzing of the live rollout endpoint (agents/server.py, agents/openai_schema.py, agents/scheduler.py).
+"""Property-based fuzzing of the live rollout endpoint (agents/endpoint/server.py, agents/endpoint/schema.py, agents/endpoint/scheduler.py).
 
 Thousands of generated bodies, each a well-formed chat or completions request with one to three faults
 (a value of the wrong type at any field, deep nesting, huge values, unknown fields, a field dropped) or

@@ -1,4 +1,4 @@
-"""The endpoint's limits and refusals (agents/server.py, agents/openai_schema.py, agents/scheduler.py), each
+"""The endpoint's limits and refusals (agents/endpoint/server.py, agents/endpoint/schema.py, agents/endpoint/scheduler.py), each
 probed on a live endpoint over the HF engine on the tiny model: every refusal OpenAI-shaped and counted in
 `agent/bad_requests`, and the engine thread answering the next well-formed request."""
 
@@ -13,7 +13,7 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from postrl.agents.answers import cut_at_stop
+from postrl.agents.endpoint.answers import cut_at_stop
 from postrl.config import RolloutConfig
 from tests.endpoint_for_tests import QUESTION, live, read_response, tiny
 
@@ -98,7 +98,7 @@ def test_the_body_size_is_checked_before_reading_the_body_and_the_session_before
 
 
 def test_text_that_cannot_fit_the_context_is_refused_before_the_engine_thread_renders_it():
-    from postrl.agents.openai_schema import longest_token_chars
+    from postrl.agents.endpoint.schema import longest_token_chars
 
     _, tok = tiny()
     bound = 512 * longest_token_chars(tok)  # live(): a 512-token context

@@ -1,4 +1,4 @@
-"""The endpoint below the JSON (agents/server.py): protocol upgrades, header bytes and counts, slow clients, the
+"""The endpoint below the JSON (agents/endpoint/server.py): protocol upgrades, header bytes and counts, slow clients, the
 connection gate. Real sockets on 127.0.0.1 against a live endpoint over the HF engine on the tiny model; every
 wait is on a condition with a deadline."""
 

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible rollout endpoint (agents/gateway.py): token-in-token-out, segments, containment.
+"""The OpenAI-compatible rollout endpoint (agents/endpoint/gateway.py): token-in-token-out, segments, containment.
 
 The engine is tests/test_agents.py's `ScriptEngine` (a policy that is a fixed script of turns; the
 endpoint's logic is under test, not a model); the programs are plain `openai` client code.
@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from postrl.agents.gateway import AgentGateway
-from postrl.agents.loop import AgentLoop
+from postrl.agents.endpoint.gateway import AgentGateway
+from postrl.agents.loop.loop import AgentLoop
 from postrl.agents.session import Session
-from postrl.agents.tools import call_tool, load_tools
+from postrl.agents.tools.tools import call_tool, load_tools
 from postrl.config import MultiTurnConfig, RolloutConfig
 from postrl.rollout.base import Completion, EngineCapabilities, SamplingParams
 from tests.test_agents import TOOLS, ScriptEngine, _call, _ids, _prompt, tokenizer  # noqa: F401 - the module's fixture
@@ -66,6 +66,22 @@ def test_a_three_turn_tool_chat_through_the_endpoint_has_the_agent_loops_ids_mas
     assert got.finished and got.tool_calls == 2 and got.segments is None
     assert engine.calls[0][1].stop_token_ids == (tokenizer.convert_tokens_to_ids("</tool_call>"),)
     assert (m["agent/requests_mean"], m["agent/segments_mean"], m["agent/errors"], m["agent/bad_requests"]) == (3.0, 1.0, 0, 0)
+
+
+def test_an_unreadable_tool_call_is_counted_in_the_endpoints_metrics(tokenizer):
+    """A turn whose tool call nests past the reader's limit is answered as text (no tool_calls) and counted once in
+    agent/unreadable, as the agent loop counts it (issue 60); the count is popped per step."""
+    from tests.test_untrusted_text import DEEP_CALL
+
+    gw, _ = _gateway(tokenizer, [DEEP_CALL + "</tool_call>"], chat_agent)
+    try:
+        (got,) = gw.generate([_prompt(tokenizer)], SamplingParams(max_tokens=20_000, greedy=True), rows=[{"prompt": QUESTION}])
+        m = gw.pop_metrics()
+        again = gw.pop_metrics()
+    finally:
+        gw.close()
+    assert got.tool_calls == 0 and (m["agent/unreadable"], m["agent/requests_mean"], m["agent/errors"]) == (1.0, 1.0, 0)
+    assert again["agent/unreadable"] == 0.0
 
 
 def test_concurrent_programs_are_sampled_in_one_engine_call_per_turn(tokenizer):

@@ -39,7 +39,7 @@ def test_the_endpoint_recipe_differs_from_the_loop_recipe_only_in_how_it_rolls_o
 
 
 def test_the_example_calculator_answers_as_the_builtin_one(example):
-    from postrl.agents.tools import call_tool, load_tools
+    from postrl.agents.tools.tools import call_tool, load_tools
 
     tools = load_tools(["builtin:calculator"])
     assert example.TOOLS == [tools["calculator"].schema]  # the same schema, so the same rendered prompt
@@ -56,7 +56,7 @@ def test_the_example_calculator_answers_as_the_builtin_one(example):
 def test_the_example_cuts_tool_results_as_the_loop_does(example):
     from transformers import AutoTokenizer
 
-    from postrl.agents.render import truncate_text
+    from postrl.agents.loop.render import truncate_text
     from postrl.builtin.tiny import build_tiny_model
 
     path = str(build_tiny_model("tiny-qwen2-tools"))

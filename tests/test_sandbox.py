@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 
 from postrl.agents import call_tool, load_tools, run_python, sandbox_description
-from postrl.agents import sandbox as sandbox_mod
-from postrl.agents.sandbox import BOOT, CallStats, isolation
-from postrl.agents.tools import start_python_tool
+from postrl.agents.sandbox import sandbox as sandbox_mod
+from postrl.agents.sandbox.sandbox import BOOT, CallStats, isolation
+from postrl.agents.tools.tools import start_python_tool
 from postrl.errors import UserError
 
 SMALL = dict(timeout_s=10.0, memory_mb=256, max_processes=8, max_output_bytes=4096)
@@ -118,7 +118,7 @@ def test_the_description_is_one_line_that_says_what_is_isolated():
 from sandbox_catalogue import CASES  # noqa: E402 - tests/ is on the path (conftest)
 
 CATALOGUE = Path(__file__).with_name("sandbox_catalogue.py")
-SRC = str(Path(sandbox_mod.__file__).parents[2])
+SRC = str(Path(sandbox_mod.__file__).parents[3])
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +158,7 @@ def test_a_venv_reached_through_tmp_is_isolated(interpreter_via_tmp):
     """It used to fall open there: covering /tmp hid the interpreter, the probe failed, the code ran as root."""
     if not isolation().namespaces:
         pytest.skip(sandbox_description())
-    code = "from postrl.agents.sandbox import isolation, run_python\nprint(isolation().namespaces, run_python('import os; print(os.getuid())').stdout)"
+    code = "from postrl.agents.sandbox.sandbox import isolation, run_python\nprint(isolation().namespaces, run_python('import os; print(os.getuid())').stdout)"
     proc = subprocess.run([interpreter_via_tmp, "-c", code], capture_output=True, text=True, timeout=60,
                           env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": SRC})
     assert proc.stdout.split() == ["True", str(65534 if os.geteuid() == 0 else os.getuid())], proc.stderr
@@ -176,7 +176,7 @@ def test_a_venv_in_a_scratch_directory_stays_usable_inside(scratch):
 
         site = next((home / "venv" / "lib").glob("python3*/site-packages"))
         (site / "pyseccomp.pth").write_text(os.path.dirname(pyseccomp.__file__) + "\n")
-        code = ("from postrl.agents.sandbox import isolation, run_python\n"
+        code = ("from postrl.agents.sandbox.sandbox import isolation, run_python\n"
                 "r = run_python('import os, sys\\nprint(os.getuid(), sys.prefix)\\nopen(sys.prefix + \"/x\", \"w\")')\n"
                 "print(isolation().namespaces, r.stdout.strip(), r.stderr.strip().splitlines()[-1])")
         proc = subprocess.run([str(home / "venv" / "bin" / "python"), "-c", code], capture_output=True, text=True, timeout=60,
@@ -235,7 +235,7 @@ def test_without_the_seccomp_filter_nothing_runs(tmp_path):
     gets the refusal, with the fix, and runs nothing, though the namespaces would work."""
     marker = tmp_path / "ran"
     script = (f"import sys; sys.path.insert(0, {SRC!r})\n"
-              "from postrl.agents.sandbox import isolation, run_python\n"
+              "from postrl.agents.sandbox.sandbox import isolation, run_python\n"
               f"r = run_python({f'open({str(marker)!r}, chr(119))'!r})\n"
               "print(isolation().namespaces, r.error)\nprint(r.stderr)")
     proc = subprocess.run(["/usr/bin/python3", "-I", "-c", script], capture_output=True, text=True, timeout=60,
@@ -281,12 +281,12 @@ def test_every_limit_is_read_from_the_yaml_and_reaches_the_sandbox(tmp_path):
 
 USERNS_SCRIPT = r"""
 import json, os, sys
-from postrl.agents.sandbox import isolation, run_python
+from postrl.agents.sandbox.sandbox import isolation, run_python
 target = sys.argv[1]
 small = dict(timeout_s=10.0, memory_mb=256, max_processes=8)
 out = {"uid": os.getuid(), "namespaces": isolation().namespaces, "description": isolation().description}
 if not isolation().namespaces:  # refused; then the opt-out, which an ordinary user may take
-    from postrl.agents.tools import start_python_tool
+    from postrl.agents.tools.tools import start_python_tool
     out["refused"] = run_python("print('ran')", **small).stderr
     said = []
     start_python_tool({"backend": "local", "require_isolation": False}, said.append)
@@ -338,7 +338,7 @@ def test_an_ordinary_user_gets_the_same_fences_through_a_user_namespace(userns):
     try:
         proc = subprocess.run(
             ["/usr/bin/setpriv", "--reuid=65533", "--regid=65533", "--clear-groups", "/usr/bin/python3", "-I", "-c",
-             f"import sys; sys.path[:0] = [{str(Path(sandbox_mod.__file__).parents[2])!r}, {shared!r}]\n" + USERNS_SCRIPT, target],
+             f"import sys; sys.path[:0] = [{SRC!r}, {shared!r}]\n" + USERNS_SCRIPT, target],
             capture_output=True, text=True, timeout=120, cwd="/", env={"PATH": path, "HOME": "/"},
         )
         assert proc.returncode == 0, proc.stderr

@@ -14,9 +14,9 @@ from conftest import tiny_overrides
 from sandbox_fusion_server import FakeSandboxFusion
 
 from postrl.agents import CallStats, ToolResult, call_tool, load_tools
-from postrl.agents.sandbox import isolation, sandbox_description
-from postrl.agents import sandbox_fusion
-from postrl.agents.sandbox_fusion import _result, run_remote
+from postrl.agents.sandbox.sandbox import isolation, sandbox_description
+from postrl.agents.sandbox import fusion as sandbox_fusion
+from postrl.agents.sandbox.fusion import _result, run_remote
 
 pytestmark = pytest.mark.skipif(not isolation().namespaces, reason=f"the stand-in service runs the local sandbox: {sandbox_description()}")
 
@@ -79,7 +79,7 @@ def test_a_reply_is_read_up_to_max_reply_bytes(content_length):
 
 
 def test_plain_http_to_another_host_is_warned_about(caplog):
-    from postrl.agents.tools import start_python_tool
+    from postrl.agents.tools.tools import start_python_tool
 
     for url in ("http://127.0.0.1:8080", "http://localhost:1", "http://[::1]:8080", "https://sandbox.example:443"):
         assert sandbox_fusion.plain_http_warning(url) is None, url

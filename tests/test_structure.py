@@ -90,11 +90,11 @@ def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     return out
 
 
-# Imports that still run up from the core into agents/ until issue 62's split of agents/ lands (child-process
-# supervision, the token helpers and the all-fail rule move below both): named here so that nothing else may
-# join them, and each must still exist, so the lists empty as the split lands (the lead removes an entry then).
-UPWARD_UNTIL_AGENTS_SPLIT = {("postrl.config", "postrl.agents"), ("postrl.rewards", "postrl.agents")}
-CORE_INTO_AGENTS_UNTIL_SPLIT = {"postrl.config", "postrl.rewards", "postrl.data", "postrl.experience", "postrl.evaluate"}
+# Imports that still run up from the core into agents/ (empty since issue 62's split of agents/: child-process
+# supervision, the token helpers, the tool-call format and the all-fail rule stand below both): named here so that
+# nothing else may join them, and each must still exist.
+UPWARD_UNTIL_AGENTS_SPLIT: set[tuple[str, str]] = set()
+CORE_INTO_AGENTS_UNTIL_SPLIT: set[str] = set()
 MAX_FLOORS, MAX_UPWARD = 16, 3
 
 

@@ -24,7 +24,7 @@ BASE = "builtin:tiny-qwen2"
 
 @pytest.fixture(scope="module")
 def server(tiny_model_path, tmp_path_factory):
-    from postrl.agents.server import HttpLimits
+    from postrl.agents.endpoint.server import HttpLimits
     from postrl.checks import load_config
     from postrl.serve import serve
 

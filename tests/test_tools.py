@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from postrl.agents import CallStats, ToolCall, ToolResult, call_tool, load_tools, parse_tool_calls
-from postrl.agents.parse import ParseError
+from postrl.toolcall import ParseError
 from postrl.errors import UserError
 
 

@@ -23,10 +23,10 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from postrl.agents.parse import MAX_CALLS, ParseError, ToolCall, parse_tool_calls
-from postrl.agents.render import TurnRenderer, truncate_text
+from postrl.toolcall import MAX_CALLS, ParseError, ToolCall, parse_tool_calls
+from postrl.agents.loop.render import TurnRenderer, truncate_text
 from postrl.agents.session import norm_tool_calls, same_message
-from postrl.agents.tools import call_tool, load_tools
+from postrl.agents.tools.tools import call_tool, load_tools
 from postrl.builtin.tiny import build_tiny_model
 from postrl.config import MultiTurnConfig
 from postrl.rewards.equivalence import quick_equal
@@ -94,7 +94,7 @@ def tokenizer():
 @example(text='<tool_call>{"name": "calculator", "arguments": {"expression": 1e999999}}</tool_call>')
 @example(text="<tool_call></tool_call>" * 40_000)
 def test_tool_call_parser_reads_hostile_text(text):
-    """agents/parse.py (the agent loop's `_parse`, the endpoint's `respond`, samples.py): a list of calls whose
+    """toolcall.py (the agent loop's `_parse`, the endpoint's `respond`, samples.py): a list of calls whose
     arguments serialise back as strict JSON (what `respond` sends), or an error message of bounded size."""
     for names in (None, {"calculator"}):
         out = parse_tool_calls(text, names)
@@ -112,7 +112,7 @@ def test_a_deep_call_is_the_turns_error_and_the_trajectory_goes_on(tokenizer):
     from tests.test_agents import ScriptEngine, _prompt
 
     engine = ScriptEngine(tokenizer, [DEEP_CALL + "</tool_call>", "\\boxed{1}<|im_end|>"])
-    from postrl.agents.loop import AgentLoop
+    from postrl.agents.loop.loop import AgentLoop
 
     loop = AgentLoop(engine, tokenizer, MultiTurnConfig(enable=True, tools=["builtin:calculator"]))
     (c,) = loop.generate([_prompt(tokenizer)], SamplingParams(max_tokens=20_000, greedy=True))
@@ -145,7 +145,7 @@ def test_endpoint_message_comparison_reads_hostile_arguments(arguments):
 @example(arguments='{"expression": "' + "9" * 5000 + '"}')
 @example(arguments='{"expression": ' + "[" * 5000)
 def test_tool_arguments_from_text_are_read_under_limits(arguments):
-    """agents/tools.py: a call whose arguments come as a JSON string (a program's) is a ToolResult, never raised."""
+    """agents/tools/tools.py: a call whose arguments come as a JSON string (a program's) is a ToolResult, never raised."""
     result = call_tool(load_tools(["builtin:calculator"]), "calculator", arguments, timeout_s=5.0)
     assert result.status in ("ok", "error") and len(result.text) <= 17_000
 
@@ -287,7 +287,7 @@ def test_stop_cutting_reads_hostile_turns(tokenizer, text, stop):
 @given(text=hostile(max_chars=64 * 1024))
 @example(text="\ud800 lone surrogate from a client")
 def test_the_agent_loops_rendering_reads_hostile_text(tokenizer, text):
-    """agents/render.py: tool output and an environment's or client's message rendered with the chat template;
+    """agents/loop/render.py: tool output and an environment's or client's message rendered with the chat template;
     a tokenizer raises on lone surrogates, so they are replaced first. The ids decode back to the text."""
     renderer = TurnRenderer(tokenizer)
     shown = truncate_text(tokenizer, text, 50)

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import user_boxes
-from postrl.agents.tools import call_tool, load_tools
+from postrl.agents.tools.tools import call_tool, load_tools
 
 
 def test_boxes_task_holds_out_names_outside_the_training_range(tmp_path):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pyarrow.parquet as pq
 
 import user_lookup
-from postrl.agents.tools import call_tool, load_tools
+from postrl.agents.tools.tools import call_tool, load_tools
 
 
 def test_lookup_task_files_build_with_unseen_held_out_codes_and_exact_tool_traces(tmp_path):

@@ -1,4 +1,4 @@
-"""`verifiers` environments as the rollout (agents/verifiers_env.py + verifiers_worker.py).
+"""`verifiers` environments as the rollout (agents/verifiers/env.py + verifiers_worker.py).
 
 The environment runs in its own process with an interpreter that has verifiers 0.1.x: `make setup` builds the
 side venv `.venv-verifiers` at the repository root (POSTRL_VERIFIERS_PYTHON overrides the path); without it the
@@ -83,7 +83,7 @@ def test_an_interpreter_without_verifiers_is_named_with_the_fix(tmp_path):
     import importlib.util
     import sys
 
-    from postrl.agents.verifiers_python import interpreter_problems
+    from postrl.agents.verifiers.python import interpreter_problems
 
     (missing,) = interpreter_problems(str(tmp_path / "nope/bin/python"))
     assert "does not exist" in missing and "postrl[verifiers]" in missing
@@ -98,7 +98,7 @@ QUESTION = [{"role": "user", "content": "What is 347 * 28 + 1205?"}]
 
 
 def _engine(tokenizer, turns, environment, **cfg):
-    from postrl.agents.verifiers_env import make_verifiers_engine
+    from postrl.agents.verifiers.env import make_verifiers_engine
     from postrl.config import RolloutConfig
     from tests.test_agents import ScriptEngine
 
@@ -193,7 +193,7 @@ def test_a_failing_environment_is_contained_and_counted_and_a_broken_one_stops_w
     finally:
         gw.close()
 
-    from postrl.agents.verifiers_env import VerifiersAgent
+    from postrl.agents.verifiers.env import VerifiersAgent
     from postrl.config import RolloutConfig
 
     with pytest.raises(UserError) as err:
@@ -267,7 +267,7 @@ def test_the_environment_channel_refuses_long_lines_and_other_shapes():
     import io
     import json
 
-    from postrl.agents.verifiers_env import MAX_LINE_BYTES, BadLine, check_reply, read_line
+    from postrl.agents.verifiers.env import MAX_LINE_BYTES, BadLine, check_reply, read_line
 
     assert read_line(io.BytesIO(b'{"id": 1}\n')) == ({"id": 1}, 10) and read_line(io.BytesIO(b"")) == (None, 0)
     for data in (b"x" * (MAX_LINE_BYTES + 2), b"\xff\xfe\n", b"[" * 100_000 + b"\n", b"not json\n"):
@@ -292,7 +292,7 @@ def test_the_environment_channel_refuses_long_lines_and_other_shapes():
 def test_an_environment_whose_every_rollout_errors_stops_after_that_batch_with_the_first_error(tokenizer, tmp_path):
     """Every model request refused (the prompt past a 4-token context): verifiers records the error in each rollout
     and its rubric still scores them; the batch stops the run with the first error and the fix."""
-    from postrl.agents.verifiers_env import make_verifiers_engine
+    from postrl.agents.verifiers.env import make_verifiers_engine
     from postrl.config import RolloutConfig
     from postrl.errors import UserError
     from postrl.rollout.base import SamplingParams

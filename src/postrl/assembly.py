@@ -112,7 +112,7 @@ def build_run(cfg, role: str, log: Callable[[str], None] | None = None, *, runti
     `examples` and `sampler_state`, `prepare`s its policy copy (the published weights) and `wrap`s the
     engine (versions, partial rollout)."""
     assert role in ROLES, f"unknown role {role!r}"
-    from postrl.agents.loop import tool_schemas
+    from postrl.agents.loop.loop import tool_schemas
 
     say = log or (lambda msg: None)
     if role == "trainer" and cfg.rollout.placement == "pool" and cfg.cluster.ray_address is None:
@@ -174,11 +174,12 @@ def _build_training(run: Run, log: Callable[[str], None]) -> None:
     """The trainer's prompts, reference, actor, critic and validation sets (in this order: the RNG draws of
     a seeded run follow it)."""
     from postrl.actor import Actor
+    from postrl.agents.verifiers.env import dataset_rows  # reads 'verifiers:' data files (the environment's rows)
     from postrl.held.critic import Critic
 
     cfg, rt, policy = run.cfg, run.runtime, run.policy
     held = held_models(cfg)
-    run.examples = load_train_prompts(cfg, policy.tokenizer, policy.modality, run.tools, log)
+    run.examples = load_train_prompts(cfg, policy.tokenizer, policy.modality, run.tools, log, dataset_rows)
     if (said := derive_total_steps(cfg, len(run.examples))) is not None:  # before the actor's LR schedule
         log(said)
     run.ref_model = reference.build(cfg, policy, rt) if held.reference else None
@@ -189,4 +190,4 @@ def _build_training(run: Run, log: Callable[[str], None]) -> None:
     )
     run.actor = Actor(cfg, policy, train_model, rt, log)
     run.critic = Critic(cfg, policy.path, run.actor, rt, log) if held.critic else None
-    run.val_sets = load_val_sets(cfg.eval.files or [], policy.tokenizer, cfg.data, cfg.eval.max_prompts, policy.modality, run.tools)
+    run.val_sets = load_val_sets(cfg.eval.files or [], policy.tokenizer, cfg.data, cfg.eval.max_prompts, policy.modality, run.tools, dataset_rows)

@@ -17,10 +17,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from postrl.agents.env import load_environment
-from postrl.agents.sandbox import refusal
-from postrl.agents.tools import load_tools
-from postrl.agents.verifiers_python import interpreter_problems
+from postrl.agents.loop.env import load_environment
+from postrl.agents.sandbox.sandbox import refusal
+from postrl.agents.tools.tools import load_tools
+from postrl.agents.verifiers.python import interpreter_problems
 from postrl.config import Config, build_config, is_config_key, read_config
 from postrl.config.schema import VERIFIER_CHECK
 from postrl.errors import UserError
@@ -123,7 +123,7 @@ def missing_packages(logging_cfg: Any) -> list[str]:
 
 
 def sandbox_problems(cfg: Config) -> list[str]:
-    """builtin:python on the local backend where this machine cannot isolate it (postrl.agents.sandbox.refusal)."""
+    """builtin:python on the local backend where this machine cannot isolate it (postrl.agents.sandbox.sandbox.refusal)."""
     mt = cfg.rollout.multi_turn
     if not mt.enable or "builtin:python" not in mt.tools or mt.sandbox.backend != "local":
         return []

@@ -294,7 +294,7 @@ def cmd_tiny_model(args) -> int:
 
 
 def cmd_serve_tinker(args) -> int:
-    from postrl.agents.server import HttpLimits
+    from postrl.agents.endpoint.server import HttpLimits
     from postrl.checks import load_config
     from postrl.serve import serve
     from postrl.serve.app import Limits

@@ -28,12 +28,13 @@ SOME_HEADROOM = 0.08  # pass@k this far above greedy: the tiny recipes lift gree
 def diagnose(cfg: Any, n_prompts: int = 48, log=print) -> dict[str, Any]:
     """Greedy / sampled accuracy and pass@k on `n_prompts` held-out prompts (training prompts without val files)."""
     from postrl.assembly import build_run
+    from postrl.agents.verifiers.env import dataset_rows
     from postrl.evaluate import evaluate, load_val_sets
 
     run = build_run(cfg, "doctor", log)
     policy, agent = run.policy, cfg.rollout.takes_rows
     files = (cfg.eval.files or cfg.data.train_files)[:1]
-    name, examples = next(iter(load_val_sets(files, policy.tokenizer, cfg.data, n_prompts, policy.modality, run.tools).items()))
+    name, examples = next(iter(load_val_sets(files, policy.tokenizer, cfg.data, n_prompts, policy.modality, run.tools, dataset_rows).items()))
     n = cfg.rollout.n_samples_per_prompt
     try:
         greedy_cfg = cfg.eval.model_copy(update={"temperature": 0.0, "n_samples": 1, "max_tokens": cfg.rollout.max_tokens})

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from postrl.errors import UserError
+from postrl.agents.verifiers.env import dataset_rows
 from postrl.evaluate import evaluate, load_val_sets
 
 
@@ -21,7 +22,7 @@ def evaluate_model(cfg, log: Any = None) -> tuple[dict[str, float], str]:
     policy, agent = run.policy, cfg.rollout.takes_rows
     results: dict[str, float] = {}
     try:
-        val_sets = load_val_sets(cfg.eval.files or [], policy.tokenizer, cfg.data, cfg.eval.max_prompts, policy.modality, run.tools)
+        val_sets = load_val_sets(cfg.eval.files or [], policy.tokenizer, cfg.data, cfg.eval.max_prompts, policy.modality, run.tools, dataset_rows)
         for name, examples in val_sets.items():
             results.update(evaluate(run.engine, policy.tokenizer, run.reward_fn, examples, cfg.eval, name, cfg.train.seed, agent))
     finally:

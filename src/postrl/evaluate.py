@@ -121,7 +121,7 @@ def evaluate(engine, tokenizer, reward_fn, examples: list, eval_cfg, name: str, 
     """acc_mean@n and pass@k of the engine's completions on `examples` (see the module docstring); `agent`:
     the engine is the agent loop (rollout.multi_turn.enable), which takes the prompts' rows. `record`
     (samples.SampleWriter.for_validation) receives (name, examples, completions, acc, scores) to write them."""
-    from postrl.agents.loop import generate_for, model_text, model_tokens
+    from postrl.turns import generate_for, model_text, model_tokens
     from postrl.rollout import SamplingParams
 
     greedy = eval_cfg.temperature == 0
@@ -153,17 +153,17 @@ def val_set_name(file: str, examples: list) -> str:
     return examples[0].data_source if file.startswith(("builtin:", "verifiers:")) else Path(file).stem
 
 
-def load_val_sets(files: list[str], tokenizer, data_cfg, max_prompts: int, modality=None, tools=None) -> dict[str, list]:
+def load_val_sets(files: list[str], tokenizer, data_cfg, max_prompts: int, modality=None, tools=None, rows_of=None) -> dict[str, list]:
     """Validation sets by name (at most `max_prompts` prompts each): the trainer's, `postrl eval`'s, SFT's.
 
     `modality` is the policy's adapter (None: text), which encodes prompts with images; `tools` the agent
-    loop's tool schemas (postrl.agents.loop.tool_schemas).
+    loop's tool schemas (postrl.agents.loop.loop.tool_schemas); `rows_of` reads 'verifiers:' files (data.dataset.read_rows).
     """
     from postrl.data.dataset import load_prompts
 
     sets = {}
     for f in files:
-        examples, _ = load_prompts([f], tokenizer, data_cfg, max_rows=max_prompts, modality=modality, tools=tools)
+        examples, _ = load_prompts([f], tokenizer, data_cfg, max_rows=max_prompts, modality=modality, tools=tools, rows_of=rows_of)
         if not examples:
             raise UserError(f"eval file '{f}' holds no usable prompts (all empty or overlong). Fix: check the file.")
         sets[val_set_name(f, examples)] = examples

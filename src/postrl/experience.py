@@ -19,7 +19,7 @@ import torch
 
 from postrl import algorithms as algo
 from postrl import distributed
-from postrl.agents.loop import generate_for, model_text
+from postrl.turns import generate_for, model_text
 from postrl.batch import Batch, concat, expand_segments, select, select_groups, trajectories, trajectory_mask
 from postrl.data.dataset import PromptExample, PromptSampler
 from postrl.errors import UserError

@@ -13,7 +13,6 @@ rollout pool both start Ray through `start_ray`; nothing here imports Ray before
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import socket
 from datetime import timedelta
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from postrl.errors import UserError
+from postrl.utils import is_loopback
 
 LOOPBACK = "127.0.0.1"
 # Ray's switch for "this machine alone" (its name is historical; each Ray process reads it when it imports
@@ -28,16 +28,6 @@ LOOPBACK = "127.0.0.1"
 RAY_ONE_MACHINE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 # The interfaces gloo's and NCCL's connections use; read when a process group is made.
 SOCKET_IFNAME_ENV = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` (an address or 'localhost') names this machine's loopback."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def loopback_env(env: dict[str, str]) -> dict[str, str]:

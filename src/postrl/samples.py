@@ -32,7 +32,7 @@ SAMPLES_DIR = "samples"
 
 def split_turns(tokenizer: Any, ids: list[int], mask: list[int] | None) -> list[dict]:
     """The turns of a trajectory after its prompt: one per run of equal loss-mask values (None: one model turn)."""
-    from postrl.agents.parse import ParseError, parse_tool_calls
+    from postrl.toolcall import ParseError, parse_tool_calls
 
     mask = mask if mask is not None else [1] * len(ids)
     runs: list[tuple[int, list[int]]] = []

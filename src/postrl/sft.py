@@ -27,7 +27,7 @@ from postrl.utils import get_dotted, publish_dir, scratch_path
 def build_examples(rows: list[dict], tokenizer, cfg: Config, source: str, modality: Modality | None = None) -> list[tuple]:
     """(prompt ids, response ids) per row, plus the prompt's image inputs for rows with images; a tool trace
     (a response that is a list of chat messages, data/traces.py) as (prompt ids, response ids, None, loss mask)."""
-    from postrl.agents.loop import tool_schemas
+    from postrl.agents.loop.loop import tool_schemas
     from postrl.data.traces import encode_trace, is_trace, sft_pair
 
     tools = tool_schemas(cfg.rollout.multi_turn)
@@ -165,7 +165,8 @@ def save_model(policy: Policy, out: Path) -> Path:
 
 
 def eval_greedy(policy: Policy, cfg: Config, max_prompts: int, rt: Runtime) -> dict[str, float]:
-    from postrl.agents.loop import tool_schemas
+    from postrl.agents.loop.loop import tool_schemas
+    from postrl.agents.verifiers.env import dataset_rows
     from postrl.evaluate import evaluate, load_val_sets
     from postrl.rewards import RewardFunction
     from postrl.assembly import policy_engine
@@ -176,7 +177,7 @@ def eval_greedy(policy: Policy, cfg: Config, max_prompts: int, rt: Runtime) -> d
     reward_fn = RewardFunction(cfg.reward)
     out = {}
     greedy = cfg.eval.model_copy(update={"n_samples": 1, "temperature": 0.0})
-    for name, examples in load_val_sets(cfg.data.val_files, tokenizer, cfg.data, max_prompts, policy.modality, tools).items():
+    for name, examples in load_val_sets(cfg.data.val_files, tokenizer, cfg.data, max_prompts, policy.modality, tools, dataset_rows).items():
         out.update(evaluate(engine, tokenizer, reward_fn, examples, greedy, name, agent=cfg.rollout.takes_rows))
     reward_fn.close()
     engine.close()

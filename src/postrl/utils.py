@@ -1,10 +1,15 @@
-"""Small shared helpers: cache location, dotted lookups, user objects named 'package.module:name'."""
+"""Small shared helpers: cache location, dotted lookups, user objects named 'package.module:name' or kept in a
+.py file, whether a host is this machine's loopback."""
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import importlib
+import importlib.util
+import ipaddress
 import os
+import sys
 import secrets
 import shutil
 from pathlib import Path
@@ -85,3 +90,38 @@ def import_named(spec: str, kind: str, function: bool = True) -> Any:
     if function and not callable(obj):
         raise ValueError(f"{kind} is a {type(obj).__name__}, not a function. Fix: name a function.")
     return obj
+
+
+def load_file_module(path: str | Path, prefix: str) -> Any:
+    """The module of the Python file at `path` (a user's agent program, a verl reward file), run once per call.
+
+    It is registered in sys.modules under `prefix` + a digest of the resolved path, so dataclasses, pickling and
+    type hints inside the file find their module, and two files of the same name do not collide. A ValueError
+    says what is wrong (no such file, not Python, the file's own error on import).
+    """
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"{file} is not a file")
+    digest = hashlib.sha1(str(file.resolve()).encode()).hexdigest()[:12]
+    spec = importlib.util.spec_from_file_location(f"{prefix}{digest}", file)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"{file} is not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # noqa: BLE001 - the file's own error on import
+        sys.modules.pop(spec.name, None)
+        raise ValueError(f"{file} raised {type(exc).__name__} on import: {exc}") from None
+    return module
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` names this machine only: localhost or a loopback address (127.0.0.0/8, ::1, [::1])."""
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
+    except ValueError:
+        return False
+

@@ -1,9 +1,9 @@
 """What users' agent programs and environments hand back, checked before anything of ours uses it.
 
 Every place such a value enters goes through these functions: a program's return in process
-(agents/scheduler.py `finish`) and from a worker process (agents/program_workers.py, both ends), an
-environment's step (agents/env.py `checked_step`), a verifiers rollout's reward and metrics
-(agents/verifiers_env.py). Each returns the value as postrl's own type or raises `BadResult`, whose
+(agents/endpoint/scheduler.py `finish`) and from a worker process (agents/programs/workers.py, both ends), an
+environment's step (agents/loop/env.py `checked_step`), a verifiers rollout's reward and metrics
+(agents/verifiers/env.py). Each returns the value as postrl's own type or raises `BadResult`, whose
 message says what was wrong; the caller makes that the sample's error, counted (agent/errors,
 agent/env_invalid, rubric/failed), never an exception in a shared thread.
 

@@ -13,7 +13,7 @@ segment of a session shares the session's reward and advantage.
 
 The chat renderer keeps this append-only on ids where the program's messages are: when a request's
 messages are the previous request's messages plus the assistant message the endpoint returned plus
-new ones, only the new ones are rendered (agents/render.py) after the ids already sampled, so the
+new ones, only the new ones are rendered (agents/loop/render.py) after the ids already sampled, so the
 model's ids are reused, never re-tokenised from the text the program sent back.
 """
 

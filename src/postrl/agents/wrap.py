@@ -2,7 +2,7 @@
 every engine that rolls the policy out: training, the rollout worker and replicas, eval, doctor, SFT's check):
 
     rollout.agent        the OpenAI-compatible endpoint running the user's agent program (gateway.py)
-    rollout.environment  that endpoint running a verifiers environment (verifiers_env.py)
+    rollout.environment  that endpoint running a verifiers environment (agents/verifiers/env.py)
     rollout.multi_turn   postrl's agent loop (loop.py)
     none of them         the engine as it is
 """
@@ -20,15 +20,15 @@ def wrap_engine(engine: "RolloutEngine", tokenizer: Any, cfg: "RolloutConfig", *
                 max_model_len: int | None = None) -> "RolloutEngine":  # fmt: skip
     """`engine` in the agent wrapper `cfg` names (module docstring), or `engine` itself."""
     if cfg.agent:
-        from postrl.agents.gateway import AgentGateway
+        from postrl.agents.endpoint.gateway import AgentGateway
 
         return AgentGateway(engine, tokenizer, cfg, model=model, log=log, max_model_len=max_model_len)
     if cfg.environment:
-        from postrl.agents.verifiers_env import make_verifiers_engine
+        from postrl.agents.verifiers.env import make_verifiers_engine
 
         return make_verifiers_engine(engine, tokenizer, cfg, model=model, log=log, max_model_len=max_model_len)
     if not cfg.multi_turn.enable:
         return engine
-    from postrl.agents.loop import AgentLoop
+    from postrl.agents.loop.loop import AgentLoop
 
     return AgentLoop(engine, tokenizer, cfg.multi_turn, model=model, log=log)

@@ -18,12 +18,13 @@ from pydantic import AfterValidator, AliasChoices, BaseModel, ConfigDict, Field,
 
 from postrl.config.knobs import BuiltinTaskConfig, ShapesTaskConfig, ToolArithmeticConfig
 from postrl.config.rules import derive
+from postrl.utils import is_loopback
 
 
 
 def env_names(names: list[str]) -> list[str]:
     """`names` when each is an environment variable's name (letters, digits, underscores, not starting with a digit)."""
-    from postrl.agents.child_env import ENV_NAME
+    from postrl.children import ENV_NAME
 
     bad = [n for n in names if not ENV_NAME.fullmatch(n)]
     if bad:
@@ -318,7 +319,7 @@ class RolloutConfig(Section):
         "environment processes (and the rollout worker or pool replicas that start them) get beside the allowlist (PATH, "
         "locale, TZ, TMPDIR, PYTHON*, thread and device settings, the HF cache paths; HOME is an empty directory), e.g. "
         "[OPENAI_API_KEY] for a program that calls another service; the rest of the trainer's (HF_TOKEN, WANDB_API_KEY, "
-        "cloud keys) stays behind (agents/child_env.py, docs/agents.md).",
+        "cloud keys) stays behind (children.py, docs/agents.md).",
     )
     agent_batch_wait_ms: float = Field(
         20.0, ge=0, description="rollout.agent: the endpoint samples the requests it holds once every running program "
@@ -416,7 +417,7 @@ class RolloutConfig(Section):
                 "is set: the agent loop would have nothing to call or talk to, and run as single-turn rollout. Fix: list "
                 "the tools (e.g. [builtin:calculator]) or name an environment, or set rollout.multi_turn.enable: false."
             )
-        if (self.agent or self.environment) and not self.agent_allow_remote and not _is_loopback(self.agent_host):
+        if (self.agent or self.environment) and not self.agent_allow_remote and not is_loopback(self.agent_host):
             raise ValueError(
                 f"rollout.agent_host is {self.agent_host}, an address other machines can reach, but the endpoint trusts "
                 "whoever knows a session key and samples with the policy being trained. Fix: leave rollout.agent_host at "
@@ -454,18 +455,6 @@ class RolloutConfig(Section):
                 "still runs the agent loop, each trajectory under one version)."
             )
         return self
-
-
-def _is_loopback(host: str) -> bool:
-    """`host` names this machine only: localhost or a loopback address (127.0.0.0/8, ::1)."""
-    import ipaddress
-
-    if host.strip().lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 # ----------------------------------------------------------------------------------------- algorithm
@@ -777,7 +766,7 @@ class RewardConfig(Section):
     workers: int = Field(2, ge=1, description="Worker processes for verification.")
     env_passthrough: EnvNames = Field(
         default_factory=list, description="Environment variables the verifier worker processes (and the rollout worker or "
-        "pool replicas that start them) get beside the allowlist (agents/child_env.py; HOME is an empty directory), e.g. "
+        "pool replicas that start them) get beside the allowlist (children.py; HOME is an empty directory), e.g. "
         "[OPENAI_API_KEY] for a verifier that calls a service; the rest of the trainer's (HF_TOKEN, WANDB_API_KEY, cloud "
         "keys) stays behind.",
     )

@@ -13,12 +13,14 @@ import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from postrl.modality.images import BadImageRow, has_image_data, mentions_images
 from postrl.errors import UserError
 from postrl.modality import TEXT, Modality
 from postrl.utils import get_dotted
+
+RowsOf = Callable[[str, "dict | None"], list[dict]]  # 'verifiers:<split>', the environment's settings -> rows
 
 
 @dataclass
@@ -32,14 +34,16 @@ class PromptExample:
 
 def read_rows(
     path: str, builtin_knobs: dict | None = None, shapes_knobs: dict | None = None, tool_knobs: dict | None = None,
-    environment: dict | None = None,
+    environment: dict | None = None, rows_of: RowsOf | None = None,
 ) -> list[dict]:
     """All rows of one data file (parquet, jsonl, json list) or built-in split, or 'verifiers:train' / 'verifiers:eval':
-    the dataset / eval_dataset of rollout.environment (`environment`: its settings, DataConfig._environment)."""
+    the dataset / eval_dataset of rollout.environment (`environment`: its settings, DataConfig._environment), read
+    by `rows_of` (agents/verifiers/env.py `dataset_rows`). The command hands that reader in: the environment runs
+    in a process of agents/, above this package, which imports nothing from agents."""
     if path.startswith("verifiers:"):
-        from postrl.agents.verifiers_env import dataset_rows
-
-        return dataset_rows(path, environment)
+        if rows_of is None:
+            raise UserError(f"data file '{path}' is a verifiers environment's dataset, which this command does not read. Fix: name data files.")
+        return rows_of(path, environment)
     if path.startswith("builtin:"):
         from postrl.builtin.tasks import task_file
 
@@ -94,19 +98,19 @@ def encode_prompt(
 
 def load_prompts(
     files: list[str], tokenizer, data_cfg, max_rows: int | None = None, modality: Modality | None = None,
-    tools: list[dict] | None = None,
+    tools: list[dict] | None = None, rows_of: RowsOf | None = None,
 ) -> tuple[list[PromptExample], dict]:
     """Tokenised prompts of `files` and a summary {rows, dropped_overlong, dropped_bad, kept}.
 
     `modality` is the policy's adapter (None: text); it encodes the rows with images. `tools` are the agent
-    loop's tool schemas (postrl.agents.loop.tool_schemas), rendered by the chat template.
+    loop's tool schemas (postrl.agents.loop.loop.tool_schemas), rendered by the chat template.
     """
     examples: list[PromptExample] = []
     dropped, total, bad = 0, 0, 0
     empty_truths: list[str] = []
     knobs = data_cfg.builtin.model_dump()
     for f in files:
-        rows = read_rows(f, knobs, data_cfg.shapes.model_dump(), data_cfg.tool_arithmetic.model_dump(), getattr(data_cfg, "_environment", None))
+        rows = read_rows(f, knobs, data_cfg.shapes.model_dump(), data_cfg.tool_arithmetic.model_dump(), getattr(data_cfg, "_environment", None), rows_of)
         name = _dataset_name(f)
         for i, row in enumerate(rows):
             if max_rows is not None and i >= max_rows:
@@ -206,12 +210,12 @@ class PromptSampler:
         self._order = self._make_order()
 
 
-def load_train_prompts(cfg, tokenizer, modality: Modality | None, tools: list[dict] | None, log) -> list[PromptExample]:
+def load_train_prompts(cfg, tokenizer, modality: Modality | None, tools: list[dict] | None, log, rows_of: RowsOf | None = None) -> list[PromptExample]:
     """The run's training prompts (`load_prompts`), said at start; a warning when the prompts ask for an answer
     format no verifier reads. (`train.total_epochs` becomes steps in config.derive_total_steps.)"""
     from postrl.rewards.math import answer_format_problem
 
-    examples, summary = load_prompts(cfg.data.train_files, tokenizer, cfg.data, modality=modality, tools=tools)
+    examples, summary = load_prompts(cfg.data.train_files, tokenizer, cfg.data, modality=modality, tools=tools, rows_of=rows_of)
     bad = f", {summary['dropped_bad']} malformed image rows skipped" if summary.get("dropped_bad") else ""
     log(f"train prompts: {summary['kept']} ({summary['dropped_overlong']} dropped as overlong{bad})")
     head = [tokenizer.decode(e.prompt_ids) for e in examples[:32]]

@@ -20,9 +20,9 @@ from __future__ import annotations
 from typing import Any
 
 from postrl.errors import UserError
+from postrl.toolcall import call_end_id
 from postrl.untrusted import Unreadable, load_json
 
-CALL_END = "</tool_call>"
 
 
 def is_trace(response: Any) -> bool:
@@ -46,7 +46,7 @@ def encode_trace(
         raise UserError(f"{where}: a tool trace needs the tokenizer's chat template, and it has none. Fix: use a chat model's tokenizer.")
     prompt_ids = render(prompt_msgs, True)
     ids = render(prompt_msgs + turns, False)
-    stops = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(CALL_END)} - {None, tokenizer.unk_token_id}
+    stops = {tokenizer.eos_token_id, call_end_id(tokenizer)} - {None, tokenizer.unk_token_id}
     mask = [0] * len(ids)
     for k, m in enumerate(turns):
         if m["role"] != "assistant":

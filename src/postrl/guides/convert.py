@@ -626,13 +626,13 @@ def _leaves_machine(url: str) -> bool:
     """True unless `url`'s host is this machine (localhost or a loopback address)."""
     from urllib.parse import urlsplit
 
-    from postrl.config.schema import _is_loopback
+    from postrl.utils import is_loopback
 
     try:
         host = urlsplit(url).hostname or ""
     except ValueError:
         return True
-    return not _is_loopback(host)
+    return not is_loopback(host)
 
 
 def sends_keys(tree: dict) -> list[tuple[str, Any, str, bool]]:

@@ -399,12 +399,12 @@ class RolloutPool:
 
 def _runtime_env(cfg: Any) -> dict:
     """The replicas' Ray runtime environment: every name of this process's environment outside the rollout processes'
-    allowlist (agents/child_env.py) set empty, so that the actor's process starts without the trainer's HF_TOKEN,
+    allowlist (children.py) set empty, so that the actor's process starts without the trainer's HF_TOKEN,
     WANDB_API_KEY or cloud keys (a Ray worker inherits its raylet's environment, which a local cluster took from this
     process, and Ray cannot unset a name); Replica then removes them and takes the allowlisted HOME and caches."""
     import os
 
-    from postrl.agents.child_env import child_env
+    from postrl.children import child_env
     from postrl.placement.worker import passthrough
 
     kept = child_env(passthrough(cfg), rollout=True)

@@ -107,7 +107,7 @@ class Replica:
     trainer's group, generating the chunks it is dealt."""
 
     def __init__(self, cfg: Any, examples: list, slots: list, threads: int):
-        from postrl.agents.child_env import scrub_environ
+        from postrl.children import scrub_environ
         from postrl.assembly import build_run
         from postrl.placement.worker import passthrough
 

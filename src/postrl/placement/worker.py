@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 import postrl.placement.wire as wire
-from postrl.agents.child_env import scrub_environ
+from postrl.children import scrub_environ
 from postrl.distributed import RENDEZVOUS_FILE_ENV
 from postrl.errors import UserError
 from postrl.batch import Batch
@@ -112,7 +112,7 @@ def _serve(spec: _Spec, weights: SharedWeights, out: Any, slots: Any, stop: Any,
     from postrl.metrics import Timer
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the trainer stops us
-    scrub_environ(passthrough(spec.cfg), rollout=True)  # first: no token or home of the trainer's (agents/child_env.py)
+    scrub_environ(passthrough(spec.cfg), rollout=True)  # first: no token or home of the trainer's (children.py)
     for name in _RANK_ENV:  # rank 0's process-group settings: the worker is a job of its own (vLLM reads some)
         os.environ.pop(name, None)
     engine = reward_fn = None

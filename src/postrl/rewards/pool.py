@@ -13,7 +13,7 @@ replacement in the background. Two limits apply:
 Workers also get an address-space limit, so an input that makes sympy allocate gigabytes fails
 with MemoryError inside the worker instead of exhausting the machine. Workers are started with the
 `spawn` method (safe beside torch threads), once, and reused until `close()`; each first makes its environment
-the allowlisted one of agents/child_env.py (no HF_TOKEN or other credential, HOME an empty directory).
+the allowlisted one of children.py (no HF_TOKEN or other credential, HOME an empty directory).
 
 Trust flows down only. The parent's calls go to a worker pickled (the verifier function travels by
 name). A worker reads model-written text with sympy, which evaluates what it parses, so its replies
@@ -80,7 +80,7 @@ class _SoftTimeout(BaseException):
 def _worker_main(conn: Connection, soft_timeout_s: float, memory_limit_mb: int | None, passthrough: tuple[str, ...] = ()) -> None:
     import signal
 
-    from postrl.agents.child_env import scrub_environ
+    from postrl.children import scrub_environ
 
     scrub_environ(passthrough)  # first: sympy evaluates what the model wrote; no token, no home of the trainer's
 

@@ -38,17 +38,15 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 # worker pool import them without importing this one); re-exported here, where users look.
 from postrl.rewards.verdict import (  # noqa: F401
     _REGISTRY,
-    FAIL_ALL_MIN_CALLS,
-    FAIL_ALL_SHARE,
     FastPath,
     InvalidVerdict,
     Verifier,
     VerifierEntry,
     VerifierResult,
-    fails_nearly_always,
     register,
     to_result,
 )
+from postrl.errors import FAIL_ALL_MIN_CALLS, FAIL_ALL_SHARE, fails_nearly_always  # noqa: F401 - the all-fail rule, re-exported
 from postrl.untrusted import REWARD_UNREADABLE, pop_tripped
 from postrl.utils import import_named
 
@@ -155,7 +153,7 @@ MAX_IN_PROCESS_CHARS = 1 << 20
 
 # Failure kinds: the status a verifier call ends with, and the metric that counts it.
 FAILURE_METRICS = {"timeout": "reward/timeouts", "error": "reward/errors", "invalid": "reward/invalid"}
-# FAIL_ALL_SHARE / FAIL_ALL_MIN_CALLS (verdict.py): a verifier failing that share of its calls in one batch stops the run
+# FAIL_ALL_SHARE / FAIL_ALL_MIN_CALLS (postrl/errors.py): a verifier failing that share of its calls in one batch stops the run
 
 
 @dataclass

@@ -104,13 +104,3 @@ def to_result(value: Any) -> VerifierResult:
     return VerifierResult(score, {"acc": float(score > 0)})
 
 
-# One rule for every reward source (verifiers, environments, the reward model, the judge): a source that fails
-# on this share of its calls in one batch stops the run, when the batch gave it at least this many calls.
-FAIL_ALL_SHARE = 0.95
-FAIL_ALL_MIN_CALLS = 4
-
-
-def fails_nearly_always(n_calls: int, n_failed: int) -> bool:
-    """Whether `n_failed` of `n_calls` in one batch is past the rule above (too few calls: never)."""
-    return n_calls >= FAIL_ALL_MIN_CALLS and n_failed >= FAIL_ALL_SHARE * n_calls
-

@@ -21,13 +21,12 @@ loads the file once in each worker. A coroutine function is run to completion in
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import importlib
-import importlib.util
 import inspect
-import sys
 from pathlib import Path
 from typing import Any, Callable
+
+from postrl.utils import load_file_module
 
 PREFIX = "verl:"
 _LOADED: dict[tuple[str, str], Callable[..., Any]] = {}  # per process: (path, name) -> the function
@@ -44,20 +43,7 @@ def _load(path: str, name: str) -> Callable[..., Any]:
         except Exception as exc:  # noqa: BLE001 - ImportError, or the module's own error on import
             raise ValueError(f"could not import {path} ({type(exc).__name__}: {exc})") from None
     else:
-        file = Path(path.removeprefix("file://"))
-        if not file.is_file():
-            raise ValueError(f"{file} is not a file")
-        digest = hashlib.sha1(str(file.resolve()).encode()).hexdigest()[:12]
-        spec = importlib.util.spec_from_file_location(f"postrl_verl_reward_{digest}", file)
-        if spec is None or spec.loader is None:
-            raise ValueError(f"{file} is not a Python file")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # dataclasses and pickling inside the file find their module
-        try:
-            spec.loader.exec_module(module)
-        except Exception as exc:  # noqa: BLE001 - the file's own error on import
-            sys.modules.pop(spec.name, None)
-            raise ValueError(f"{file} raised {type(exc).__name__} on import: {exc}") from None
+        module = load_file_module(path.removeprefix("file://"), "postrl_verl_reward_")
     fn = getattr(module, name, None)
     if not callable(fn):
         raise ValueError(f"{path} has no function '{name}'")

@@ -87,7 +87,7 @@ class Completion:
     env_reward: float = 0.0  # the agent loop: what its environment (rollout.multi_turn.interaction) returned, summed
     version: int | None = None
     token_versions: list[int] | None = None
-    # the agent gateway (agents/gateway.py): the trajectory's own prompt when it is not the dataset row's (the
+    # the agent gateway (agents/endpoint/gateway.py): the trajectory's own prompt when it is not the dataset row's (the
     # user's program rendered it), and the trajectory's other segments (DESIGN.md section 12), which train
     # as samples of their own with this one's reward and advantage
     prompt_ids: list[int] | None = None

@@ -46,7 +46,7 @@ def serve(cfg: Any, *, host: str, port: int, api_key: str, state_dir: str = "run
     """Serve the Tinker API over `cfg.model.path` until SIGTERM / SIGINT (or `stop` is set); then the request
     running finishes, the queued ones fail with "the server is stopping", and every training client's state is
     saved as `<state_dir>/<model_id>/weights/on-exit` (load it with its tinker:// path)."""
-    from postrl.agents.server import Gate, HttpLimits, Server, Tally
+    from postrl.agents.endpoint.server import Gate, HttpLimits, Server, Tally
     from postrl.serve.app import Limits, make_app
     from postrl.serve.engine import Engine
     from postrl.serve.service import Service

@@ -8,7 +8,7 @@
 
 Every request but healthz carries the server's key in `X-API-Key` (the SDK's header; compared in constant
 time). Bodies are capped before they are read (`HttpLimits.max_body_bytes`; connections, header and body
-deadlines are the rollout endpoint's own machinery, agents/server.py), JSON nests at most `max_json_depth`,
+deadlines are the rollout endpoint's own machinery, agents/endpoint/server.py), JSON nests at most `max_json_depth`,
 and every body is parsed into the SDK's own request model (pydantic, extra fields refused) or, for
 forward_backward, its protobuf (serve/wire.py), with datum and token counts bounded, before any work starts.
 A bad body is a 400 naming what is wrong.
@@ -142,7 +142,7 @@ def make_app(service: Any, api_key: str, http: Any, limits: Limits, refused: Any
     from pydantic import ValidationError
     from starlette.exceptions import HTTPException
 
-    from postrl.agents.openai_schema import depth
+    from postrl.untrusted import json_depth
 
     app = FastAPI(title="postrl Tinker API", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -186,7 +186,7 @@ def make_app(service: Any, api_key: str, http: Any, limits: Limits, refused: Any
             raise UserError(f"the body is not valid JSON: {exc}") from None
         if not isinstance(body, dict):
             raise UserError("the body must be a JSON object")
-        if depth(body, limits.max_json_depth) > limits.max_json_depth:
+        if json_depth(body, limits.max_json_depth) > limits.max_json_depth:
             raise UserError(f"the body nests deeper than {limits.max_json_depth} levels")
         if model is None:
             return body

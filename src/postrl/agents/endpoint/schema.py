@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError, ValidationInfo, field_validator, model_validator
 
+from postrl.untrusted import json_depth
+
 Number = StrictFloat | StrictInt
 
 
@@ -168,7 +170,7 @@ def parse(kind: str, raw: bytes, limits: Limits) -> Request:
         raise BadRequest(f"the body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
-    if depth(body, limits.max_depth) > limits.max_depth:
+    if json_depth(body, limits.max_depth) > limits.max_depth:
         raise BadRequest(f"the body nests deeper than {limits.max_depth} levels (rollout.agent_max_json_depth)")
     try:
         model = (CompletionRequest if kind == "completions" else ChatRequest).model_validate(body)
@@ -218,20 +220,6 @@ def check(model: _Sampling, limits: Limits) -> None:
         p = model.prompt
         if (isinstance(p, list) and p and isinstance(p[0], (str, list)) and len(p) != 1) or not p or p == [[]] or p == [""]:
             raise BadRequest("'prompt' must be a non-empty string or a list of token ids (one prompt per request)", "prompt")
-
-
-def depth(value: Any, limit: int) -> int:
-    """The nesting depth of a JSON value (an object or array is 1 deeper than its members), counted without
-    recursion and given up past `limit`."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        v, d = stack.pop()
-        if isinstance(v, (dict, list)):
-            deepest = max(deepest, d)
-            if deepest > limit:
-                return deepest
-            stack.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
-    return deepest
 
 
 def _is_type_tag(x: Any) -> bool:

@@ -2,10 +2,10 @@
 
 In the trainer's process every program's CPU (the `openai` client costs ~2.5 ms a request, the
 user's tools more) shares one GIL with the engine thread and the endpoint. A worker is a fresh
-interpreter (`python -m postrl.agents.program_workers`, exec'd: the trainer is never forked, its
+interpreter (`python -m postrl.agents.programs.workers`, exec'd: the trainer is never forked, its
 torch / vLLM threads stay where they are) that imports only postrl's small agent modules, `openai`
 and the user's module by its spec (`load_agent`), and runs many programs at once exactly as the
-in-process path does (agents/programs.py: a thread per sync program, one event loop for async ones,
+in-process path does (agents/programs/programs.py: a thread per sync program, one event loop for async ones,
 an `openai` client per program pointed at its session's URL).
 
 The parent sends [session key, session URL, model name, row] over a socket pair, as postrl/ipc.py's
@@ -14,7 +14,7 @@ a reader thread per worker turns each reply [key, "ok" | "error", value] into th
 session, ...) event, so time limits, counting and recording are the in-process path's. Nothing a
 worker sends is unpickled: its frames are capped (MAX_REPLY_BYTES, 64 levels deep) and checked
 (`parse_reply`), and a bad one ends that worker as a death does. The worker starts from a scrubbed
-environment (agents/child_env.py). A worker that dies (`os._exit`, a segfault, the OOM killer, or
+environment (children.py). A worker that dies (`os._exit`, a segfault, the OOM killer, or
 mid-frame) ends its running programs as errors and is started again; a worker holding a program past
 `agent_timeout_s` is killed and started again at the end of the `generate` call (a thread cannot be
 killed; a process can).
@@ -35,9 +35,9 @@ from types import SimpleNamespace
 from typing import Any
 
 from postrl import ipc
-from postrl.agents import results
-from postrl.agents.child_env import child_env
-from postrl.agents.programs import Programs, check_outcomes, load_agent
+import postrl.agents.results as results
+from postrl.children import child_env
+from postrl.agents.programs.programs import Programs, check_outcomes, load_agent
 from postrl.agents.session import Session
 from postrl.ipc import FrameError
 
@@ -80,10 +80,10 @@ class _Worker:
 
     def __init__(self, spec: str, timeout_s: float, events: queue.Queue, passthrough: list[str] = ()):
         parent, child = socket.socketpair()
-        src = str(Path(__file__).resolve().parents[2])  # postrl's own source root, whatever sys.path the worker gets
+        src = str(Path(__file__).resolve().parents[3])  # postrl's own source root, whatever sys.path the worker gets
         pythonpath = os.pathsep.join([src] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "postrl.agents.program_workers", str(child.fileno())], pass_fds=(child.fileno(),),
+            [sys.executable, "-m", "postrl.agents.programs.workers", str(child.fileno())], pass_fds=(child.fileno(),),
             env=child_env(passthrough, {"PYTHONPATH": pythonpath}), stdin=subprocess.DEVNULL,
         )  # fmt: skip
         child.close()
@@ -173,7 +173,7 @@ class _Handle:
 
 
 class WorkerPool:
-    """`Programs` (agents/programs.py) across `n` worker processes: `launch` sends a program to the worker
+    """`Programs` (agents/programs/programs.py) across `n` worker processes: `launch` sends a program to the worker
     running the fewest; `reap` (end of a rollout) replaces the workers that hold stuck programs or died, and
     stops the run when (nearly) every program of the rollout failed (`check_outcomes`)."""
 

@@ -25,7 +25,16 @@ from typing import Any, Collection
 from postrl.untrusted import Unreadable, guarded, load_json
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.DOTALL)
+BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.DOTALL)
+
+
+def call_end_id(tokenizer: Any) -> int | None:
+    """The one token id of `</tool_call>` in this vocabulary (Qwen2.5, the tiny tools model), None where the text
+    takes several tokens: engines stop on the id; otherwise a turn is cut after the token that completes the text."""
+    end = tokenizer.convert_tokens_to_ids(CLOSE)
+    return end if isinstance(end, int) and end != tokenizer.unk_token_id else None
+
+
 MAX_CALLS = 64  # <tool_call> blocks read in one turn; past it the turn is one error (no model calls more honestly)
 MAX_NAME_CHARS = 80  # of a tool name quoted back to the model
 FORMAT_HINT = f'Write each call as {OPEN}\n{{"name": "<tool name>", "arguments": {{<arguments as a JSON object>}}}}\n{CLOSE}'
@@ -93,7 +102,7 @@ def parse_tool_calls(text: str, tool_names: Collection[str] | None = None) -> li
     calls: list[ToolCall] = []
     problems: list[str] = []
     blocks, unreadable = [], False
-    for match in _BLOCK.finditer(text):
+    for match in BLOCK.finditer(text):
         if len(blocks) == MAX_CALLS:
             return ParseError(f"Your tool call could not be run: more than {MAX_CALLS} tool calls in one turn. {FORMAT_HINT}", True)
         blocks.append(match)
@@ -106,7 +115,7 @@ def parse_tool_calls(text: str, tool_names: Collection[str] | None = None) -> li
             calls.append(out)
         else:
             problems.append(f"tool call {i}: {out}" if len(blocks) > 1 else f"the tool call: {out}")
-    outside = _BLOCK.sub("", text)
+    outside = BLOCK.sub("", text)
     if CLOSE in outside:
         problems.append(f"found {CLOSE} without a matching {OPEN} before it")
     if problems:

@@ -11,7 +11,7 @@ run sample i against session URL u) and the environment talks to postrl only thr
   rollout.environment, config/rules.py) are the environment's dataset and eval_dataset as postrl rows
   (`dataset_rows`): its prompt messages, its answer as the ground truth, and the whole verifiers row in
   extra_info.verifiers (what the environment gets back per sample).
-- Rollout: an `AgentGateway` (agents/gateway.py) whose agent is `VerifiersAgent.run`, an async function that
+- Rollout: an `AgentGateway` (agents/endpoint/gateway.py) whose agent is `VerifiersAgent.run`, an async function that
   asks the worker to run the environment's rollout for that sample against the sample's session and returns
   the rubric's reward. So the gateway's containment holds: an environment that raises, hangs or loses its
   process scores 0 and is counted (agent/errors, agent/timeouts), never fatal.
@@ -36,18 +36,17 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from postrl.agents import results
-from postrl.agents.child_env import child_env
-from postrl.agents.verifiers_python import interpreter_problems
-from postrl.errors import UserError
+import postrl.agents.results as results
+from postrl.children import child_env
+from postrl.agents.verifiers.python import interpreter_problems
+from postrl.errors import UserError, fails_nearly_always
 from postrl.ipc import FrameError
-from postrl.rewards.verdict import fails_nearly_always
 from postrl.rollout.base import EngineWrapper
 
 if TYPE_CHECKING:
     from postrl.config import RolloutConfig
 
-WORKER = Path(__file__).with_name("verifiers_worker.py")
+WORKER = Path(__file__).with_name("worker.py")
 MAX_LINE_BYTES = 16 * 1024 * 1024  # one line from the environment's process (the dataset comes in chunks below it)
 MAX_DATASET_BYTES = 4 * 1024**3  # a dataset's chunks together
 
@@ -354,8 +353,8 @@ class VerifiersAgent:
 
     def check_batch(self) -> None:
         """Stop the run when verifiers recorded an error in (nearly) every rollout of one batch (the rule of
-        rewards/verdict.py): the rubric scored them, but an errored rollout (e.g. every model request refused)
-        carries no signal. Rollouts that raised are the gateway's rule (agents/programs.py `check_outcomes`)."""
+        postrl/errors.py): the rubric scored them, but an errored rollout (e.g. every model request refused)
+        carries no signal. Rollouts that raised are the gateway's rule (agents/programs/programs.py `check_outcomes`)."""
         with self._lock:
             (n, errored, first), self._batch = self._batch, [0, 0, ""]
         if fails_nearly_always(n, errored):
@@ -392,7 +391,7 @@ class VerifiersAgent:
 
 
 class VerifiersEngine(EngineWrapper):
-    """The gateway that runs the environment (agents/gateway.py), plus the rubric's metrics and the worker's end."""
+    """The gateway that runs the environment (agents/endpoint/gateway.py), plus the rubric's metrics and the worker's end."""
 
     def __init__(self, gateway: Any, agent: VerifiersAgent):
         super().__init__(gateway)
@@ -418,7 +417,7 @@ class VerifiersEngine(EngineWrapper):
 def make_verifiers_engine(engine: Any, tokenizer: Any, cfg: "RolloutConfig", model: Any = None, log: Any = None,
                           max_model_len: int | None = None) -> VerifiersEngine:  # fmt: skip
     """`engine` wrapped in the endpoint whose programs are the environment's rollouts (rollout/__init__.make_engine)."""
-    from postrl.agents.gateway import AgentGateway
+    from postrl.agents.endpoint.gateway import AgentGateway
 
     agent = VerifiersAgent(cfg, log)
     if log is not None:

@@ -1,10 +1,10 @@
 """The environment variables a process postrl starts gets: an allowlist, not the trainer's whole set.
 
-Every child process starts from it (DESIGN.md section 13): agent program workers (agents/program_workers.py) and
-verifiers environments (agents/verifiers_env.py), which run code postrl does not control; the verifier pool
+Every child process starts from it (DESIGN.md section 13): agent program workers (agents/programs/workers.py) and
+verifiers environments (agents/verifiers/env.py), which run code postrl does not control; the verifier pool
 (rewards/pool.py), whose sympy evaluates model-written text; the rollout worker (placement/worker.py) and the pool
 replicas (placement/pool.py, replica.py), which parse model output and run agents in-process. The sandbox's code
-gets less still (agents/sandbox.py: PATH, the locale, its own working directory as HOME).
+gets less still (agents/sandbox/sandbox.py: PATH, the locale, its own working directory as HOME).
 
 What passes, and why:
 - ALLOWED: where things are and how to run (the search path, the locale, the time zone, the scratch directory,
@@ -27,7 +27,7 @@ Nothing here is needed to reach postrl's endpoint: each program gets its session
 
 What this does not do: a process of the same uid can still read another's /proc/PID/environ (the trainer's
 included) and any file the uid may read. The allowlist keeps credentials out of what libraries pick up by
-themselves; keeping code that is hostile away from them is the sandbox's job (agents/sandbox.py: its own
+themselves; keeping code that is hostile away from them is the sandbox's job (agents/sandbox/sandbox.py: its own
 PID namespace, uid and file system).
 """
 

@@ -16,9 +16,9 @@ this order, each refusal OpenAI-shaped and counted (`Tally`, the gateway's `agen
 - a `Content-Length` above `rollout.agent_max_body_bytes`: 413, before the body is read (a chunked body
   that grows past it: 413 when it does); a body not in within `rollout.agent_body_timeout_s`: 408;
 - a body that is not JSON, nests deeper than `rollout.agent_max_json_depth`, or does not fit the OpenAI
-  schema and the run's limits (agents/openai_schema.py): 400 with the field named.
+  schema and the run's limits (agents/endpoint/schema.py): 400 with the field named.
 
-Only then is the request queued (`Pending`) for the engine thread (agents/scheduler.py), which answers it.
+Only then is the request queued (`Pending`) for the engine thread (agents/endpoint/scheduler.py), which answers it.
 Anything unexpected while handling a request is a 500 for that request, never the server's end. A response
 sent before its request's body was read closes the connection (the rest of that body holds no slot).
 
@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from postrl.agents.openai_schema import BadRequest, Limits, Request, error_body, parse
+from postrl.agents.endpoint.schema import BadRequest, Limits, Request, error_body, parse
 from postrl.agents.session import Session
 
 

@@ -11,15 +11,15 @@ sample with an `openai` client already pointed at that sample's session and the 
 loop, so training, validation, `postrl eval` and `postrl doctor` all roll out through it. The
 gateway is the engine wrapper only; its jobs live in modules of their own:
 
-- agents/server.py: the HTTP side (uvicorn, started once on `rollout.agent_host`, loopback unless
+- agents/endpoint/server.py: the HTTP side (uvicorn, started once on `rollout.agent_host`, loopback unless
   `rollout.agent_allow_remote`), what it refuses before any work (connections, header and body time,
-  body size, unknown sessions), and agents/openai_schema.py: bodies parsed into declared models of
+  body size, unknown sessions), and agents/endpoint/schema.py: bodies parsed into declared models of
   OpenAI's schema and checked against the run's limits;
-- agents/scheduler.py: the engine thread (the one that calls `generate`): programs admitted (up to
+- agents/endpoint/scheduler.py: the engine thread (the one that calls `generate`): programs admitted (up to
   `rollout.agent_concurrency` at once, each under `rollout.agent_timeout_s`; threads for sync functions,
-  an event loop for async ones, or `rollout.agent_workers` worker processes: agents/programs.py,
-  agents/program_workers.py), their requests batched into engine calls or joined to a continuous batch;
-- agents/endpoint.py: a request as engine work (the prompt ids); agents/answers.py: sampled ids as the
+  an event loop for async ones, or `rollout.agent_workers` worker processes: agents/programs/programs.py,
+  agents/programs/workers.py), their requests batched into engine calls or joined to a continuous batch;
+- agents/endpoint/jobs.py: a request as engine work (the prompt ids); agents/endpoint/answers.py: sampled ids as the
   session's record and the OpenAI response.
 
 Each session's requests become segments (agents/session.py, DESIGN.md section 12); the completion of
@@ -39,16 +39,17 @@ import uuid
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from postrl.agents.answers import Shaper
-from postrl.agents.openai_schema import Limits
-from postrl.agents.program_workers import WorkerPool
-from postrl.agents.programs import Programs, load_agent
-from postrl.agents.render import TurnRenderer
-from postrl.agents.scheduler import Scheduler
-from postrl.agents.server import Gate, HttpLimits, Server, Tally, make_app
+from postrl.agents.endpoint.answers import Shaper
+from postrl.agents.endpoint.schema import Limits
+from postrl.agents.programs.workers import WorkerPool
+from postrl.agents.programs.programs import Programs, load_agent
+from postrl.agents.loop.render import TurnRenderer
+from postrl.agents.endpoint.scheduler import Scheduler
+from postrl.agents.endpoint.server import Gate, HttpLimits, Server, Tally, make_app
 from postrl.agents.session import Session
 from postrl.errors import UserError
-from postrl.rollout.base import Completion, EngineWrapper, SamplingParams, eos_token_ids
+from postrl.rollout.base import Completion, EngineWrapper, SamplingParams
+from postrl.turns import end_ids
 
 if TYPE_CHECKING:
     from postrl.config import RolloutConfig
@@ -79,9 +80,7 @@ class AgentGateway(EngineWrapper):
         else:
             self.programs = Programs(agent if agent is not None else load_agent(cfg.agent), cfg, events)
         self.agent, self.is_async = self.programs.agent, self.programs.is_async
-        self.eos_ids = set(eos_token_ids(model, tokenizer)) if model is not None else {tokenizer.eos_token_id}
-        end = tokenizer.convert_tokens_to_ids("</tool_call>")
-        call_end_id = end if isinstance(end, int) and end != tokenizer.unk_token_id else None
+        self.eos_ids, call_end_id = end_ids(model, tokenizer)
         self.model_name = str(tokenizer.name_or_path or "postrl-policy")
         self.shaper = Shaper(tokenizer, frozenset(self.eos_ids), call_end_id, self.model_name)
         self.refused = Tally()  # requests refused (4xx, 5xx), by the server's thread and the engine thread

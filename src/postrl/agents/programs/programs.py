@@ -1,7 +1,7 @@
 """The users' agent programs of `rollout.agent`: loaded by name, run one per sample against the endpoint.
 
 A sync function runs on a thread of its own, an async one as a task on one event loop; each gets an
-`openai` client pointed at its sample's session. The gateway (agents/gateway.py) launches them and
+`openai` client pointed at its sample's session. The gateway (agents/endpoint/gateway.py) launches them and
 hears of their end on its event queue as ("done", session, "ok" | "error", value).
 """
 
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import inspect
 import queue
 import threading
@@ -17,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from postrl.agents.session import Session
-from postrl.errors import UserError
-from postrl.rewards.verdict import fails_nearly_always
+from postrl.errors import UserError, fails_nearly_always
+from postrl.utils import import_named, load_file_module
 
 
 def load_agent(spec: str) -> Any:
@@ -33,16 +32,12 @@ def load_agent(spec: str) -> Any:
         path = Path(module_name)
         if not path.is_file():
             raise UserError(f"rollout.agent '{spec}': the file {path} does not exist. Fix: give a path to your agent's file.")
-        mod_spec = importlib.util.spec_from_file_location(f"postrl_user_agent_{path.stem}", path)
-        module = importlib.util.module_from_spec(mod_spec)
         try:
-            mod_spec.loader.exec_module(module)
-        except Exception as exc:  # noqa: BLE001 - the user's module failed on import
-            raise UserError(f"rollout.agent '{spec}': importing {path} failed ({type(exc).__name__}: {exc}). Fix the file.") from None
+            module = load_file_module(path, "postrl_user_agent_")
+        except ValueError as exc:
+            raise UserError(f"rollout.agent '{spec}': {exc}. Fix the file.") from None
         fn = getattr(module, attr, None)
     else:
-        from postrl.utils import import_named
-
         try:
             fn = import_named(spec, f"rollout.agent '{spec}'")
         except ValueError as exc:
@@ -147,9 +142,9 @@ class Programs:
 
 def check_outcomes(sessions: list[Session], cfg: Any) -> None:
     """Stop the run when (nearly) every program of one rollout failed: raised, ran past its time limit, returned
-    no number, or never called the model (the gateway's outcomes, agents/gateway.py `_finish`). Each such sample
+    no number, or never called the model (the gateway's outcomes, agents/endpoint/gateway.py `_finish`). Each such sample
     scores 0 and trains nothing, so the batch carries no signal. The share is the reward sources' rule
-    (rewards/verdict.py); a rollout cut short (some program still "running") is not judged."""
+    (postrl/errors.py); a rollout cut short (some program still "running") is not judged."""
     if any(s.outcome == "running" for s in sessions):
         return
     failed = [s for s in sessions if s.outcome in ("error", "timeout")]

@@ -17,7 +17,7 @@ that is not a finite number within bounds, an observation that is not a str of b
 bool), is contained as a verifier's failure is (`EnvCalls`): the trajectory gets no reward from it (such a
 step also ends the trajectory), the failure is counted (agent/env_errors, agent/env_invalid) and warned about
 once, and when (nearly) every call of a batch fails the run stops naming the environment, by the verifiers'
-rule (rewards/verdict.py).
+rule (postrl/errors.py).
 """
 
 from __future__ import annotations
@@ -25,9 +25,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Protocol, runtime_checkable
 
-from postrl.agents import results
-from postrl.errors import UserError
-from postrl.rewards.verdict import fails_nearly_always
+import postrl.agents.results as results
+from postrl.errors import UserError, fails_nearly_always
 from postrl.utils import import_named
 
 log = logging.getLogger("postrl.agents")

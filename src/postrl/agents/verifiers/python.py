@@ -1,7 +1,7 @@
 """Which interpreter runs a `verifiers` environment (rollout.environment_python), and what keeps one from it.
 
 A leaf module (the standard library only): the machine checks (postrl/checks.py) and the environment's bridge
-(agents/verifiers_env.py) both use it.
+(agents/verifiers/env.py) both use it.
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
-from postrl.agents.results import show
-from postrl.agents.sandbox import (
+from postrl.agents.results import error_text, show
+from postrl.agents.sandbox.sandbox import (
     CallStats,
     SandboxResult,
     isolation,
@@ -84,7 +84,7 @@ def run_sandboxed(code: str, timeout_s: float, settings: dict | None = None) -> 
     """Run `code` on the backend `settings["backend"]` names (local, sandbox_fusion): the same result either way."""
     settings = dict(settings or {})
     if settings.pop("backend", "local") == "sandbox_fusion":
-        from postrl.agents.sandbox_fusion import run_remote
+        from postrl.agents.sandbox.fusion import run_remote
 
         return run_remote(code, timeout_s=timeout_s, **{k: v for k, v in settings.items() if k in REMOTE_KEYS})
     return run_python(code, timeout_s=timeout_s, **{k: v for k, v in settings.items() if k in LOCAL_KEYS})
@@ -94,7 +94,7 @@ def start_python_tool(settings: dict, say: Callable[[str], Any] | None = None) -
     """At the start of a run with builtin:python: a UserError where its code cannot be fenced (what, why, fix);
     else one line on how it is fenced, through `say` (and a warning to the log at every run that is not fenced)."""
     if settings.get("backend", "local") == "sandbox_fusion":
-        from postrl.agents.sandbox_fusion import plain_http_warning
+        from postrl.agents.sandbox.fusion import plain_http_warning
 
         line = f"sandbox: the python tool's code runs on the SandboxFusion service at {settings.get('url')} (its isolation)"
         if (warning := plain_http_warning(str(settings.get("url") or ""))) is not None:
@@ -364,7 +364,7 @@ def _run_in_thread(tool: Tool, arguments: dict, timeout_s: float) -> ToolResult:
         try:
             box.append(ToolResult(_text_of(tool.fn(**arguments)), "ok"))
         except BaseException as exc:  # noqa: BLE001 - a tool's bug costs its call only
-            box.append(ToolResult(results.error_text(exc), "error"))  # its message is user code too
+            box.append(ToolResult(error_text(exc), "error"))  # its message is user code too
 
     thread = threading.Thread(target=target, name=f"postrl-tool-{tool.name}", daemon=True)
     thread.start()
@@ -412,5 +412,5 @@ def _call(tools: dict[str, Tool], name: str, arguments: dict | str | None, timeo
                 return python(timeout_s=timeout_s, limits=tool.sandbox_limits, **arguments)
             return tool.fn(**arguments)
         except Exception as exc:  # noqa: BLE001 - defensive: built-ins return errors, but never raise into the loop
-            return ToolResult(results.error_text(exc), "error")
+            return ToolResult(error_text(exc), "error")
     return _run_in_thread(tool, arguments, timeout_s)

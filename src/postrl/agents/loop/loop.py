@@ -9,10 +9,10 @@ Other engines (HF `generate`, image prompts) take one engine call per turn for a
 running (the first samples the n completions of each prompt in one request). A turn that stops at
 `</tool_call>` has its calls parsed (Hermes / Qwen: <tool_call>{"name", "arguments"}</tool_call>) and
 run concurrently across trajectories, each under `tool_timeout_s`; their results are rendered with
-the model's own chat template (`role: tool`, agents/render.py) and appended with loss mask 0. A
+the model's own chat template (`role: tool`, agents/loop/render.py) and appended with loss mask 0. A
 malformed call is answered with an error message for the model, never a crash; one that trips a reader's
 limit (JSON too deep or too long, too many calls: postrl/untrusted.py) is such a call, also counted in
-agent/unreadable. A turn that ends with EOS goes to the environment, when there is one (agents/env.py),
+agent/unreadable. A turn that ends with EOS goes to the environment, when there is one (agents/loop/env.py),
 else ends the trajectory.
 
 The sampled ids are never re-tokenised: the trajectory is the prompt, then the engine's ids of each
@@ -35,17 +35,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from postrl.agents.env import EnvCalls, load_environment
-from postrl.agents.render import TurnRenderer, truncate_text
+from postrl.agents.loop.env import EnvCalls, load_environment
+from postrl.agents.loop.render import TurnRenderer, truncate_text
 from postrl.agents.session import append_tokens
 from postrl.errors import UserError
-from postrl.rollout.base import Completion, EngineWrapper, SamplingParams, cut_at_stop, eos_token_ids
+from postrl.rollout.base import Completion, EngineWrapper, SamplingParams, cut_at_stop
+from postrl.toolcall import CLOSE as CALL_END
+from postrl.turns import end_ids
 from postrl.untrusted import AGENT_UNREADABLE
 
 if TYPE_CHECKING:
     from postrl.config import MultiTurnConfig
 
-CALL_END = "</tool_call>"
 
 
 @dataclass
@@ -77,7 +78,7 @@ class AgentLoop(EngineWrapper):
     `generate` also takes the prompts' dataset `rows` (environments reset from them: `generate_for`)."""
 
     def __init__(self, engine: Any, tokenizer: Any, cfg: "MultiTurnConfig", model: Any = None, log: Any = None):
-        from postrl.agents.tools import load_tools, start_python_tool
+        from postrl.agents.tools.tools import load_tools, start_python_tool
 
         super().__init__(engine)  # what the wrapped engine can do is what the loop can
         self.tokenizer, self.cfg = tokenizer, cfg
@@ -87,11 +88,9 @@ class AgentLoop(EngineWrapper):
         self.env_cls = load_environment(cfg.interaction) if cfg.interaction else None
         self.env_calls = EnvCalls(cfg.interaction or "")
         self.renderer = TurnRenderer(tokenizer)
-        self.eos_ids = set(eos_token_ids(model, tokenizer)) if model is not None else {tokenizer.eos_token_id}
-        end = tokenizer.convert_tokens_to_ids(CALL_END)
-        # One token (Qwen2.5, the tiny tools model): the engines stop on it. Otherwise the turn is cut after
-        # the token that completes the text "</tool_call>" (the engine generates on to EOS; slower, same ids).
-        self.call_end_id = end if isinstance(end, int) and end != tokenizer.unk_token_id else None
+        # The engines stop on a one-token "</tool_call>"; otherwise the turn is cut after the token that completes
+        # the text (the engine generates on to EOS; slower, same ids).
+        self.eos_ids, self.call_end_id = end_ids(model, tokenizer)
         self.stop_ids = (self.call_end_id,) if self.call_end_id is not None and self.tools else ()
         self._pool = ThreadPoolExecutor(max_workers=cfg.tool_workers, thread_name_prefix="postrl-tool") if self.tools else None
         self.stats: dict[str, float] = {}
@@ -244,7 +243,7 @@ class AgentLoop(EngineWrapper):
 
     def _parse(self, ids: list[int]) -> list[tuple[str | None, dict | None, str | None]]:
         """(name, arguments, error) of each call in a model turn; a malformed turn is one error for the model."""
-        from postrl.agents.parse import ParseError, parse_tool_calls
+        from postrl.toolcall import ParseError, parse_tool_calls
 
         parsed = parse_tool_calls(self.tokenizer.decode(ids, skip_special_tokens=False), self.tools)
         if isinstance(parsed, ParseError):
@@ -254,7 +253,7 @@ class AgentLoop(EngineWrapper):
 
     def _run_tools(self, calls: list[tuple[Trajectory, list]], budget: int) -> None:
         """Run every call of this turn, across trajectories, concurrently; append each trajectory's results."""
-        from postrl.agents.tools import ToolResult, call_tool
+        from postrl.agents.tools.tools import ToolResult, call_tool
 
         cfg = self.cfg
         jobs = []
@@ -317,34 +316,11 @@ class AgentLoop(EngineWrapper):
         return m
 
 
-def model_text(tokenizer: Any, completion: Completion) -> str:
-    """What the policy wrote in a completion (its tokens only, special tokens skipped): what verifiers read."""
-    mask = completion.loss_mask
-    ids = completion.token_ids if mask is None else [i for i, m in zip(completion.token_ids, mask) if m]
-    return tokenizer.decode(ids, skip_special_tokens=True)
-
-
-def model_tokens(completion: Completion) -> int:
-    """The number of tokens the policy sampled in a completion."""
-    return len(completion.token_ids) if completion.loss_mask is None else sum(completion.loss_mask)
-
-
 def tool_schemas(multi_turn: "MultiTurnConfig") -> list[dict] | None:
     """The JSON schemas of `rollout.multi_turn.tools` for the chat template's `tools=` (None when the loop is
     off or has no tools): prompts are rendered with them for rollout, validation and SFT alike."""
     if not multi_turn.enable or not multi_turn.tools:
         return None
-    from postrl.agents.tools import load_tools
+    from postrl.agents.tools.tools import load_tools
 
     return [t.schema for t in load_tools(list(multi_turn.tools)).values()]
-
-
-def generate_for(engine: Any, examples: list, params: SamplingParams, agent: bool = False) -> list[Completion]:
-    """`engine.generate` on prompt examples (data/dataset.py's PromptExample); with `agent`
-    (rollout.takes_rows: the engine is an AgentLoop or the endpoint's AgentGateway) it also gets their dataset rows, from which
-    environments reset."""
-    prompts = [e.prompt_ids for e in examples]
-    mm = [e.multi_modal for e in examples] if any(e.multi_modal for e in examples) else None  # images, for VLMs
-    if agent:
-        return engine.generate(prompts, params, multi_modal=mm, rows=[e.row for e in examples])
-    return engine.generate(prompts, params, multi_modal=mm)

@@ -14,9 +14,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from postrl.agents.endpoint import Job
-from postrl.agents.parse import _BLOCK, ParseError, parse_tool_calls
+from postrl.agents.endpoint.jobs import Job
+from postrl.toolcall import BLOCK, ParseError, parse_tool_calls
 from postrl.rollout.base import Completion, cut_at_stop
+from postrl.untrusted import AGENT_UNREADABLE
 
 
 @dataclass(frozen=True)
@@ -28,8 +29,9 @@ class Shaper:
     call_end_id: int | None
     model_name: str
 
-    def answer(self, job: Job, room: int, outs: list[Completion], stops: set[int]) -> None:
-        """Record `outs` (the request's choices, at most `room` tokens each) in the session and reply."""
+    def answer(self, job: Job, room: int, outs: list[Completion], stops: set[int], stats: dict[str, float]) -> None:
+        """Record `outs` (the request's choices, at most `room` tokens each) in the session and reply; tool calls
+        a reader's limit refused are counted in `stats` (agent/unreadable)."""
         s, tok = job.pending.session, self.tokenizer
         choices, finishes = [], []
         for out in outs:
@@ -44,7 +46,7 @@ class Shaper:
             choices.append((ids, lps, finished))
             finishes.append(finish)
         tips = s.record(job.prompt, choices, outs[0].version if outs else None)
-        body = respond(job, [(c[0], c[1], f) for c, f in zip(choices, finishes)], tok, self.eos_ids, self.model_name)
+        body = respond(job, [(c[0], c[1], f) for c, f in zip(choices, finishes)], tok, self.eos_ids, self.model_name, stats)
         if job.messages is not None:
             for tip, choice in zip(tips, body["choices"]):
                 tip.message = choice["message"]
@@ -59,8 +61,10 @@ class Shaper:
         job.pending.reply(200, respond(job, [([], [], "length")] * job.n, self.tokenizer, self.eos_ids, self.model_name))
 
 
-def respond(job: Job, choices: list[tuple[list[int], list[float] | None, str]], tokenizer: Any, eos_ids: set[int], model: str) -> dict:
-    """The OpenAI response body for sampled choices [(ids, log-probs, finish_reason)]; records tool call ids."""
+def respond(job: Job, choices: list[tuple[list[int], list[float] | None, str]], tokenizer: Any, eos_ids: set[int], model: str,
+            stats: dict[str, float] | None = None) -> dict:
+    """The OpenAI response body for sampled choices [(ids, log-probs, finish_reason)]; records tool call ids and
+    counts in `stats` the tool calls a reader's limit refused (agent/unreadable, as the agent loop does)."""
     created = int(time.time())
     out = []
     prompt_tokens, completion_tokens = len(job.prompt), 0
@@ -81,6 +85,8 @@ def respond(job: Job, choices: list[tuple[list[int], list[float] | None, str]], 
             message: dict = {"role": "assistant", "content": text}
             if job.tools:
                 parsed = parse_tool_calls(text, None)
+                if isinstance(parsed, ParseError) and stats is not None:
+                    stats[AGENT_UNREADABLE] += parsed.unreadable  # past a reader's limit (postrl/untrusted.py)
                 if not isinstance(parsed, ParseError) and parsed:
                     calls = []
                     for c in parsed:
@@ -101,4 +107,4 @@ def respond(job: Job, choices: list[tuple[list[int], list[float] | None, str]], 
 
 
 def _outside_calls(text: str) -> str:
-    return _BLOCK.sub("", text).strip()
+    return BLOCK.sub("", text).strip()

@@ -1,7 +1,7 @@
 """The requests of the OpenAI-compatible endpoint as engine work: a parsed request's prompt ids and what to sample.
 
-The endpoint (agents/server.py: HTTP, limits, parsing into agents/openai_schema.py's models) queues each
-request for the engine thread (agents/scheduler.py), which turns it into a `Job` here: a chat's messages
+The endpoint (agents/endpoint/server.py: HTTP, limits, parsing into agents/endpoint/schema.py's models) queues each
+request for the engine thread (agents/endpoint/scheduler.py), which turns it into a `Job` here: a chat's messages
 rendered with the model's chat template (tools as the template renders them), or a completion's text or
 token ids. A chat that extends the session's last one reuses that one's ids (agents/session.py), so the
 model's sampled ids are never re-tokenised from the text the program sent back.
@@ -18,8 +18,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from postrl.agents.openai_schema import BadRequest
-from postrl.agents.server import Pending
+from postrl.agents.endpoint.schema import BadRequest
+from postrl.agents.endpoint.server import Pending
 from postrl.agents.session import Session, norm_content, norm_tool_calls, same_message
 
 

@@ -1,14 +1,14 @@
 """The engine thread: it admits agent programs, batches their requests into engine calls and enforces time limits.
 
-`Scheduler.run` is called by `AgentGateway.generate` (agents/gateway.py) on the thread that called it; that
+`Scheduler.run` is called by `AgentGateway.generate` (agents/endpoint/gateway.py) on the thread that called it; that
 thread is the only one that touches the engine, the tokenizer and the sessions' records. It collects the
 programs' requests until every running program waits on one (or none came for `rollout.agent_batch_wait_ms`
 or a tenth of an engine call, whichever is longer, and at most ten times that after the first), renders
-them (agents/endpoint.py), and samples them in one engine call, so concurrent agents batch like the agent
+them (agents/endpoint/jobs.py), and samples them in one engine call, so concurrent agents batch like the agent
 loop's turns. With an engine that batches continuously (vLLM) that call is a continuous batch that each
 request joins as it arrives (`Stream`), so the programs' HTTP work overlaps the engine's steps.
 
-Every request gets an answer: sampled ids (agents/answers.py), an OpenAI-shaped 400 (a prompt over the
+Every request gets an answer: sampled ids (agents/endpoint/answers.py), an OpenAI-shaped 400 (a prompt over the
 run's context, a template that refuses the messages), 410 (its sample ended), or, should anything else
 fail while handling that one request, a 500 for it alone (counted, `agent/internal_errors`); an engine
 call that raises is a 500 for each of its requests. The loop goes on. Each trajectory has one token budget, `params.max_tokens`, across all its requests and segments.
@@ -23,18 +23,19 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from postrl.agents import results
-from postrl.agents.answers import Shaper
-from postrl.agents.endpoint import Job, prepare
-from postrl.agents.openai_schema import BadRequest, error_body
-from postrl.agents.server import Pending, Tally
+import postrl.agents.results as results
+from postrl.agents.endpoint.answers import Shaper
+from postrl.agents.endpoint.jobs import Job, prepare
+from postrl.agents.endpoint.schema import BadRequest, error_body
+from postrl.agents.endpoint.server import Pending, Tally
 from postrl.agents.session import Session
 from postrl.rollout.base import Completion, SamplingParams
+from postrl.untrusted import AGENT_UNREADABLE
 
 CLOSED = "this session is closed (its sample ended or ran out of time)"
 STAT_KEYS = (
     "agent/errors", "agent/timeouts", "agent/internal_errors", "agent/requests", "agent/engine_calls", "agent/ticks",
-    "timing/agent_generate", "timing/agent_engine", "timing/agent_render", "timing/agent_idle",
+    AGENT_UNREADABLE, "timing/agent_generate", "timing/agent_engine", "timing/agent_render", "timing/agent_idle",
 )  # fmt: skip
 
 
@@ -207,7 +208,7 @@ class Scheduler:
 
     def answer(self, job: Job, room: int, outs: list[Completion], stops: set[int]) -> None:
         with self.contained(job.pending):
-            self.shaper.answer(job, room, outs, stops)
+            self.shaper.answer(job, room, outs, stops, self.stats)
 
     def sample(self, batch: list[Pending], params: SamplingParams) -> int:
         """Render, sample and answer one batch of requests; returns the number of engine calls made."""

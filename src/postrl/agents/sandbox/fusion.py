@@ -23,7 +23,6 @@ The isolation is the service's (docs/agents.md says how to run it beside a clust
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import logging
 import threading
@@ -32,7 +31,8 @@ from email.utils import parsedate_to_datetime
 from functools import lru_cache
 from urllib.parse import urlsplit
 
-from postrl.agents.sandbox import CallStats, SandboxResult
+from postrl.agents.sandbox.sandbox import CallStats, SandboxResult
+from postrl.utils import is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -68,13 +68,8 @@ def plain_http_warning(url: str) -> str | None:
     """A warning when `url` sends the code in the clear to a host other than this machine's loopback, else None."""
     parts = urlsplit(url)
     host = (parts.hostname or "").lower()
-    if parts.scheme != "http" or host == "localhost":
+    if parts.scheme != "http" or is_loopback(host):
         return None
-    try:
-        if ipaddress.ip_address(host).is_loopback:
-            return None
-    except ValueError:
-        pass
     return (f"WARNING: rollout.multi_turn.sandbox.url is plain http:// to {host}: the model's code and its output "
             "cross the network unencrypted and unauthenticated (anyone on the path can read or change them, or answer "
             "in the service's place). Use https:// (e.g. behind a TLS proxy), or keep the service on a private network.")
