@@ -399,6 +399,7 @@ class StopOnSignal:
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
     abandon = False  # inside `abandonable()`
+    signum = 0  # the signal received (0: none); a step run outside `with` (tests drive train_step) sees none
 
     def __enter__(self) -> "StopOnSignal":
         self.signum = 0
