@@ -399,6 +399,7 @@ class StopOnSignal:
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
     abandon = False  # inside `abandonable()`
+    signum = 0  # the signal received; 0 outside the `with` too (a test's train_step without fit())
 
     def __enter__(self) -> "StopOnSignal":
         self.signum = 0
