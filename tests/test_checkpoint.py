@@ -62,7 +62,7 @@ def _comparable(row: dict) -> dict:
 
 def _close(trainer: Trainer) -> None:
     trainer.logger.close()
-    trainer.reward_fn.close()
+    trainer.run.reward_fn.close()
 
 
 # --------------------------------------------------------------------------------- exact resume
@@ -403,7 +403,7 @@ def test_rotation_keeps_the_last_n_and_never_a_half_deleted_checkpoint(trained, 
 
 
 def _batch(trainer: Trainer) -> dict[str, torch.Tensor]:
-    return fixed_batch(trainer.tokenizer, [e.prompt_ids for e in trainer.val_sets["arithmetic"][:3]])
+    return fixed_batch(trainer.tokenizer, [e.prompt_ids for e in trainer.run.val_sets["arithmetic"][:3]])
 
 
 def test_export_is_a_plain_hf_model_with_the_trainers_logprobs(trained, tmp_path):
@@ -484,7 +484,7 @@ def test_vllm_loads_the_export_directly(trained, tmp_path):
     the trainer computes for the same tokens (fp32, 1e-4 as in test_vllm_engine.py)."""
     out = checkpoint.export(trained["ckpts"], tmp_path / "exported")
     tr = trained["trainer"]
-    prompts = [e.prompt_ids for e in tr.val_sets["arithmetic"][:3]]
+    prompts = [e.prompt_ids for e in tr.run.val_sets["arithmetic"][:3]]
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-c", VLLM_SCRIPT, str(out), json.dumps(prompts)],

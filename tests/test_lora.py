@@ -171,7 +171,7 @@ def test_only_the_adapters_move_and_the_first_kl_is_exactly_zero(trained):
 
 
 def _batch(tr: Trainer) -> dict[str, torch.Tensor]:
-    return fixed_batch(tr.tokenizer, [e.prompt_ids for e in tr.train_examples[:3]])
+    return fixed_batch(tr.tokenizer, [e.prompt_ids for e in tr.run.examples[:3]])
 
 
 def test_the_checkpoint_holds_a_plain_merged_model_and_a_peft_adapter(trained, tmp_path):
@@ -192,7 +192,7 @@ def test_the_checkpoint_holds_a_plain_merged_model_and_a_peft_adapter(trained, t
     exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     assert torch.equal(masked_logprobs(exported, t), masked_logprobs(merged, t))
     # peft's own loader reads the adapter onto the base model
-    peft_model = PeftModel.from_pretrained(_plain(tr.model_path), str(ck / "adapter")).eval()
+    peft_model = PeftModel.from_pretrained(_plain(tr.run.policy.path), str(ck / "adapter")).eval()
     assert float((masked_logprobs(peft_model, t) - want).abs().max()) < 1e-5
 
 
