@@ -112,6 +112,29 @@ def tiny_overrides(tmp_path: Path, *extra: str) -> list[str]:
     ]
 
 
+def tiny_cfg(tmp_path: Path, *extra: str):
+    """The tiny trainer run's config (tiny_overrides), its metrics in <tmp_path>/run/metrics.jsonl only."""
+    from postrl.checks import load_config
+
+    return load_config(None, tiny_overrides(tmp_path, "logging.sinks=[jsonl]", *extra))
+
+
+def tiny_trainer(tmp_path: Path, *extra: str):
+    """A Trainer on tiny_cfg that prints into a quiet console (its text: `tr.console.file.getvalue()`)."""
+    from postrl.trainer import Trainer
+
+    return Trainer(tiny_cfg(tmp_path, *extra), quiet_console())
+
+
+def quiet_console(width: int = 400, **options):
+    """A rich Console that prints into a string instead of the terminal (read it with `.file.getvalue()`)."""
+    import io
+
+    from rich.console import Console
+
+    return Console(file=io.StringIO(), width=width, **options)
+
+
 def fixed_batch(tokenizer, prompts: list[list[int]]) -> dict:
     """Three fixed responses after `prompts` (three prompt id lists), as `models.build_sequences` packs them."""
     from postrl.models import build_sequences
