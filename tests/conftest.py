@@ -42,6 +42,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_terminal_summary(terminalreporter):
+    """CI's log counts the sandbox's containment tests that could not run on this machine (test_sandbox.py
+    probes at collection; the -ra lines above give each reason)."""
+    skipped = [r for r in terminalreporter.stats.get("skipped", []) if "containment: " in str(r.longrepr)]
+    if skipped:
+        reasons = sorted({str(r.longrepr[2]).split("containment: ", 1)[-1] for r in skipped if isinstance(r.longrepr, tuple)})
+        terminalreporter.write_line(f"containment: {len(skipped)} tests could not run here: {'; '.join(reasons)}")
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """One intra-op thread for a module's tiny runs: on a shared 2-core machine, two spinning threads make
