@@ -42,6 +42,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_terminal_summary(terminalreporter):
+    """CI's log counts the sandbox's containment tests that could not run on this machine (test_sandbox.py
+    probes at collection; the -ra lines above give each reason)."""
+    skipped = [r for r in terminalreporter.stats.get("skipped", []) if "containment: " in str(r.longrepr)]
+    if skipped:
+        reasons = sorted({str(r.longrepr[2]).split("containment: ", 1)[-1] for r in skipped if isinstance(r.longrepr, tuple)})
+        terminalreporter.write_line(f"containment: {len(skipped)} tests could not run here: {'; '.join(reasons)}")
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """One intra-op thread for a module's tiny runs: on a shared 2-core machine, two spinning threads make
@@ -110,6 +119,29 @@ def tiny_overrides(tmp_path: Path, *extra: str) -> list[str]:
         "checkpoint.save_final=false",
         *extra,
     ]
+
+
+def tiny_cfg(tmp_path: Path, *extra: str):
+    """The tiny trainer run's config (tiny_overrides), its metrics in <tmp_path>/run/metrics.jsonl only."""
+    from postrl.checks import load_config
+
+    return load_config(None, tiny_overrides(tmp_path, "logging.sinks=[jsonl]", *extra))
+
+
+def tiny_trainer(tmp_path: Path, *extra: str):
+    """A Trainer on tiny_cfg that prints into a quiet console (its text: `tr.console.file.getvalue()`)."""
+    from postrl.trainer import Trainer
+
+    return Trainer(tiny_cfg(tmp_path, *extra), quiet_console())
+
+
+def quiet_console(width: int = 400, **options):
+    """A rich Console that prints into a string instead of the terminal (read it with `.file.getvalue()`)."""
+    import io
+
+    from rich.console import Console
+
+    return Console(file=io.StringIO(), width=width, **options)
 
 
 def fixed_batch(tokenizer, prompts: list[list[int]]) -> dict:

@@ -16,7 +16,7 @@ from postrl.agents.endpoint.gateway import AgentGateway
 from postrl.agents.programs.workers import BadFrame, parse_reply
 from postrl.config import RolloutConfig
 from postrl.rollout.base import SamplingParams
-from tests.test_agents import ScriptEngine, _prompt, tokenizer  # noqa: F401 - the module's fixture
+from test_agents import ScriptEngine, _prompt, tokenizer  # noqa: F401 - the module's fixture
 
 
 class Loud:

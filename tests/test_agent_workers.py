@@ -18,8 +18,8 @@ from postrl.agents.loop.loop import AgentLoop
 from postrl.agents.programs.workers import MAX_REPLY_BYTES
 from postrl.config import MultiTurnConfig, RolloutConfig
 from postrl.rollout.base import SamplingParams
-from tests.test_agents import TOOLS, ScriptEngine, _call, _prompt, tokenizer  # noqa: F401 - the module's fixture
-from tests.test_gateway import QUESTION, SCRIPT
+from test_agents import TOOLS, ScriptEngine, _call, _prompt, tokenizer  # noqa: F401 - the module's fixture
+from test_gateway import QUESTION, SCRIPT
 
 AGENT = '''
 import json, os, time

@@ -7,7 +7,6 @@ steps 1 and 2, validation with sampling at both) serves the layout, resume-seman
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import shutil
@@ -17,8 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import fixed_batch, masked_logprobs, tiny_overrides
-from rich.console import Console
+from conftest import fixed_batch, masked_logprobs, quiet_console, tiny_cfg, tiny_overrides
 from verifiers_for_tests import length_parity
 
 from postrl import checkpoint
@@ -39,14 +37,6 @@ PARITY = "reward.verifiers=[ckpt_length_parity]"
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def _cfg(tmp_path: Path, *extra: str):
-    return load_config(None, tiny_overrides(tmp_path, "logging.sinks=[jsonl]", *extra))
-
-
-def _quiet() -> Console:
-    return Console(file=io.StringIO(), width=300)
-
-
 def _output(trainer: Trainer) -> str:
     return trainer.console.file.getvalue()
 
@@ -62,7 +52,7 @@ def _comparable(row: dict) -> dict:
 
 def _close(trainer: Trainer) -> None:
     trainer.logger.close()
-    trainer.reward_fn.close()
+    trainer.run.reward_fn.close()
 
 
 # --------------------------------------------------------------------------------- exact resume
@@ -85,10 +75,10 @@ def test_interrupted_and_resumed_run_equals_an_uninterrupted_one(tmp_path):
         "train.lr_schedule=cosine", "train.min_lr_ratio=0.1", "train.total_steps=6", "train.deterministic=true",
         "checkpoint.save_freq=3", "eval.freq=2", "eval.max_prompts=4", "train.seed=2",
     )  # fmt: skip
-    full = Trainer(_cfg(tmp_path / "full", *common), _quiet())
+    full = Trainer(tiny_cfg(tmp_path / "full", *common), quiet_console())
     full.fit()
 
-    first = Trainer(_cfg(tmp_path / "split", *common), _quiet())
+    first = Trainer(tiny_cfg(tmp_path / "split", *common), quiet_console())
     real_step = first.train_step
 
     def step_unless_stopped():
@@ -102,7 +92,7 @@ def test_interrupted_and_resumed_run_equals_an_uninterrupted_one(tmp_path):
     _close(first)
     del first
 
-    resumed = Trainer(_cfg(tmp_path / "split", *common), _quiet())
+    resumed = Trainer(tiny_cfg(tmp_path / "split", *common), quiet_console())
     assert resumed.step == 3, _output(resumed)
     assert "resumed from" in _output(resumed) and "warning" not in _output(resumed)
     resumed.fit()
@@ -164,7 +154,7 @@ def test_sigkill_while_saving_resumes_from_the_previous_checkpoint(tmp_path):
 
     cfg = load_config(cfg_file, overrides)
     assert checkpoint.find_resume_dir(cfg) == ckpts / "iter_0000001"
-    resumed = Trainer(cfg, _quiet())
+    resumed = Trainer(cfg, quiet_console())
     assert resumed.step == 1
     resumed.fit()
     assert resumed.step == 3
@@ -177,8 +167,8 @@ def test_a_crash_between_rename_and_tracker_keeps_the_previous_checkpoint(traine
     """The tracker is written last: a checkpoint renamed into place but not yet named is not resumed from."""
     root = tmp_path / "ckpts"
     shutil.copytree(trained["ckpts"], root)
-    cfg = _cfg(tmp_path, PARITY, f"checkpoint.dir={root}", "checkpoint.keep_last=0")
-    tr = Trainer(cfg, _quiet())
+    cfg = tiny_cfg(tmp_path, PARITY, f"checkpoint.dir={root}", "checkpoint.keep_last=0")
+    tr = Trainer(cfg, quiet_console())
     assert tr.step == 2
     tr.step = 3
 
@@ -201,11 +191,11 @@ def test_a_crash_between_rename_and_tracker_keeps_the_previous_checkpoint(traine
 def trained(tmp_path_factory):
     """GRPO, 2 steps, a checkpoint after each (keep all), validation with 4 samples at steps 1 and 2."""
     tmp = tmp_path_factory.mktemp("trained")
-    cfg = _cfg(
+    cfg = tiny_cfg(
         tmp, PARITY, "train.total_steps=2", "train.lr=2e-3", "checkpoint.save_freq=1", "checkpoint.keep_last=0",
         "eval.freq=1", "eval.after_train=true", "eval.n_samples=4", "eval.temperature=1.0", "eval.max_prompts=6",
     )  # fmt: skip
-    tr = Trainer(cfg, _quiet())
+    tr = Trainer(cfg, quiet_console())
     tr.fit()
     return {"trainer": tr, "cfg": cfg, "run": tmp / "run", "ckpts": Path(cfg.checkpoint.dir)}
 
@@ -231,7 +221,7 @@ def test_resume_picks_the_tracker_iteration_and_restores_every_piece(trained, tm
     root = tmp_path / "ckpts"
     shutil.copytree(trained["ckpts"], root)
     (root / checkpoint.TRACKER).write_text("1\n")  # the user goes back one iteration
-    tr = Trainer(_cfg(tmp_path, PARITY, "train.total_steps=2", "train.lr=2e-3", f"checkpoint.dir={root}"), _quiet())
+    tr = Trainer(tiny_cfg(tmp_path, PARITY, "train.total_steps=2", "train.lr=2e-3", f"checkpoint.dir={root}"), quiet_console())
     assert tr.step == 1
     assert "iter_0000002 exist(s); this run will overwrite them" in _output(tr)
     ck = root / "iter_0000001"
@@ -247,9 +237,9 @@ def test_resume_picks_the_tracker_iteration_and_restores_every_piece(trained, tm
 
     # resume: <path> names an iteration directly, or a checkpoint root (its tracker decides)
     for resume, step in ((root / "iter_0000002", 2), (root, 1)):
-        cfg = _cfg(tmp_path, PARITY, "checkpoint.dir=" + str(tmp_path / "elsewhere"), f"checkpoint.resume={resume}")
+        cfg = tiny_cfg(tmp_path, PARITY, "checkpoint.dir=" + str(tmp_path / "elsewhere"), f"checkpoint.resume={resume}")
         assert checkpoint.find_resume_dir(cfg) == checkpoint.iter_dir(root, step)
-    assert checkpoint.find_resume_dir(_cfg(tmp_path, PARITY, f"checkpoint.dir={root}", "checkpoint.resume=none")) is None
+    assert checkpoint.find_resume_dir(tiny_cfg(tmp_path, PARITY, f"checkpoint.dir={root}", "checkpoint.resume=none")) is None
 
 
 def test_finetune_and_load_switches(trained, tmp_path):
@@ -257,12 +247,12 @@ def test_finetune_and_load_switches(trained, tmp_path):
     ck = root / "iter_0000002"
     base = (PARITY, f"checkpoint.dir={root}")
 
-    ft = Trainer(_cfg(tmp_path, *base, "checkpoint.finetune=true"), _quiet())
+    ft = Trainer(tiny_cfg(tmp_path, *base, "checkpoint.finetune=true"), quiet_console())
     assert ft.step == 0 and ft.actor.optimizer.state_dict()["state"] == {} and ft.sampler.state_dict()["position"] == 0
     assert torch.equal(ft.model.model.norm.weight, _safetensors(ck / "model")["model.norm.weight"])
     _close(ft)
 
-    no_opt = Trainer(_cfg(tmp_path, *base, "checkpoint.load_optimizer=false", "train.lr_schedule=cosine", "train.total_steps=4"), _quiet())
+    no_opt = Trainer(tiny_cfg(tmp_path, *base, "checkpoint.load_optimizer=false", "train.lr_schedule=cosine", "train.total_steps=4"), quiet_console())
     assert no_opt.step == 2 and no_opt.actor.optimizer.state_dict()["state"] == {}
     assert no_opt.actor.scheduler.last_epoch == 2  # the LR schedule continues at the resumed step
     assert no_opt.actor.optimizer.param_groups[0]["lr"] == pytest.approx(no_opt.cfg.train.lr * 0.5)  # cosine half-way
@@ -276,10 +266,10 @@ def test_finetune_and_load_switches(trained, tmp_path):
     state["torch"] = torch.Generator().manual_seed(123).get_state()
     torch.save(state, root / "iter_0000002" / "rng_rank0.pt")
     base = (PARITY, f"checkpoint.dir={root}")
-    no_rng = Trainer(_cfg(tmp_path, *base, "checkpoint.load_rng=false"), _quiet())
+    no_rng = Trainer(tiny_cfg(tmp_path, *base, "checkpoint.load_rng=false"), quiet_console())
     assert no_rng.step == 2 and not torch.equal(torch.get_rng_state(), state["torch"])
     _close(no_rng)
-    with_rng = Trainer(_cfg(tmp_path, *base), _quiet())
+    with_rng = Trainer(tiny_cfg(tmp_path, *base), quiet_console())
     assert torch.equal(torch.get_rng_state(), state["torch"])
     _close(with_rng)
 
@@ -308,13 +298,13 @@ def test_checkpoint_state_loads_without_running_code(trained, tmp_path):
         good = target.read_bytes()
         torch.save({"state": {}, "payload": _RunsCode(marker)}, target)
         with pytest.raises(checkpoint.Untrusted, match="loading it could run code from the file") as err:
-            Trainer(_cfg(tmp_path, PARITY, f"checkpoint.dir={root}"), _quiet())
+            Trainer(tiny_cfg(tmp_path, PARITY, f"checkpoint.dir={root}"), quiet_console())
         assert str(target) in str(err.value) and way in str(err.value) and "posix.mkdir" in str(err.value)
         assert not marker.exists()
         target.write_bytes(good)
     # The way out the message names: the weights only (safetensors), a fresh run.
     torch.save({"sampler": _RunsCode(marker)}, root / "iter_0000002" / "dataloader.pt")
-    ft = Trainer(_cfg(tmp_path, PARITY, f"checkpoint.dir={root}", "checkpoint.finetune=true"), _quiet())
+    ft = Trainer(tiny_cfg(tmp_path, PARITY, f"checkpoint.dir={root}", "checkpoint.finetune=true"), quiet_console())
     assert ft.step == 0 and not marker.exists()
     _close(ft)
 
@@ -333,15 +323,15 @@ def test_an_rng_file_of_the_first_format_still_resumes(trained, tmp_path):
     torch.save(old, root / "iter_0000002" / "rng_rank0.pt")
     expected = np.random.rand(4)  # what numpy draws next from the saved state
     np.random.seed(0)
-    tr = Trainer(_cfg(tmp_path, PARITY, f"checkpoint.dir={root}"), _quiet())
+    tr = Trainer(tiny_cfg(tmp_path, PARITY, f"checkpoint.dir={root}"), quiet_console())
     assert tr.step == 2 and torch.equal(torch.get_rng_state(), old["torch"])
     assert np.array_equal(np.random.rand(4), expected)
     _close(tr)
 
 def test_changed_settings_on_resume_warn_and_name_the_override(trained, tmp_path):
     out = Trainer(
-        _cfg(tmp_path, PARITY, f"checkpoint.dir={trained['ckpts']}", "train.global_batch_size=2", "train.lr=1e-3"),
-        _quiet(),
+        tiny_cfg(tmp_path, PARITY, f"checkpoint.dir={trained['ckpts']}", "train.global_batch_size=2", "train.lr=1e-3"),
+        quiet_console(),
     )
     text = _output(out)
     assert "train.global_batch_size 4 -> 2" in text and "train.global_batch_size=4" in text, text
@@ -354,8 +344,8 @@ def test_changed_settings_on_resume_warn_and_name_the_override(trained, tmp_path
 def test_ref_model_path_loads_the_reference(trained, tmp_path):
     ref_dir = trained["ckpts"] / "iter_0000001" / "model"
     tr = Trainer(
-        _cfg(tmp_path, PARITY, f"checkpoint.dir={trained['ckpts']}", "algorithm.kl.coef=0.1", f"checkpoint.ref_model_path={ref_dir}"),
-        _quiet(),
+        tiny_cfg(tmp_path, PARITY, f"checkpoint.dir={trained['ckpts']}", "algorithm.kl.coef=0.1", f"checkpoint.ref_model_path={ref_dir}"),
+        quiet_console(),
     )
     assert tr.step == 2
     w1, w2 = _safetensors(ref_dir), _safetensors(trained["ckpts"] / "iter_0000002" / "model")
@@ -369,19 +359,19 @@ def test_unusable_resume_targets_fail_clearly(trained, tmp_path):
     shutil.copytree(trained["ckpts"], root)
     (root / checkpoint.TRACKER).write_text("7\n")
     with pytest.raises(UserError, match="names iteration 7.*found: iter_0000001, iter_0000002"):
-        checkpoint.find_resume_dir(_cfg(tmp_path, PARITY, f"checkpoint.dir={root}"))
+        checkpoint.find_resume_dir(tiny_cfg(tmp_path, PARITY, f"checkpoint.dir={root}"))
     (root / checkpoint.TRACKER).unlink()
     with pytest.raises(UserError, match="no latest_checkpointed_iteration.txt"):
-        checkpoint.find_resume_dir(_cfg(tmp_path, PARITY, f"checkpoint.dir={root}"))
+        checkpoint.find_resume_dir(tiny_cfg(tmp_path, PARITY, f"checkpoint.dir={root}"))
     with pytest.raises(UserError, match="neither a checkpoint"):
-        checkpoint.find_resume_dir(_cfg(tmp_path, PARITY, f"checkpoint.resume={tmp_path}"))
-    assert checkpoint.find_resume_dir(_cfg(tmp_path, PARITY, f"checkpoint.dir={tmp_path / 'new'}")) is None
+        checkpoint.find_resume_dir(tiny_cfg(tmp_path, PARITY, f"checkpoint.resume={tmp_path}"))
+    assert checkpoint.find_resume_dir(tiny_cfg(tmp_path, PARITY, f"checkpoint.dir={tmp_path / 'new'}")) is None
 
 
 def test_rotation_keeps_the_last_n_and_never_a_half_deleted_checkpoint(trained, tmp_path):
     root = tmp_path / "ckpts"
     tr = trained["trainer"]
-    cfg = _cfg(tmp_path, PARITY, f"checkpoint.dir={root}", "checkpoint.keep_last=2")
+    cfg = tiny_cfg(tmp_path, PARITY, f"checkpoint.dir={root}", "checkpoint.keep_last=2")
     saved_cfg, saved_step = tr.cfg, tr.step
     try:
         tr.cfg = cfg
@@ -403,7 +393,7 @@ def test_rotation_keeps_the_last_n_and_never_a_half_deleted_checkpoint(trained, 
 
 
 def _batch(trainer: Trainer) -> dict[str, torch.Tensor]:
-    return fixed_batch(trainer.tokenizer, [e.prompt_ids for e in trainer.val_sets["arithmetic"][:3]])
+    return fixed_batch(trainer.tokenizer, [e.prompt_ids for e in trainer.run.val_sets["arithmetic"][:3]])
 
 
 def test_export_is_a_plain_hf_model_with_the_trainers_logprobs(trained, tmp_path):
@@ -484,7 +474,7 @@ def test_vllm_loads_the_export_directly(trained, tmp_path):
     the trainer computes for the same tokens (fp32, 1e-4 as in test_vllm_engine.py)."""
     out = checkpoint.export(trained["ckpts"], tmp_path / "exported")
     tr = trained["trainer"]
-    prompts = [e.prompt_ids for e in tr.val_sets["arithmetic"][:3]]
+    prompts = [e.prompt_ids for e in tr.run.val_sets["arithmetic"][:3]]
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-c", VLLM_SCRIPT, str(out), json.dumps(prompts)],

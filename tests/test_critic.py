@@ -3,13 +3,11 @@ resume, and (slow) the learning test from the `make run` SFT model."""
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_overrides
-from rich.console import Console
+from conftest import tiny_overrides, tiny_trainer
 from verifiers_for_tests import length_parity
 
 from postrl import algorithms as algo
@@ -93,7 +91,7 @@ class _Stop(Exception):
 
 
 def _trainer(run_dir: Path) -> Trainer:
-    return Trainer(load_config(None, tiny_overrides(run_dir, *PPO)), Console(file=io.StringIO(), width=300))
+    return tiny_trainer(run_dir, "logging.sinks=[console,jsonl]", *PPO)
 
 
 def _rows(run_dir: Path) -> dict[int, dict]:

@@ -17,7 +17,7 @@ from postrl.distill import Distiller
 from postrl.held.teacher import check_tokenizer
 from postrl.errors import UserError
 from postrl.trainer import Trainer
-from tests.conftest import tiny_overrides
+from conftest import tiny_overrides
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 LN2 = math.log(2)

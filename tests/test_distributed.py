@@ -219,7 +219,7 @@ def one_step(cfg) -> dict:
     before = {n: t.clone() for n, t in distributed.full_state_dict(tr.model)}
     metrics = tr.train_step()
     tr.logger.close()
-    tr.reward_fn.close()
+    tr.run.reward_fn.close()
     grads = {}
     for name, p in tr.model.named_parameters():
         g = p.grad

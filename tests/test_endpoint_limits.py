@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from postrl.agents.endpoint.answers import cut_at_stop
 from postrl.config import RolloutConfig
-from tests.endpoint_for_tests import QUESTION, live, read_response, tiny
+from endpoint_for_tests import QUESTION, live, read_response, tiny
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from tests.endpoint_for_tests import live, read_response
+from endpoint_for_tests import live, read_response
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -18,7 +18,7 @@ from postrl.agents.session import Session
 from postrl.agents.tools.tools import call_tool, load_tools
 from postrl.config import MultiTurnConfig, RolloutConfig
 from postrl.rollout.base import Completion, EngineCapabilities, SamplingParams
-from tests.test_agents import TOOLS, ScriptEngine, _call, _ids, _prompt, tokenizer  # noqa: F401 - the module's fixture
+from test_agents import TOOLS, ScriptEngine, _call, _ids, _prompt, tokenizer  # noqa: F401 - the module's fixture
 
 QUESTION = [{"role": "user", "content": "What is 347 * 28 + 1205?"}]
 CALC = load_tools(["builtin:calculator"])

@@ -9,18 +9,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_overrides
+from conftest import tiny_trainer
 
-from postrl.checks import load_config
 from postrl.metrics import read_jsonl
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:.*optimizer.step.*:UserWarning")]
 
 
 def _trainer(tmp_path, *extra: str):
-    from postrl.trainer import Trainer
-
-    return Trainer(load_config(None, tiny_overrides(tmp_path, "reward.verifiers=[verifiers_for_tests:vowel_share]", *extra)))
+    return tiny_trainer(tmp_path, "logging.sinks=[console,jsonl]", "reward.verifiers=[verifiers_for_tests:vowel_share]", *extra)
 
 
 def _update_on(tr, batch) -> tuple[dict, torch.Tensor, torch.Tensor]:

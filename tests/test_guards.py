@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import io
 import re
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_overrides
-from rich.console import Console
+from conftest import quiet_console, tiny_trainer
 
 import postrl.lora
 from postrl import checkpoint, guards
@@ -17,11 +15,6 @@ from postrl.checks import load_config
 from postrl.trainer import Trainer
 
 PARITY = "reward.verifiers=[verifiers_for_tests:length_parity]"
-
-
-def _trainer(tmp_path: Path, *extra: str) -> Trainer:
-    console = Console(file=io.StringIO(), width=400)
-    return Trainer(load_config(None, tiny_overrides(tmp_path, "logging.sinks=[jsonl]", *extra)), console)
 
 
 def _output(tr: Trainer) -> str:
@@ -35,7 +28,7 @@ def _fired(tr: Trainer) -> list[str]:
 
 def test_a_healthy_run_trips_no_guard(tmp_path):
     """Off-policy (two optimizer steps per batch, so the first-ratio check is live), KL, dynamic sampling."""
-    tr = _trainer(tmp_path, PARITY, "algorithm.name=dapo", "algorithm.overlong_buffer.len=4", "train.mini_batch_size=2",
+    tr = tiny_trainer(tmp_path, PARITY, "algorithm.name=dapo", "algorithm.overlong_buffer.len=4", "train.mini_batch_size=2",
                   "algorithm.kl.coef=0.01", "train.total_steps=3")  # fmt: skip
     tr.fit()
     assert _fired(tr) == [], _output(tr)
@@ -43,7 +36,7 @@ def test_a_healthy_run_trips_no_guard(tmp_path):
 
 def test_first_ratio_fires_when_the_two_log_prob_passes_disagree(tmp_path):
     """Attention dropout left on makes the old-log-prob pass and the update pass differ before any step."""
-    tr = _trainer(tmp_path, PARITY, "train.mini_batch_size=2", "train.total_steps=1")
+    tr = tiny_trainer(tmp_path, PARITY, "train.mini_batch_size=2", "train.total_steps=1")
     for module in tr.model.modules():
         if hasattr(module, "attention_dropout"):
             module.attention_dropout = 0.3
@@ -52,7 +45,7 @@ def test_first_ratio_fires_when_the_two_log_prob_passes_disagree(tmp_path):
 
 
 def test_no_signal_fires_when_every_group_has_the_same_reward(tmp_path):
-    tr = _trainer(tmp_path, "reward.verifiers=[verifiers_for_tests:never]", "train.total_steps=3", "guards.no_signal_steps=3")
+    tr = tiny_trainer(tmp_path, "reward.verifiers=[verifiers_for_tests:never]", "train.total_steps=3", "guards.no_signal_steps=3")
     tr.fit()
     out = _output(tr)
     assert "guard no_signal: for 3 steps every group's rewards were all equal" in out
@@ -67,7 +60,7 @@ def test_no_signal_fires_when_every_group_has_the_same_reward(tmp_path):
     ],
 )
 def test_step_guards_fire_on_their_numbers(tmp_path, metrics, expected):
-    tr = _trainer(tmp_path, PARITY, "train.total_steps=1")
+    tr = tiny_trainer(tmp_path, PARITY, "train.total_steps=1")
     healthy = tr.train_step()
     tr.close()
     tr.guards.after_step(healthy, 1)
@@ -77,7 +70,7 @@ def test_step_guards_fire_on_their_numbers(tmp_path, metrics, expected):
 
 
 def test_entropy_collapse_fires_after_its_streak_only(tmp_path):
-    tr = _trainer(tmp_path, PARITY, "train.total_steps=1", "guards.entropy_steps=3")
+    tr = tiny_trainer(tmp_path, PARITY, "train.total_steps=1", "guards.entropy_steps=3")
     healthy = tr.train_step()
     tr.close()
     collapsed = {**healthy, "actor/entropy": 0.001}
@@ -117,13 +110,13 @@ def test_log_prob_tolerances_follow_the_compute_dtype():
 
 
 def test_resume_warns_on_a_changed_world_size_and_a_run_with_nothing_left(tmp_path):
-    tr = _trainer(tmp_path, PARITY, "train.total_steps=1", "checkpoint.save_final=true")
+    tr = tiny_trainer(tmp_path, PARITY, "train.total_steps=1", "checkpoint.save_final=true")
     tr.fit()
     cfg = tr.cfg
     meta = checkpoint.describe(Path(cfg.checkpoint.dir) / "iter_0000001")
     problems = checkpoint.setting_changes(cfg, {**meta, "world_size": 2}, 1, meta["train_prompts"])
     assert any("written by 2 rank(s), this run has 1" in p for p in problems)
-    again = _trainer(tmp_path, PARITY, "train.total_steps=1", "checkpoint.save_final=true")
+    again = tiny_trainer(tmp_path, PARITY, "train.total_steps=1", "checkpoint.save_final=true")
     assert "nothing to train: the checkpoint is at step 1 and train.total_steps is 1" in _output(again)
     again.close()
 
@@ -144,7 +137,7 @@ def test_the_sync_guard_stops_a_run_whose_engine_missed_a_weight_sync(tmp_path, 
         vllm_platform.import_vllm()
     except vllm_platform.VLLMUnavailable as exc:  # pragma: no cover - machines without a working vLLM
         pytest.skip(f"vLLM is unavailable here: {exc}")
-    tr = _trainer(tmp_path, PARITY, "rollout.engine=vllm", "rollout.kv_cache_space_gb=0.25", "train.lr=1e-2",
+    tr = tiny_trainer(tmp_path, PARITY, "rollout.engine=vllm", "rollout.kv_cache_space_gb=0.25", "train.lr=1e-2",
                   "train.total_steps=1", "algorithm.rollout_correction.enable=true", f"model.dtype={dtype}",
                   "rollout.enforce_eager=true", *(["model.lora_rank=4"] if lora else []))  # fmt: skip
     try:
@@ -174,6 +167,6 @@ def test_the_gspo_and_rloo_recipes_train_on_the_tiny_model(tmp_path, recipe):
         "eval.freq=0", "logging.progress=false", f"logging.dir={tmp_path / 'run'}", "checkpoint.save_final=false",
         "reward.verifiers=[verifiers_for_tests:length_parity]",
     ])  # fmt: skip
-    Trainer(cfg, Console(file=io.StringIO())).fit()
+    Trainer(cfg, quiet_console()).fit()
     steps = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "timing/all" in r]
     assert len(steps) == 2 and all(r["actor/grad_norm"] > 0 for r in steps)

@@ -4,11 +4,10 @@ histories that must stay quiet are the recipes' measured ones (docs/learning.md,
 
 from __future__ import annotations
 
-import io
 import json
 
 import pytest
-from rich.console import Console
+from conftest import quiet_console
 
 from postrl import checkpoint, guards
 from postrl.checks import load_config
@@ -83,7 +82,7 @@ def test_falls_well_below_the_best_are_caught_and_small_dips_are_not(points, rew
 def _guards(tmp_path, *extra):
     cfg = load_config(None, ["model.path=builtin:tiny-qwen2", f"logging.dir={tmp_path}",
                              "checkpoint.keep_best=val/*/acc_mean@1", *extra])  # fmt: skip
-    console = Console(file=io.StringIO(), width=400)
+    console = quiet_console()
     return cfg, guards.Guards(cfg, console.print), console
 
 

@@ -3,13 +3,11 @@ and `postrl doctor`'s reading of greedy vs sampled accuracy."""
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_overrides
-from rich.console import Console
+from conftest import quiet_console, tiny_overrides
 
 from postrl import checkpoint
 from postrl.checks import load_config
@@ -28,7 +26,7 @@ def test_keep_best_keeps_the_best_validation_and_exports(tmp_path):
         "train.total_steps=3", "train.lr=5e-3", "checkpoint.keep_best=val/arithmetic/acc_mean@1",
         "checkpoint.save_final=true",
     ))  # fmt: skip
-    tr = Trainer(cfg, Console(file=io.StringIO(), width=300))
+    tr = Trainer(cfg, quiet_console())
     tr.fit()
     vals = [(r["step"], r["val/arithmetic/acc_mean@1"]) for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "val/arithmetic/acc_mean@1" in r]
     assert [s for s, _ in vals] == [0, 1, 2, 3]
@@ -41,7 +39,7 @@ def test_keep_best_keeps_the_best_validation_and_exports(tmp_path):
     text = tr.console.file.getvalue()
     assert f"held-out accuracy: start {vals[0][1]:.1%} (step 0), best {first_best[1]:.1%} (step {first_best[0]})" in text
     # Resumed for one more step, the line still starts at step 0: earlier validations come from metrics.jsonl.
-    more = Trainer(cfg.model_copy(update={"train": cfg.train.model_copy(update={"total_steps": 4})}), Console(file=io.StringIO(), width=300))
+    more = Trainer(cfg.model_copy(update={"train": cfg.train.model_copy(update={"total_steps": 4})}), quiet_console())
     more.fit()
     vals = [(r["step"], r["val/arithmetic/acc_mean@1"]) for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "val/arithmetic/acc_mean@1" in r]
     assert [s for s, _ in vals] == [0, 1, 2, 3, 4]
@@ -84,7 +82,7 @@ def test_back_off_returns_to_the_best_weights_at_half_the_lr(tmp_path):
         "train.total_steps=4", "train.lr=5e-3", "train.warmup_steps=0", f"checkpoint.keep_best={key}",
         "checkpoint.back_off=0.000001", "checkpoint.save_final=true",
     ))  # fmt: skip
-    tr = Trainer(cfg, Console(file=io.StringIO(), width=300))
+    tr = Trainer(cfg, quiet_console())
     tr.fit()
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     vals = [(r["step"], r[key], r.get("training/back_off", 0.0)) for r in rows if key in r]
@@ -109,7 +107,7 @@ def test_keep_best_must_name_a_reported_validation_metric(tmp_path):
     with pytest.raises(UserError, match="not a validation metric"):
         load_config(None, tiny_overrides(tmp_path, "checkpoint.keep_best=acc"))
     cfg = load_config(None, tiny_overrides(tmp_path, PARITY, "checkpoint.keep_best=val/nope/acc_mean@1", "eval.before_train=true"))
-    tr = Trainer(cfg, Console(file=io.StringIO()))
+    tr = Trainer(cfg, quiet_console())
     with pytest.raises(UserError, match="validation reports only \\['val/arithmetic/acc_mean@1'"):
         tr.validate()
     tr.close()

@@ -8,14 +8,12 @@ by tests/test_distributed.py.
 
 from __future__ import annotations
 
-import io
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import fixed_batch, masked_logprobs, tiny_overrides
-from rich.console import Console
+from conftest import fixed_batch, masked_logprobs, quiet_console, tiny_cfg, tiny_overrides
 from verifiers_for_tests import length_parity
 
 from postrl import checkpoint, distributed, lora
@@ -137,7 +135,7 @@ def test_memory_estimate_of_the_7b_recipe_on_one_gpu_fits_with_lora_only():
 
 
 def _cfg(tmp_path: Path, *extra: str):
-    return load_config(None, tiny_overrides(tmp_path, "logging.sinks=[jsonl]", *LORA, *extra))
+    return tiny_cfg(tmp_path, *LORA, *extra)
 
 
 COMMON = ("algorithm.kl.coef=0.05", "train.lr=2e-2", "train.total_steps=3", "checkpoint.save_freq=1",
@@ -148,7 +146,7 @@ COMMON = ("algorithm.kl.coef=0.05", "train.lr=2e-2", "train.total_steps=3", "che
 def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lora")
     cfg = _cfg(tmp, *COMMON)
-    tr = Trainer(cfg, Console(file=io.StringIO(), width=300))
+    tr = Trainer(cfg, quiet_console())
     base = {n: p.detach().clone() for n, p in tr.model.named_parameters() if not p.requires_grad}
     tr.fit()
     return {"trainer": tr, "cfg": cfg, "base": base, "ckpts": Path(cfg.checkpoint.dir), "tmp": tmp}
@@ -171,7 +169,7 @@ def test_only_the_adapters_move_and_the_first_kl_is_exactly_zero(trained):
 
 
 def _batch(tr: Trainer) -> dict[str, torch.Tensor]:
-    return fixed_batch(tr.tokenizer, [e.prompt_ids for e in tr.train_examples[:3]])
+    return fixed_batch(tr.tokenizer, [e.prompt_ids for e in tr.run.examples[:3]])
 
 
 def test_the_checkpoint_holds_a_plain_merged_model_and_a_peft_adapter(trained, tmp_path):
@@ -192,7 +190,7 @@ def test_the_checkpoint_holds_a_plain_merged_model_and_a_peft_adapter(trained, t
     exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     assert torch.equal(masked_logprobs(exported, t), masked_logprobs(merged, t))
     # peft's own loader reads the adapter onto the base model
-    peft_model = PeftModel.from_pretrained(_plain(tr.model_path), str(ck / "adapter")).eval()
+    peft_model = PeftModel.from_pretrained(_plain(tr.run.policy.path), str(ck / "adapter")).eval()
     assert float((masked_logprobs(peft_model, t) - want).abs().max()) < 1e-5
 
 
@@ -203,7 +201,7 @@ def test_a_resumed_lora_run_equals_the_uninterrupted_one(trained, tmp_path):
     shutil.copytree(trained["ckpts"], root)
     (root / checkpoint.TRACKER).write_text("2\n")
     cfg = _cfg(tmp_path, *COMMON, f"checkpoint.dir={root}")
-    tr = Trainer(cfg, Console(file=io.StringIO(), width=300))
+    tr = Trainer(cfg, quiet_console())
     assert tr.step == 2
     tr.fit()
     a, b = dict(trained["trainer"].model.named_parameters()), dict(tr.model.named_parameters())
@@ -223,7 +221,7 @@ def test_resuming_with_other_lora_settings_is_refused_and_finetune_takes_the_mer
         Trainer(load_config(None, tiny_overrides(tmp_path, *COMMON, f"checkpoint.dir={root}")))
     # finetune: a new run whose frozen base is the checkpoint's merged model, fresh adapters on top
     cfg = _cfg(tmp_path / "ft", *COMMON, f"checkpoint.dir={root}", "checkpoint.finetune=true", "model.lora_rank=2")
-    tr = Trainer(cfg, Console(file=io.StringIO(), width=300))
+    tr = Trainer(cfg, quiet_console())
     try:
         assert tr.step == 0
         t = _batch(tr)
@@ -252,7 +250,7 @@ def test_sft_through_adapters_saves_a_plain_merged_model(tmp_path):
 
     hook = torch.nn.modules.module.register_module_forward_hook(record)
     try:
-        run_sft(cfg, Console(file=io.StringIO(), width=300))
+        run_sft(cfg, quiet_console())
     finally:
         hook.remove()
     assert len(losses) == 30 and sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.3, losses  # measured: 5.66 -> 5.17

@@ -119,19 +119,29 @@ from sandbox_catalogue import CASES  # noqa: E402 - tests/ is on the path (conft
 
 CATALOGUE = Path(__file__).with_name("sandbox_catalogue.py")
 SRC = str(Path(sandbox_mod.__file__).parents[3])
+# The prefix that starts a case as PID 1 of a PID namespace of its own (a user namespace too when not root).
+FENCE = [shutil.which("unshare") or "unshare", *([] if os.geteuid() == 0 else ["--map-current-user"]),
+         "--pid", "--fork", "--mount-proc", "--kill-child"]
+
+
+def _fence_works() -> str:
+    """'' where FENCE makes a process PID 1, else why not."""
+    probe = subprocess.run([*FENCE, sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, timeout=30)
+    return "" if probe.stdout.strip() == "1" else f"no PID namespace for the catalogue's cases ({probe.stderr.strip()[-200:]})"
+
+
+# What this machine cannot contain is probed once, at collection: such a test is skipped with the reason (pytest -ra lists
+# it) and conftest's summary counts them ("containment: N tests could not run here"). Never a skip inside a test.
+NO_FENCE = _fence_works()
+NO_ISOLATION = "" if isolation().namespaces else sandbox_description()  # the sandbox refuses every case (tested below)
+needs_isolation = pytest.mark.skipif(bool(NO_ISOLATION), reason=f"containment: {NO_ISOLATION}")
 
 
 @pytest.fixture(scope="module")
 def fence() -> list[str]:
-    """The prefix that starts a case as PID 1 of a PID namespace of its own (a user namespace too when not root)."""
-    prefix = [shutil.which("unshare") or "unshare", *([] if os.geteuid() == 0 else ["--map-current-user"]),
-              "--pid", "--fork", "--mount-proc", "--kill-child"]
-    probe = subprocess.run([*prefix, sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, timeout=30)
-    if probe.stdout.strip() != "1":  # never run hostile code without it
-        pytest.skip(f"no PID namespace for the catalogue's cases ({probe.stderr.strip()[-200:]})")
-    if not isolation().namespaces:  # the sandbox refuses every case (tested below): nothing to contain
-        pytest.skip(sandbox_description())
-    return prefix
+    probe = _fence_works()
+    assert not probe, probe  # collection found it working: never run hostile code without it
+    return FENCE
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +153,8 @@ def interpreter_via_tmp():
     shutil.rmtree(link.parent)
 
 
+@pytest.mark.skipif(bool(NO_FENCE), reason=f"containment: {NO_FENCE}")
+@needs_isolation
 @pytest.mark.parametrize("where", ["local", "local-via-tmp", "sandbox_fusion"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_the_hostile_catalogue_is_contained(case, where, fence, interpreter_via_tmp):
@@ -154,21 +166,20 @@ def test_the_hostile_catalogue_is_contained(case, where, fence, interpreter_via_
     assert proc.returncode == 0 and f"held: {backend} {case}" in proc.stdout, proc.stdout + proc.stderr
 
 
+@needs_isolation
 def test_a_venv_reached_through_tmp_is_isolated(interpreter_via_tmp):
     """It used to fall open there: covering /tmp hid the interpreter, the probe failed, the code ran as root."""
-    if not isolation().namespaces:
-        pytest.skip(sandbox_description())
     code = "from postrl.agents.sandbox.sandbox import isolation, run_python\nprint(isolation().namespaces, run_python('import os; print(os.getuid())').stdout)"
     proc = subprocess.run([interpreter_via_tmp, "-c", code], capture_output=True, text=True, timeout=60,
                           env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": SRC})
     assert proc.stdout.split() == ["True", str(65534 if os.geteuid() == 0 else os.getuid())], proc.stderr
 
 
-@pytest.mark.parametrize("scratch", ["/tmp", "/var/tmp", "/dev/shm"])
+@needs_isolation
+@pytest.mark.parametrize("scratch", [pytest.param(d, marks=pytest.mark.skipif(not os.path.isdir(d), reason=f"containment: no {d} here"))
+                                     for d in ("/tmp", "/var/tmp", "/dev/shm")])  # fmt: skip
 def test_a_venv_in_a_scratch_directory_stays_usable_inside(scratch):
     """A checkout's venv under a directory the sandbox covers with a fresh tmpfs is bound back read-only."""
-    if not isolation().namespaces or not os.path.isdir(scratch):
-        pytest.skip(sandbox_description())
     home = Path(tempfile.mkdtemp(prefix="postrl-venv-", dir=scratch))
     try:
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(home / "venv")], check=True, timeout=60)
@@ -229,7 +240,25 @@ def test_without_isolation_the_python_tool_runs_nothing_and_says_how_to_fix(no_i
     start_python_tool({"backend": "sandbox_fusion", "url": "http://127.0.0.1:9"})
 
 
-@pytest.mark.skipif(not Path("/usr/bin/python3").exists(), reason="needs the system Python (>= 3.10)")
+def _system_python() -> str:
+    """'' where /usr/bin/python3 (>= 3.10) runs the package's sandbox, else why not."""
+    if not Path("/usr/bin/python3").exists():
+        return "no system Python (/usr/bin/python3)"
+    version = subprocess.run(["/usr/bin/python3", "-c", "import sys; print(sys.version_info >= (3, 10))"], capture_output=True, text=True)
+    return "" if version.stdout.strip() == "True" else "/usr/bin/python3 is older than 3.10"
+
+
+def _filter_builds(python: str) -> bool:
+    """Whether `python` builds the seccomp filter (pyseccomp and libseccomp)."""
+    code = f"import sys; sys.path.insert(0, {SRC!r})\nfrom {sandbox_mod.__name__} import seccomp_program\nseccomp_program()"
+    return subprocess.run([python, "-I", "-c", code], capture_output=True, timeout=60).returncode == 0
+
+
+SYSTEM_PYTHON = _system_python()
+NO_FILTERLESS_PYTHON = SYSTEM_PYTHON or ("the system Python builds the seccomp filter too" if _filter_builds("/usr/bin/python3") else "")
+
+
+@pytest.mark.skipif(bool(NO_FILTERLESS_PYTHON), reason=f"containment: {NO_FILTERLESS_PYTHON}")
 def test_without_the_seccomp_filter_nothing_runs(tmp_path):
     """An interpreter that cannot build the filter (no pyseccomp, as the system Python here; or no libseccomp)
     gets the refusal, with the fix, and runs nothing, though the namespaces would work."""
@@ -240,8 +269,6 @@ def test_without_the_seccomp_filter_nothing_runs(tmp_path):
               "print(isolation().namespaces, r.error)\nprint(r.stderr)")
     proc = subprocess.run(["/usr/bin/python3", "-I", "-c", script], capture_output=True, text=True, timeout=60,
                           env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
-    if "seccomp filter unavailable" not in proc.stdout:
-        pytest.skip(f"the system Python builds the filter too: {proc.stdout[:200]}{proc.stderr[-300:]}")
     assert proc.stdout.splitlines()[0] == "False isolation", proc.stdout + proc.stderr
     assert "seccomp filter unavailable: ModuleNotFoundError" in proc.stdout and "Fix: install libseccomp" in proc.stdout
     assert not marker.exists()
@@ -309,25 +336,49 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not Path("/usr/bin/setpriv").exists() or not Path("/usr/bin/python3").exists(),
-                    reason="needs root (to become an ordinary uid with setpriv) and /usr/bin/python3 (>= 3.10)")
-@pytest.mark.parametrize("userns", ["allowed", "refused"])
+def _as_ordinary_user(code: str, shared: str, path: str = "/usr/bin:/bin", *args: str) -> subprocess.CompletedProcess:
+    """`code` run by the system Python as uid 65533, the package and `shared` (pyseccomp's copy) on its path."""
+    return subprocess.run(
+        ["/usr/bin/setpriv", "--reuid=65533", "--regid=65533", "--clear-groups", "/usr/bin/python3", "-I", "-c",
+         f"import sys; sys.path[:0] = [{SRC!r}, {shared!r}]\n" + code, *args],
+        capture_output=True, text=True, timeout=120, cwd="/", env={"PATH": path, "HOME": "/"},
+    )
+
+
+def _shared_dir() -> str:
+    """A world-writable directory beside this file (outside /tmp, which the sandbox replaces) with pyseccomp's copy."""
+    import pyseccomp  # the filter's builder (one pure-Python file), where uid 65533 and the system Python find it
+
+    shared = tempfile.mkdtemp(prefix="postrl-userns-", dir=Path(__file__).parent)
+    os.chmod(shared, 0o777)
+    shutil.copy(pyseccomp.__file__, shared)
+    return shared
+
+
+def _ordinary_user() -> str:
+    """'' where an ordinary uid gets the sandbox's namespaces here (a user namespace), else why not."""
+    shared = _shared_dir()
+    try:
+        proc = _as_ordinary_user(f"from {sandbox_mod.__name__} import isolation\nprint(isolation().namespaces, isolation().description)", shared)
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+    return "" if proc.stdout.startswith("True ") else f"an ordinary user gets no namespaces here: {(proc.stdout + proc.stderr).strip()[-300:]}"
+
+
+USERNS_CAN_RUN = SYSTEM_PYTHON if os.geteuid() == 0 and Path("/usr/bin/setpriv").exists() else "needs root (to become an ordinary uid with setpriv)"
+ORDINARY_USER = USERNS_CAN_RUN or _ordinary_user()
+
+
+@pytest.mark.skipif(bool(USERNS_CAN_RUN), reason=f"containment: {USERNS_CAN_RUN}")
+@pytest.mark.parametrize("userns", [pytest.param("allowed", marks=pytest.mark.skipif(bool(ORDINARY_USER), reason=f"containment: {ORDINARY_USER}")),
+                                    "refused"])  # fmt: skip
 def test_an_ordinary_user_gets_the_same_fences_through_a_user_namespace(userns):
     """The path most users take: not root, so `unshare -r` (an unprivileged user namespace) and every
     capability dropped instead of uid 65534. Run as uid 65533 with the system Python (the package's
     sandbox needs only the standard library). Where user namespaces are refused (a fake `unshare`), the
     refusal names both ways out, and the opt-out runs the code as that uid under the limits."""
-    version = subprocess.run(["/usr/bin/python3", "-c", "import sys; print(sys.version_info >= (3, 10))"],
-                             capture_output=True, text=True).stdout.strip()
-    if version != "True":
-        pytest.skip("/usr/bin/python3 is older than 3.10")
-    # World-writable and outside /tmp (which the sandbox replaces): only the read-only mount stops the write.
-    shared = tempfile.mkdtemp(prefix="postrl-userns-", dir=Path(__file__).parent)
-    os.chmod(shared, 0o777)
+    shared = _shared_dir()  # world-writable and outside /tmp: only the read-only mount stops the write
     target = os.path.join(shared, "escape.txt")
-    import pyseccomp  # the filter's builder (one pure-Python file), where uid 65533 and the system Python find it
-
-    shutil.copy(pyseccomp.__file__, shared)
     path = "/usr/bin:/bin"
     if userns == "refused":
         fake = Path(shared) / "bin"  # where uid 65533 can reach it (pytest's tmp_path is private)
@@ -336,11 +387,7 @@ def test_an_ordinary_user_gets_the_same_fences_through_a_user_namespace(userns):
         (fake / "unshare").chmod(0o755)
         path = f"{fake}:{path}"
     try:
-        proc = subprocess.run(
-            ["/usr/bin/setpriv", "--reuid=65533", "--regid=65533", "--clear-groups", "/usr/bin/python3", "-I", "-c",
-             f"import sys; sys.path[:0] = [{SRC!r}, {shared!r}]\n" + USERNS_SCRIPT, target],
-            capture_output=True, text=True, timeout=120, cwd="/", env={"PATH": path, "HOME": "/"},
-        )
+        proc = _as_ordinary_user(USERNS_SCRIPT, shared, path, target)
         assert proc.returncode == 0, proc.stderr
         out = json.loads(proc.stdout)
         if userns == "refused":
@@ -349,8 +396,7 @@ def test_an_ordinary_user_gets_the_same_fences_through_a_user_namespace(userns):
             assert out["opted_out"] == [None, "65533\n"] and out["opted_out_timeout"] == "timeout"
             assert len(out["said"]) == 1 and out["said"][0].startswith("WARNING: sandbox: NOT isolated (unshare refused")
             return
-        if not out["namespaces"]:
-            pytest.skip(out["description"])
+        assert out["namespaces"], out["description"]  # collection found an ordinary user gets them
         assert out["uid"] == 65533 and out["description"].endswith("no capabilities")
         # The checkout is not in the sandbox's allowlisted file system at all: the directory is not there.
         assert out["write"][0] == "exit" and out["write"][1] == "0\n" and "No such file or directory" in out["write"][2], out["write"]

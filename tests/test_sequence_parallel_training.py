@@ -67,7 +67,7 @@ def sp_step(cfg) -> dict:
     tr = Trainer(cfg)
     try:
         rollout = ScriptedRollout(tr.tokenizer)
-        rollout.vocab = [t for t in rollout.vocab if t not in set(tr.policy.modality.suppress_token_ids())]  # no image placeholders
+        rollout.vocab = [t for t in rollout.vocab if t not in set(tr.run.policy.modality.suppress_token_ids())]  # no image placeholders
         tr.engine = tr.experience.engine = rollout
         batch, _ = tr.experience.collect(tr.step, tr.timer)
         local = tr.actor.pack(batch, tr.experience.advantages(batch))

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import io
 
-from rich.console import Console
+from conftest import quiet_console
 
 from postrl.sft import _Progress
 
 
 def _lines(total: int, bar: bool, terminal: bool) -> list[str]:
-    console = Console(file=io.StringIO(), width=200, force_terminal=terminal)
+    console = quiet_console(200, force_terminal=terminal)
     with _Progress(console, total, bar=bar) as progress:
         for step in range(1, total + 1):
             progress.update(step, loss=1.0 / step)

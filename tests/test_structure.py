@@ -149,6 +149,15 @@ def test_checkpoint_and_the_layers_below_the_loop_do_not_import_the_trainer():
         assert "postrl.trainer" not in graph[low], low
 
 
+def test_test_modules_are_imported_under_one_name():
+    """pytest imports tests/*.py under their bare names (conftest puts tests/ on sys.path); importing one as
+    `tests.x` as well would load it twice, with two copies of its classes and fixtures."""
+    tests = Path(__file__).parent
+    twice = [f"{path.name}:{n}" for path in sorted(tests.glob("*.py")) for n, line in enumerate(path.read_text().splitlines(), 1)
+             if line.lstrip().startswith(("from tests.", "import tests."))]  # fmt: skip
+    assert not twice, twice
+
+
 @pytest.mark.parametrize(
     "device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 )

@@ -109,7 +109,7 @@ def test_tool_call_parser_reads_hostile_text(text):
 def test_a_deep_call_is_the_turns_error_and_the_trajectory_goes_on(tokenizer):
     """The issue's probe: `<tool_call>` + 5000 `[` raised RecursionError out of the agent loop (the run died).
     Now the model reads an error, its next turn runs, and the step's metrics count one unreadable call."""
-    from tests.test_agents import ScriptEngine, _prompt
+    from test_agents import ScriptEngine, _prompt
 
     engine = ScriptEngine(tokenizer, [DEEP_CALL + "</tool_call>", "\\boxed{1}<|im_end|>"])
     from postrl.agents.loop.loop import AgentLoop

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_agents import tokenizer  # noqa: F401 - the module's fixture (the tiny tools model's tokenizer)
+from test_agents import tokenizer  # noqa: F401 - the module's fixture (the tiny tools model's tokenizer)
 
 ROOT = Path(__file__).resolve().parents[1]
 VF_PYTHON = os.environ.get("POSTRL_VERIFIERS_PYTHON") or str(ROOT / ".venv-verifiers" / "bin" / "python")
@@ -100,7 +100,7 @@ QUESTION = [{"role": "user", "content": "What is 347 * 28 + 1205?"}]
 def _engine(tokenizer, turns, environment, **cfg):
     from postrl.agents.verifiers.env import make_verifiers_engine
     from postrl.config import RolloutConfig
-    from tests.test_agents import ScriptEngine
+    from test_agents import ScriptEngine
 
     rollout = RolloutConfig(environment=f"verifiers:{environment}", environment_python=VF_PYTHON, agent_timeout_s=60, **cfg)
     return make_verifiers_engine(ScriptEngine(tokenizer, turns), tokenizer, rollout)
@@ -112,7 +112,7 @@ def test_the_rubric_scores_what_the_environments_tool_loop_did_through_the_endpo
     the tool and sends its result back, the rubric pays the right number; the endpoint records one segment of
     model tokens (mask 1) around the tool's (mask 0)."""
     from postrl.rollout.base import SamplingParams
-    from tests.test_agents import _call, _ids
+    from test_agents import _call, _ids
 
     script = [_call("347 * 28 + 1205", ""), "\\boxed{10921}<|im_end|>"]
     gw = _engine(tokenizer, script, EXAMPLE / "calculator_env.py", agent_batch_wait_ms=10_000)  # one engine call per turn
@@ -296,7 +296,7 @@ def test_an_environment_whose_every_rollout_errors_stops_after_that_batch_with_t
     from postrl.config import RolloutConfig
     from postrl.errors import UserError
     from postrl.rollout.base import SamplingParams
-    from tests.test_agents import ScriptEngine
+    from test_agents import ScriptEngine
 
     env = tmp_path / "hostile_env.py"
     env.write_text(HOSTILE_ENV)

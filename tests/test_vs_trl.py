@@ -5,12 +5,10 @@ Runs where TRL is installed (the `bench` extra); skipped otherwise."""
 from __future__ import annotations
 
 import copy
-import io
 
 import pytest
 import torch
-from conftest import tiny_overrides
-from rich.console import Console
+from conftest import quiet_console, tiny_overrides
 
 from postrl.checks import load_config
 from postrl.batch import Batch
@@ -27,7 +25,7 @@ def test_dapo_loss_and_gradient_equal_trls_on_one_batch(tmp_path, temperature):
         tmp_path, "algorithm.name=dapo", "algorithm.overlong_buffer.enable=false", "algorithm.filter_groups.enable=false",
         f"rollout.temperature={temperature}", "reward.verifiers=[verifiers_for_tests:length_parity]", "train.micro_batch_size=64", "train.grad_clip=1e9",  # gradients compared unclipped
     ))  # fmt: skip
-    tr = Trainer(cfg, Console(file=io.StringIO()))
+    tr = Trainer(cfg, quiet_console())
     tr.close()
     g = torch.Generator().manual_seed(0)
     B, P, T = 8, 6, 7  # equal prompt lengths: TRL derives positions from the padded layout, postrl from the mask

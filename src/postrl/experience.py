@@ -23,7 +23,7 @@ from postrl.turns import generate_for, model_text
 from postrl.batch import Batch, concat, expand_segments, select, select_groups, trajectories, trajectory_mask
 from postrl.data.dataset import PromptExample, PromptSampler
 from postrl.errors import UserError
-from postrl.metrics import Timer, summary_stats
+from postrl.metrics import Timer, summary_stats, throughput
 from postrl.partition import shard_range, shard_seed
 from postrl.rollout import SamplingParams
 
@@ -249,6 +249,16 @@ def staleness_metrics(versions: list[int], step: int) -> dict[str, float]:
     lag = [step - v for v in versions]
     assert all(x >= 0 for x in lag), f"a sequence from policy version {max(versions)} is newer than the trainer's step {step}"
     return {"async/staleness_mean": sum(lag) / max(len(lag), 1), "async/staleness_max": float(max(lag, default=0))}
+
+
+def step_metrics(cfg: Any, batch: Batch, step: int, epoch: int, stats: dict, timing: dict, engine: str) -> dict[str, float]:
+    """One training step's metrics row (step `step` + 1): the batch's, its staleness, the rollout's and update's
+    `stats`, the timings and the throughput they give."""
+    g = cfg.rollout.n_samples_per_prompt
+    m = {"training/step": step + 1, "training/epoch": epoch, **batch_metrics(batch, cfg.algorithm.name, g),
+         **staleness_metrics(batch.versions, step), **stats, **timing}  # fmt: skip
+    return {**m, **throughput(m["response_length/total_mean"], m["prompt_length/mean"], cfg.train.global_batch_size, g,
+                              cfg.world_size, timing, engine)}  # fmt: skip
 
 
 def gather(part: Batch) -> Batch:

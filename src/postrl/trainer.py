@@ -13,7 +13,6 @@ business: the loop reads the same for every placement. Formulas live in algorith
 from __future__ import annotations
 
 import contextlib
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -25,12 +24,10 @@ from postrl.assembly import build_run
 from postrl.placement.source import open_source
 from postrl.config import Config
 from postrl.held import reference, teacher
-from postrl.held.critic import CRITIC_DIR
 from postrl.errors import Stopped, UserError
 from postrl.evaluate import ValidationHistory, evaluate
-from postrl.batch import Batch
-from postrl.experience import batch_metrics, staleness_metrics
-from postrl.metrics import MetricsLogger, Timer, plot_logged, progress_bar, read_jsonl, step_line, throughput, val_line
+from postrl.experience import step_metrics
+from postrl.metrics import MetricsLogger, Timer, plot_logged, progress_bar, step_line, val_line
 from postrl.runtime import StepAbandoned, StopOnSignal, init_runtime, rng_state, set_rng_state
 from postrl.samples import SampleWriter
 
@@ -47,26 +44,21 @@ class Trainer:
         self.console = (console or Console()) if rt.is_main else Console(quiet=True)  # rank 0 prints for the run
         checkpoint.check_run_dirs(cfg)  # before the model loads: a bad directory costs nothing yet
         self.lock = checkpoint.RunLock(cfg.logging.dir) if rt.is_main else None
-        self.algo_name = cfg.algorithm.name
-        self.G = cfg.rollout.n_samples_per_prompt
+        self.algo_name, self.G = cfg.algorithm.name, cfg.rollout.n_samples_per_prompt
         # runtime -> policy -> prompts -> reference -> actor (+ critic) -> validation -> rewards -> engine -> Experience
-        run = build_run(cfg, "trainer", self.log, runtime=rt)
-        self.run, self.policy, self.actor, self.critic = run, run.policy, run.actor, run.critic
-        self.ref_model, self.teacher = run.ref_model, run.teacher
-        self.model, self.tokenizer, self.model_path = self.policy.model, self.policy.tokenizer, self.policy.path
-        self.train_examples, self.sampler, self.val_sets = run.examples, run.sampler, run.val_sets
-        self.reward_fn, self.engine, self.experience = run.reward_fn, run.engine, run.experience
+        self.run = run = build_run(cfg, "trainer", self.log, runtime=rt)  # below: short names for its most used fields
+        self.actor, self.critic, self.ref_model, self.sampler = run.actor, run.critic, run.ref_model, run.sampler
+        self.model, self.tokenizer, self.engine, self.experience = run.policy.model, run.policy.tokenizer, run.engine, run.experience
         if lora.is_lora(self.model):
             self.log(lora.summary(self.model))
             lora.turn_off_best_weights(cfg.checkpoint, self.log)
         self.logger = MetricsLogger(cfg.logging.dir, cfg.logging.sinks, cfg.model_dump(mode="json"), enabled=rt.is_main,
                                     metric_names=cfg.logging.metric_names, algo=self.algo_name)  # fmt: skip
-        self.step, self.timer, self._closed, self.signals = 0, Timer(), False, StopOnSignal()
-        self._phase = ""  # what the step in flight was doing, for the message of a stop signal that abandons it
+        self.step, self.timer, self._closed, self.signals, self._phase = 0, Timer(), False, StopOnSignal(), ""  # _phase: _abandonable's message
         self.guards = guards.Guards(cfg, self.log)
         self.history = ValidationHistory(cfg.checkpoint.keep_best)  # the headline validation metric
         self.samples = SampleWriter(cfg, self.tokenizer, self.log, enabled=rt.is_main)  # <logging.dir>/samples/*.jsonl
-        restored = checkpoint.resume(cfg, len(self.train_examples), self.log)
+        restored = checkpoint.resume(cfg, len(self.run.examples), self.log)
         if restored is not None:
             self.load_state_dict(restored)
             self.engine.sync_weights(self.model)
@@ -89,7 +81,7 @@ class Trainer:
     def _fit(self) -> dict[str, float]:
         cfg = self.cfg
         last: dict[str, float] = {}
-        if cfg.eval.before_train and self.step == 0 and self.val_sets:
+        if cfg.eval.before_train and self.step == 0 and self.run.val_sets:
             last.update(self.validate())
             self.logger.log(0, last)
             self.log(val_line("before RL", last))
@@ -101,7 +93,7 @@ class Trainer:
                 self.guards.after_step(metrics, self.step)
                 if cfg.eval.freq and self.step % cfg.eval.freq == 0 and self.step < cfg.train.total_steps:
                     metrics.update(self.validate())
-                if cfg.checkpoint.save_freq and self.step % cfg.checkpoint.save_freq == 0:
+                if checkpoint.saved_at(cfg, self.step):
                     with self.timer("save"):
                         checkpoint.save(cfg, self.state_dict())
                     metrics["timing/save"] = self.timer.seconds.pop("save")
@@ -110,17 +102,19 @@ class Trainer:
                     progress.console.print(step_line(metrics, self.algo_name, self.step))
                 progress.update(task, completed=self.step)
                 last = metrics
-                if distributed.all_reduce_max(stop.signum):  # every rank stops after the same step
-                    self._stop_for_signal(stop.signum)
+                if distributed.all_reduce_max(stop.signum):  # preemption or Ctrl-C: every rank stops after the same step
+                    self._save_trained({})  # the finished step's checkpoint; then release everything and exit cleanly
+                    self.close()
+                    self.log(checkpoint.stopped_line(cfg, stop.signum, self.step))
+                    raise Stopped(stop.signum)
         final: dict[str, float] = {}
-        if cfg.eval.after_train and self.val_sets:
+        if cfg.eval.after_train and self.run.val_sets:
             final = self.validate(last=True)
             self.logger.log(self.step, final)
             self.log(val_line("after RL", final))
-        if cfg.checkpoint.save_final and not (cfg.checkpoint.save_freq and self.step % cfg.checkpoint.save_freq == 0):
+        if cfg.checkpoint.save_final and not checkpoint.saved_at(cfg, self.step):
             checkpoint.save(cfg, self.state_dict())
-        best_dir = Path(cfg.checkpoint.dir) / checkpoint.BEST if cfg.checkpoint.keep_best else None
-        if (summary := self.history.summary(best_dir)) is not None:
+        if (summary := self.history.summary(checkpoint.best_dir(cfg))) is not None:
             self.log(summary)
         self.close()
         if self.runtime.is_main:
@@ -143,7 +137,7 @@ class Trainer:
             if self.ref_model is not None:
                 with self.timer("reference_model"), reference.ready(self.ref_model, self.model, self.runtime, self.timer) as ref:
                     local.tensors["ref_logp"] = self.actor.compute_logprobs(ref, local)
-            teacher.score(self.teacher, self.actor, self.model, local, self.runtime, self.timer)  # timing/teacher
+            teacher.score(self.run.teacher, self.actor, self.model, local, self.runtime, self.timer)  # timing/teacher
             update_stats = {}
             if self.critic is not None:  # values, GAE advantages and returns, then the critic's update (verl's order)
                 with self.timer("values"):
@@ -157,7 +151,8 @@ class Trainer:
             with self.timer("resharding_to_infer"):  # the weights for the next batches, checked where they land
                 update_stats.update(self.batches.publish(self.model, self.step + 1))
         self.samples.rollout(self.step + 1, batch)
-        return self._step_metrics(batch, gen_stats, update_stats)
+        return step_metrics(self.cfg, batch, self.step, self.sampler.epoch, {**gen_stats, **update_stats}, self.timer.timing(),
+                            self.engine.name)  # fmt: skip
 
     @contextlib.contextmanager
     def _abandonable(self):
@@ -173,9 +168,7 @@ class Trainer:
         except StepAbandoned as exc:
             self._save_trained(before)
             self.close()
-            done = f"stopped after step {self.step} with a checkpoint in {self.cfg.checkpoint.dir}" if self.step else "stopped before any step"
-            self.log(f"[yellow]{signal.Signals(exc.signum).name} received: {done}; step {self.step + 1}, which was {self._phase}, "
-                     "was abandoned; run the same command again to continue (checkpoint.resume: auto).[/yellow]")  # fmt: skip
+            self.log(checkpoint.stopped_line(self.cfg, exc.signum, self.step, abandoned=self._phase))
             raise Stopped(exc.signum) from None
 
     def _collect(self):
@@ -192,22 +185,9 @@ class Trainer:
 
     def _save_trained(self, before: dict) -> Path | None:
         """Checkpoint the steps trained so far, with the RNG and sampler of `before` (the step's start)."""
-        if self.step == 0 or self.cfg.checkpoint.save_freq and self.step % self.cfg.checkpoint.save_freq == 0:
+        if self.step == 0 or checkpoint.saved_at(self.cfg, self.step):
             return None  # nothing trained yet, or this step's checkpoint exists
         return checkpoint.save(self.cfg, {**self.state_dict(), **before})
-
-    def _stop_for_signal(self, signum: int) -> None:
-        """Preemption (SIGTERM) or Ctrl-C: checkpoint the finished step, release everything, exit cleanly."""
-        cfg = self.cfg
-        if not (cfg.checkpoint.save_freq and self.step % cfg.checkpoint.save_freq == 0):
-            checkpoint.save(cfg, self.state_dict())
-        self.close()
-        name = signal.Signals(signum).name if signum > 0 else "a stop signal"
-        self.log(
-            f"[yellow]{name} received: stopped after step {self.step} with a checkpoint in {cfg.checkpoint.dir}; "
-            "run the same command again to continue (checkpoint.resume: auto).[/yellow]"
-        )
-        raise Stopped(signum)
 
     def close(self) -> None:
         """Release the run's resources (idempotent: the error and signal paths call it too)."""
@@ -223,69 +203,36 @@ class Trainer:
     # ------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         """Everything a checkpoint holds; checkpoint.save owns the files."""
-        return {
-            "step": self.step,
-            "model": self.model,
-            "tokenizer": self.tokenizer,
-            **self.actor.state_dict(),
-            **({"critic": self.critic.state_dict()} if self.critic is not None else {}),
-            "sampler": self.sampler.state_dict(),
-            "rng": rng_state(),
-            "train_prompts": len(self.train_examples),
-        }
+        critic = {"critic": self.critic.state_dict()} if self.critic is not None else {}
+        return {"step": self.step, "model": self.model, "tokenizer": self.tokenizer, **self.actor.state_dict(), **critic,
+                "sampler": self.sampler.state_dict(), "rng": rng_state(), "train_prompts": len(self.run.examples)}
 
     def load_state_dict(self, restored: checkpoint.Restored) -> None:
-        if restored.finetune or not lora.is_lora(self.model):
-            checkpoint.load_weights(self.model, restored.model_dir)  # LoRA finetune: they become the frozen base
-        else:  # LoRA resume: model.path's base, the checkpoint's adapters
-            checkpoint.load_adapter(self.model, restored.path / lora.ADAPTER_DIR)
+        """Put a checkpoint's pieces in place (checkpoint.resume read its files)."""
+        checkpoint.load_model(self.model, restored)
         if restored.finetune:
-            self.log(f"finetune: loaded the weights of {restored.path}; starting a fresh run at step 0")
-            return
+            return checkpoint.report(self.cfg, restored, self.log)
         self.step = restored.step
         if restored.optimizer is not None:
             self.actor.load_state_dict({"optimizer": restored.optimizer, "scheduler": restored.scheduler})
         else:
             self.actor.skip_schedule_to(self.step)
         if self.critic is not None:
-            self.critic.load(restored.path / CRITIC_DIR, restored.critic_optimizer, restored.critic_scheduler, self.step)
+            self.critic.load(restored.critic_dir, restored.critic_optimizer, restored.critic_scheduler, self.step)
         if restored.rng is not None:
             set_rng_state(restored.rng)
         self.sampler.load_state_dict(restored.sampler)
-        metrics_path = Path(self.cfg.logging.dir) / "metrics.jsonl"
-        if metrics_path.exists():
-            rows = read_jsonl(metrics_path)
-            self.history.replay(rows, self.step)
-            self.guards.replay(rows, self.step)  # the training rewards heldout_collapse compares
-        self.log(f"resumed from {restored.path} at step {self.step}")
-        if self.step >= self.cfg.train.total_steps:
-            self.log(
-                f"[yellow]nothing to train: the checkpoint is at step {self.step} and train.total_steps is "
-                f"{self.cfg.train.total_steps}. To start over, use a new logging.dir or checkpoint.resume=none; "
-                "to train on, raise train.total_steps.[/yellow]"
-            )
-
-    # ----------------------------------------------------------------------------------- metrics
-    def _step_metrics(self, batch: Batch, gen_stats: dict, update_stats: dict) -> dict[str, float]:
-        cfg, name = self.cfg, self.algo_name
-        m: dict[str, float] = {"training/step": self.step + 1, "training/epoch": self.sampler.epoch}
-        m.update(batch_metrics(batch, name, self.G))
-        m.update(staleness_metrics(batch.versions, self.step))
-        m.update(gen_stats)
-        m.update(update_stats)
-        timing = self.timer.timing()
-        m.update(timing)
-        m.update(throughput(m["response_length/total_mean"], m["prompt_length/mean"], cfg.train.global_batch_size,
-                            self.G, cfg.world_size, timing, self.engine.name))  # fmt: skip
-        return m
+        self.history.replay(restored.metrics, self.step)
+        self.guards.replay(restored.metrics, self.step)  # the training rewards heldout_collapse compares
+        checkpoint.report(self.cfg, restored, self.log)
 
     # -------------------------------------------------------------------------------- validation
     def validate(self, last: bool = False) -> dict[str, float]:
         start = time.perf_counter()
         engine, agent = self.batches.validation_engine(self.model), self.cfg.rollout.takes_rows
         out = {}
-        for name, examples in self.val_sets.items():
-            out.update(evaluate(engine, self.tokenizer, self.reward_fn.score_rules, examples, self.cfg.eval, name, self.cfg.train.seed, agent,
+        for name, examples in self.run.val_sets.items():
+            out.update(evaluate(engine, self.tokenizer, self.run.reward_fn.score_rules, examples, self.cfg.eval, name, self.cfg.train.seed, agent,
                                 record=self.samples.for_validation(self.step)))
         out["timing/eval"] = time.perf_counter() - start
         found = self.history.record(self.step, out)  # the headline metric (checkpoint.keep_best)
@@ -298,16 +245,12 @@ class Trainer:
     def _back_off(self, best: dict, value: float, out: dict, last: bool) -> None:
         """checkpoint.back_off / end_with_best: validation fell below the best; back to the best weights
         (during the run at a smaller LR)."""
-        checkpoint.load_weights(self.model, Path(self.cfg.checkpoint.dir) / checkpoint.BEST / "model")
+        checkpoint.load_best(self.cfg, self.model)
         self.batches.publish(self.model, self.step)  # the next batches are sampled from them
         self.history.restore(self.step, best["step"], best["value"])
         out.update({"training/back_off": 1.0, "training/back_off_to_step": float(best["step"])})
-        fell = f"{best['metric']} fell to {value:.1%} at step {self.step}, {best['value'] - value:.1%} below the best {best['value']:.1%}"
-        if last:
-            self.log(f"[yellow]end_with_best: {fell}; the run ends with step {best['step']}'s weights.[/yellow]")
-            return
-        lr = self.actor.scale_lr(self.cfg.checkpoint.back_off_lr_factor)
-        self.log(f"[yellow]back-off: {fell}: the weights are step {best['step']}'s again, the peak lr {lr:.2g} from here.[/yellow]")
+        lr = None if last else self.actor.scale_lr(self.cfg.checkpoint.back_off_lr_factor)
+        self.log(checkpoint.back_off_line(best, value, self.step, lr))
 
 
 def train(cfg: Config, console: Any = None) -> dict[str, float]:

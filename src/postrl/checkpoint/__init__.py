@@ -14,8 +14,9 @@
       best/                    checkpoint.keep_best: the weights of the best validation (best.py)
 
 One job per module: files.py (layout, durable writes, damaged-file reads), store.py (writing one
-checkpoint), restore.py (resume, loading weights), exporter.py (`postrl export`), best.py (the best
-weights), lock.py (the run directory). This file publishes a written checkpoint and names the API.
+checkpoint), restore.py (resume, loading weights, the metrics to replay), exporter.py (`postrl
+export`), best.py (the best weights), lock.py (the run directory). This file publishes a written
+checkpoint and names the API. The trainer owns the state; this package owns the files.
 
 Crash safety. A checkpoint is written into `.tmp_iter_N`, every file is fsynced, the directory is
 renamed to `iter_N` (atomic), and only then is the tracker file replaced (atomically) to name it.
@@ -33,20 +34,20 @@ from pathlib import Path
 from typing import Any
 
 from postrl import distributed
-from postrl.checkpoint.best import BEST, best_so_far, fell_below_best, keep_if_best, save_best
+from postrl.checkpoint.best import BEST, back_off_line, best_dir, best_so_far, fell_below_best, load_best, keep_if_best, save_best
 from postrl.checkpoint.exporter import export, model_dtype, resolve_model_dir
 from postrl.checkpoint.files import STATE_FILE, TRACKER, Untrusted, complete_iters, describe, fsync_dir, fsync_tree, iter_dir, read_tracker
 from postrl.checkpoint.files import write_atomic as _write_atomic
 from postrl.checkpoint.lock import RunLock, check_run_dirs
-from postrl.checkpoint.restore import Restored, find_resume_dir, load_adapter, load_weights, resume, setting_changes
-from postrl.checkpoint.store import CRASH_ENV, FORMAT_VERSION, clean_leftovers, disk_full, rotate, tmp_dir, write_iteration
+from postrl.checkpoint.restore import Restored, find_resume_dir, load_adapter, load_model, load_weights, report, resume, setting_changes, stopped_line
+from postrl.checkpoint.store import CRASH_ENV, FORMAT_VERSION, clean_leftovers, disk_full, rotate, saved_at, tmp_dir, write_iteration
 from postrl.errors import UserError
 
 __all__ = [
-    "BEST", "CRASH_ENV", "FORMAT_VERSION", "STATE_FILE", "TRACKER", "Restored", "RunLock", "Untrusted", "best_so_far",
-    "check_run_dirs", "describe", "export", "fell_below_best", "find_resume_dir", "iter_dir", "keep_if_best", "load_adapter",
-    "load_weights", "model_dtype", "read_tracker", "resolve_model_dir", "resume", "save", "save_best",
-    "setting_changes",
+    "BEST", "CRASH_ENV", "FORMAT_VERSION", "STATE_FILE", "TRACKER", "Restored", "RunLock", "Untrusted", "back_off_line", "best_dir",
+    "best_so_far", "check_run_dirs", "describe", "export", "fell_below_best", "find_resume_dir", "iter_dir", "keep_if_best",
+    "load_adapter", "load_best", "load_model", "load_weights", "model_dtype", "read_tracker", "report", "resolve_model_dir",
+    "resume", "save", "save_best", "saved_at", "setting_changes", "stopped_line",
 ]  # fmt: skip
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from postrl import distributed
 from postrl.checkpoint.files import fsync_dir, fsync_tree, remove
+from postrl.checkpoint.restore import load_weights
 from postrl.checkpoint.store import save_weights
 
 BEST = "best"
@@ -26,6 +27,16 @@ def best_so_far(cfg: Any) -> dict | None:
     """{"step", "metric", "value"} of the weights in <checkpoint.dir>/best, or None."""
     info = Path(cfg.checkpoint.dir) / BEST / "best.json"
     return json.loads(info.read_text()) if info.is_file() else None
+
+
+def best_dir(cfg: Any) -> Path | None:
+    """<checkpoint.dir>/best where checkpoint.keep_best is set, else None."""
+    return Path(cfg.checkpoint.dir) / BEST if cfg.checkpoint.keep_best else None
+
+
+def load_best(cfg: Any, model: Any) -> None:
+    """The kept best weights back into `model` (checkpoint.back_off / end_with_best)."""
+    load_weights(model, Path(cfg.checkpoint.dir) / BEST / "model")
 
 
 def save_best(cfg: Any, model: Any, tokenizer: Any, step: int, value: float, metric: str) -> Path:
@@ -78,3 +89,11 @@ def fell_below_best(cfg: Any, found: tuple[str, float] | None, last: bool = Fals
     if best is None or best.get("metric") != found[0] or best["value"] - found[1] <= allowed + 1e-9:
         return None
     return best
+
+
+def back_off_line(best: dict, value: float, step: int, lr: float | None) -> str:
+    """What a back-off says: end_with_best at the end (`lr` None), else back-off with the new peak lr."""
+    fell = f"{best['metric']} fell to {value:.1%} at step {step}, {best['value'] - value:.1%} below the best {best['value']:.1%}"
+    if lr is None:
+        return f"[yellow]end_with_best: {fell}; the run ends with step {best['step']}'s weights.[/yellow]"
+    return f"[yellow]back-off: {fell}: the weights are step {best['step']}'s again, the peak lr {lr:.2g} from here.[/yellow]"

@@ -1,5 +1,6 @@
-"""Reading a checkpoint back: which one `checkpoint.resume` names, what it holds for this rank, and
-the weights or adapters copied into a live model.
+"""Reading a checkpoint back: which one `checkpoint.resume` names, what it holds for this rank (and the
+run's metrics.jsonl rows, which the trainer replays into its validation history and guards), the
+weights or adapters copied into a live model, and what a resumed or stopped run says.
 
 Exact resume. Weights, AdamW state, the scheduler position, the sampler position and the RNG states
 are restored, and the step counter continues, so the per-step generation seeds (`Experience._seed`)
@@ -12,7 +13,8 @@ equals an uninterrupted one bit for bit (tests/test_checkpoint.py).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import signal
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ from postrl import distributed, lora
 from postrl.checkpoint.files import STATE_FILE, TRACKER, complete_iters, iter_dir, iter_step, read, read_tracker, torch_load
 from postrl.checkpoint.store import batch_settings, lora_settings, optim_settings, rng_from_file
 from postrl.errors import UserError
+from postrl.metrics import read_jsonl
 
 
 def find_resume_dir(cfg) -> Path | None:
@@ -106,10 +109,15 @@ class Restored:
     sampler: dict | None = None
     critic_optimizer: dict | None = None  # PPO: the critic's, when the checkpoint has one (critic/)
     critic_scheduler: dict | None = None
+    metrics: list[dict] = field(default_factory=list)  # <logging.dir>/metrics.jsonl: validations and rewards to replay
 
     @property
     def model_dir(self) -> Path:
         return self.path / "model"
+
+    @property
+    def critic_dir(self) -> Path:  # PPO's value model: model/, optimizer_rank{r}.pt, scheduler.pt
+        return self.path / "critic"
 
 
 def resume(cfg: Any, train_prompts: int, log=print) -> Restored | None:
@@ -149,15 +157,17 @@ def resume(cfg: Any, train_prompts: int, log=print) -> Restored | None:
             )
         restored.optimizer = read(opt_file, torch_load)
         restored.scheduler = read(path / "scheduler.pt", torch_load)
-        if (path / "critic" / f"optimizer_rank{rank}.pt").exists():
-            restored.critic_optimizer = read(path / "critic" / f"optimizer_rank{rank}.pt", torch_load)
-            restored.critic_scheduler = read(path / "critic" / "scheduler.pt", torch_load)
+        if (restored.critic_dir / f"optimizer_rank{rank}.pt").exists():
+            restored.critic_optimizer = read(restored.critic_dir / f"optimizer_rank{rank}.pt", torch_load)
+            restored.critic_scheduler = read(restored.critic_dir / "scheduler.pt", torch_load)
     rng_file = path / f"rng_rank{rank}.pt"
     if ck.load_rng and rng_file.exists():
         restored.rng = rng_from_file(read(rng_file, torch_load))
     elif ck.load_rng:
         log(f"[yellow]warning: {path} has no RNG state for rank {rank}; keeping the RNG seeded from train.seed.[/yellow]")
     restored.sampler = read(path / "dataloader.pt", torch_load)["sampler"]
+    if (metrics := Path(cfg.logging.dir) / "metrics.jsonl").exists():
+        restored.metrics = read_jsonl(metrics)
 
     later = [p.name for p in complete_iters(path.parent) if (iter_step(p) or -1) > restored.step]
     if later:
@@ -183,6 +193,39 @@ def _check_trained_parameters(cfg: Any, meta: dict, path: Path) -> None:
         f"these parameters. Fix: resume with the checkpoint's settings ({back}, and its model.target_modules), or set "
         "checkpoint.finetune=true to start a new run from its (merged) weights."
     )
+
+
+def load_model(model: torch.nn.Module, restored: Restored) -> None:
+    """The checkpoint's weights into `model`: the full weights, or on a LoRA resume model.path's base with the
+    checkpoint's adapters (a LoRA finetune loads the full weights: they become the frozen base)."""
+    if restored.finetune or not lora.is_lora(model):
+        load_weights(model, restored.model_dir)
+    else:
+        load_adapter(model, restored.path / lora.ADAPTER_DIR)
+
+
+def report(cfg: Any, restored: Restored, log=print) -> None:
+    """The resume's lines: where from, and a warning when the checkpoint already holds every step."""
+    if restored.finetune:
+        log(f"finetune: loaded the weights of {restored.path}; starting a fresh run at step 0")
+        return
+    log(f"resumed from {restored.path} at step {restored.step}")
+    if restored.step >= cfg.train.total_steps:
+        log(
+            f"[yellow]nothing to train: the checkpoint is at step {restored.step} and train.total_steps is "
+            f"{cfg.train.total_steps}. To start over, use a new logging.dir or checkpoint.resume=none; "
+            "to train on, raise train.total_steps.[/yellow]"
+        )
+
+
+def stopped_line(cfg: Any, signum: int, step: int, abandoned: str | None = None) -> str:
+    """What a run stopped by a signal says: where its steps are saved and how to continue; `abandoned`: what the
+    step in flight was doing when the signal abandoned it."""
+    name = signal.Signals(signum).name if signum > 0 else "a stop signal"
+    done = f"stopped after step {step} with a checkpoint in {cfg.checkpoint.dir}"
+    if abandoned is not None:
+        done = (done if step else "stopped before any step") + f"; step {step + 1}, which was {abandoned}, was abandoned"
+    return f"[yellow]{name} received: {done}; run the same command again to continue (checkpoint.resume: auto).[/yellow]"
 
 
 def load_adapter(model: torch.nn.Module, adapter_dir: Path) -> None:

@@ -28,6 +28,11 @@ CRASH_ENV = "POSTRL_TEST_CRASH_IN_SAVE"  # test-only, see the module docstring
 FORMAT_VERSION = 1
 
 
+def saved_at(cfg: Any, step: int) -> bool:
+    """Whether the loop writes step `step`'s checkpoint (checkpoint.save_freq)."""
+    return bool(cfg.checkpoint.save_freq) and step % cfg.checkpoint.save_freq == 0
+
+
 def batch_settings(cfg: Any) -> dict:
     """Settings that decide what one step is; changing them on resume changes the run."""
     t = cfg.train
