@@ -71,7 +71,7 @@ def test_a_three_turn_tool_chat_through_the_endpoint_has_the_agent_loops_ids_mas
 def test_an_unreadable_tool_call_is_counted_in_the_endpoints_metrics(tokenizer):
     """A turn whose tool call nests past the reader's limit is answered as text (no tool_calls) and counted once in
     agent/unreadable, as the agent loop counts it (issue 60); the count is popped per step."""
-    from tests.test_untrusted_text import DEEP_CALL
+    from test_untrusted_text import DEEP_CALL
 
     gw, _ = _gateway(tokenizer, [DEEP_CALL + "</tool_call>"], chat_agent)
     try:
