@@ -335,3 +335,21 @@ def test_a_sft_trace_function_call_that_is_not_readable_json_is_the_rows_named_e
 
     with pytest.raises(UserError, match=r"row 7: message 1 is a function_call"):
         normalize_messages([{"from": "human", "value": "hi"}, {"from": "function_call", "value": value}], "row 7")
+
+
+@pytest.mark.parametrize("value", [2**1024, 10**400, math.nan, math.inf, {"score": 2**1024}, {"score": -math.inf}])
+def test_a_verdict_that_is_no_finite_float_is_invalid_not_a_crash(value):
+    """A reward function's return is validated like a program's (issue 60): an int past a float's range is an
+    InvalidVerdict (counted as reward/invalid, scored fail_score), not an OverflowError out of the verdict."""
+    from postrl.rewards.verdict import InvalidVerdict, to_result
+
+    with pytest.raises(InvalidVerdict):
+        to_result(value)
+
+
+def test_a_verdicts_metric_past_a_floats_range_is_nan_not_a_crash():
+    from postrl.rewards.verdict import to_result
+
+    got = to_result({"score": 1, "huge": 2**1024, "inf": -math.inf, "fine": 0.25, "flag": True})
+    assert got.score == 1.0 and math.isnan(got.metrics.pop("huge"))
+    assert got.metrics == {"inf": -math.inf, "fine": 0.25, "flag": 1.0, "acc": 1.0}

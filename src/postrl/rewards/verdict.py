@@ -77,11 +77,22 @@ class InvalidVerdict(TypeError):
 
 def _score(value: Any) -> float:
     if isinstance(value, numbers.Real):  # int, float, bool and numpy scalars
-        score = float(value)
+        try:
+            score = float(value)
+        except OverflowError:  # 2**1024: an int no float holds
+            raise InvalidVerdict("score is an integer too large for a float") from None
         if math.isfinite(score):
             return score
         raise InvalidVerdict(f"score {score} is not a finite number")
     raise InvalidVerdict(f"score is a {type(value).__name__} ({value!r:.60}), not a number")
+
+
+def _metric(value: numbers.Real) -> float:
+    """A metric as a float (NaN and inf are kept: metrics may be any float); an int no float holds is NaN."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.nan
 
 
 def to_result(value: Any) -> VerifierResult:
@@ -96,7 +107,7 @@ def to_result(value: Any) -> VerifierResult:
         metrics = {}
         for k, v in value.items():
             if k != "score" and isinstance(v, numbers.Real):
-                metrics[k] = float(v)
+                metrics[k] = _metric(v)
         score = _score(value["score"])
         metrics.setdefault("acc", float(score > 0))
         return VerifierResult(score, metrics)
