@@ -15,6 +15,10 @@ sys.path.insert(0, str(TESTS))
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Ray reads this at import (a single-machine cluster, loopback only); postrl sets it before it imports ray, but a test
+# module that imports a library importing ray first (the Tinker cookbook's dependencies) would leave a later test's
+# local cluster on the LAN address, which local_cluster refuses. Set it for every worker before any import.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # Tiny models gain nothing from a second intra-op thread, and with verifier workers, vLLM and
 # subprocess tests beside them two threads per process oversubscribe a 2-core machine badly
 # (measured: a 3-step run took 82 s with 2 threads under load, 5 s with 1).

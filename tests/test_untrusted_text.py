@@ -233,6 +233,8 @@ def test_every_built_in_fast_path_reads_hostile_text(text, truth):
     None (to the pool), never raises. Rows name verl_default's sources."""
     for name in FAST:
         entry = get_entry(name)
+        if not entry.fn.__module__.startswith("postrl."):  # a test module's verifier, registered earlier in this worker
+            continue
         for row in ({"data_source": "openai/gsm8k"}, {"data_source": "lighteval/MATH"}, {"data_source": "math_dapo"}):
             out = entry.fn(text, truth, row) if entry.in_process else entry.fast(text, truth, row)
             assert out is None or (isinstance(out, VerifierResult) and math.isfinite(out.score)), name

@@ -25,6 +25,7 @@ import torch
 
 from postrl.algorithms import token_logprobs
 from postrl.errors import UserError
+from postrl.runtime import accelerator
 from postrl.serve.wire import FwdBwd
 from postrl.serve.losses import get_loss
 
@@ -68,8 +69,9 @@ class Engine:
         self.held: dict[str, Sampler] = {}  # adapter -> sampler, least recently used first
         self.path = resolve_model_path(path, tiny)
         self.tokenizer = load_tokenizer(self.path)
-        # one device for the whole server: the first GPU where there is one (adapters and AdamW state live beside it)
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        # one device for the whole server: this machine's accelerator where there is one (CUDA or NPU; adapters and
+        # AdamW state live beside it), else the CPU
+        self.device = torch.device(accelerator().kind)
         self.model = load_model(self.path, dtype).to(self.device)
         self.model.requires_grad_(False)
         self.max_context = min(max_context, getattr(self.model.config, "max_position_embeddings", None) or max_context)
