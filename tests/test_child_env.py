@@ -158,6 +158,11 @@ def test_a_pool_replica_starts_without_the_trainers_token(trainer_secrets, tmp_p
         Trainer(cfg).fit()
     finally:
         ray.shutdown()
+        # Ray caches the cluster's auth token of this HOME (the fake one) for the process: a later test's cluster in this
+        # worker, under the real HOME, would be refused with it (InvalidAuthToken)
+        from ray._private.authentication_test_utils import reset_auth_token_state
+
+        reset_auth_token_state()
     reports = {int(f.stem): json.loads(f.read_text()) for f in out.glob("*.json")}
     assert reports and os.getpid() not in reports
     assert all(r == CLEAN for r in reports.values()), reports
