@@ -28,7 +28,8 @@ from postrl.guides.rules import (
 )
 from postrl.guides.reading import Item, Reading, dedupe, load_yaml_lines, strip_annotation, yaml_value
 from postrl.yaml_bounded import FIX, TooLarge
-from postrl.guides import fully_async, verl_tools
+import postrl.guides.fully_async as fully_async
+import postrl.guides.verl_tools as verl_tools
 from postrl.guides.script import read_script
 from postrl.guides.verl import VERL, VERL_HEADS, VERL_PREFIXES
 from postrl.guides.mindspeed import MINDSPEED, MINDSPEED_PREFIXES, MINDSPEED_SECTIONS
