@@ -8,6 +8,8 @@ so such a sample costs that sample only, counted, never the run (DESIGN.md secti
 
 - `load_json(text)`: JSON under a size and a depth cap with finite numbers only; `Unreadable` (a
   ValueError) otherwise, whatever the parser would have raised (RecursionError, MemoryError).
+- `json_object(raw, max_depth)`: a client's request body (the rollout endpoint's, the Tinker server's) as
+  a JSON object under a depth cap; `Unreadable` with the message the server answers otherwise.
 - `exact_value(d)`: the Fraction of a Decimal, or None past `MAX_EXPONENT`: `Fraction(Decimal("1e-999999999"))`
   builds a billion-digit integer (hours); a size check first costs nothing.
 - `wide_decimal()`: a decimal context in which comparing and subtracting `1e999999999` neither overflows
@@ -135,6 +137,24 @@ def load_json(text: str, max_chars: int = MAX_JSON_CHARS, max_depth: int = MAX_J
     if json_depth(value, max_depth) > max_depth:
         raise Unreadable(f"it nests deeper than {max_depth} levels")
     return value
+
+
+def json_object(raw: bytes | str, max_depth: int, setting: str = "") -> dict:
+    """A request body (a client's JSON, the rollout endpoint's and the Tinker server's): `raw` as a JSON object
+    nesting at most `max_depth` levels; else `Unreadable` saying which of those it is not (`setting`, when
+    given, names the limit: its message ends "(<setting>)")."""
+    deep = f"the body nests deeper than {max_depth} levels" + (f" ({setting})" if setting else "")
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise Unreadable(deep) from None
+    except ValueError as exc:
+        raise Unreadable(f"the body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise Unreadable("the body must be a JSON object")
+    if json_depth(body, max_depth) > max_depth:
+        raise Unreadable(deep)
+    return body
 
 
 # ---------------------------------------------------------------------------------------- numbers

@@ -25,7 +25,6 @@ for `keep_s` seconds after they finish (at most `keep` of them).
 import asyncio
 import concurrent.futures
 import hmac
-import json
 import logging
 import queue
 import threading
@@ -142,7 +141,7 @@ def make_app(service: Any, api_key: str, http: Any, limits: Limits, refused: Any
     from pydantic import ValidationError
     from starlette.exceptions import HTTPException
 
-    from postrl.untrusted import json_depth
+    from postrl.untrusted import Unreadable, json_object
 
     app = FastAPI(title="postrl Tinker API", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -179,15 +178,9 @@ def make_app(service: Any, api_key: str, http: Any, limits: Limits, refused: Any
 
     def parse_json(raw: bytes, model: Any) -> Any:
         try:
-            body = json.loads(raw or b"{}")
-        except RecursionError:
-            raise UserError(f"the body nests deeper than {limits.max_json_depth} levels") from None
-        except ValueError as exc:
-            raise UserError(f"the body is not valid JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise UserError("the body must be a JSON object")
-        if json_depth(body, limits.max_json_depth) > limits.max_json_depth:
-            raise UserError(f"the body nests deeper than {limits.max_json_depth} levels")
+            body = json_object(raw or b"{}", limits.max_json_depth)
+        except Unreadable as exc:
+            raise UserError(str(exc)) from None
         if model is None:
             return body
         try:

@@ -9,13 +9,12 @@ send new ones before servers know them); fields of the right name and a wrong ty
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError, ValidationInfo, field_validator, model_validator
 
-from postrl.untrusted import json_depth
+from postrl.untrusted import Unreadable, json_object
 
 Number = StrictFloat | StrictInt
 
@@ -163,15 +162,9 @@ class Request:
 def parse(kind: str, raw: bytes, limits: Limits) -> Request:
     """The body `raw` of a `kind` request, checked against the schema and `limits`; else BadRequest."""
     try:
-        body = json.loads(raw)
-    except RecursionError:
-        raise BadRequest(f"the body nests deeper than {limits.max_depth} levels", None) from None
-    except ValueError as exc:
-        raise BadRequest(f"the body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object")
-    if json_depth(body, limits.max_depth) > limits.max_depth:
-        raise BadRequest(f"the body nests deeper than {limits.max_depth} levels (rollout.agent_max_json_depth)")
+        body = json_object(raw, limits.max_depth, "rollout.agent_max_json_depth")
+    except Unreadable as exc:
+        raise BadRequest(str(exc)) from None
     try:
         model = (CompletionRequest if kind == "completions" else ChatRequest).model_validate(body)
     except ValidationError as exc:
