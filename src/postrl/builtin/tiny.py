@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from postrl.builtin import arithmetic, cache, shapes, tool_arithmetic
 from postrl.errors import UserError
@@ -34,37 +34,23 @@ if TYPE_CHECKING:
 TINY_VERSION = 2  # tiny-qwen2; bump when the architecture or the tokenizer corpus changes (invalidates the cache)
 TINY_VL_VERSION = 3  # tiny-qwen2.5-vl; same rule
 TINY_TOOLS_VERSION = 1  # tiny-qwen2-tools; same rule
-TINY_DEFAULTS: dict[str, Any] = {
-    "vocab_size": 512,
-    "hidden_size": 128,
-    "num_layers": 4,
-    "num_heads": 4,
-    "num_kv_heads": 2,
-    "intermediate_size": 384,
-    "max_position_embeddings": 512,
-    "seed": 0,
-}
+TINY_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=512, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=384,
+    max_position_embeddings=512, seed=0,
+)
 TINY_MOE_VERSION = 1  # tiny-qwen3-moe; same rule
-TINY_MOE_DEFAULTS: dict[str, Any] = {
-    **{k: v for k, v in TINY_DEFAULTS.items() if k not in ("num_layers", "seed")},
-    "num_layers": 2,
-    "num_experts": 8,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 64,
-    "router_aux_loss_coef": 0.001,  # Qwen3-MoE's published value
-    "seed": 0,
-}
-TINY_VL_DEFAULTS: dict[str, Any] = {  # in the order of postrl_tiny.json of cached builds
-    **{k: v for k, v in TINY_DEFAULTS.items() if k != "seed"},
-    "max_position_embeddings": 1024,
-    "vision_depth": 2,
-    "vision_hidden_size": 64,
-    "vision_heads": 4,
-    "vision_intermediate_size": 128,
-    "min_pixels": 56 * 56,
-    "max_pixels": 112 * 112,
-    "seed": 0,
-}
+TINY_MOE_DEFAULTS: dict[str, Any] = dict(
+    {k: v for k, v in TINY_DEFAULTS.items() if k not in ("num_layers", "seed")},
+    num_layers=2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+    router_aux_loss_coef=0.001,  # Qwen3-MoE's published value
+    seed=0,
+)
+TINY_VL_DEFAULTS: dict[str, Any] = dict(  # in the order of postrl_tiny.json of cached builds
+    {k: v for k, v in TINY_DEFAULTS.items() if k != "seed"},
+    max_position_embeddings=1024,
+    vision_depth=2, vision_hidden_size=64, vision_heads=4, vision_intermediate_size=128,
+    min_pixels=56 * 56, max_pixels=112 * 112, seed=0,
+)
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
@@ -112,17 +98,25 @@ TOOLS_CHAT_TEMPLATE = (
 )
 
 
+def _arithmetic_corpus(seed: int) -> list[str]:
+    return arithmetic.tokenizer_corpus(seed=seed)
+
+
 @dataclass(frozen=True)
 class TinyKind:
     """What differs between the tiny models; everything else (tokenizer training, caching) is shared."""
 
     version: int
     defaults: dict[str, Any]
-    special_tokens: list[str]
-    chat_template: str
-    corpus: Callable[[int], list[str]]  # seed -> tokenizer training text
     build: Callable[[dict, Any], tuple[torch.nn.Module, list[Any]]]  # (spec, tokenizer) -> model, extra savers
-    done_file: str  # present once a (cached) build is complete
+    corpus: Callable[[int], list[str]] = _arithmetic_corpus  # seed -> tokenizer training text
+    extra_tokens: Sequence[str] = ()  # special tokens after SPECIAL_TOKENS
+    chat_template: str = CHATML_TEMPLATE
+    done_file: str = "tokenizer.json"  # present once a (cached) build is complete
+
+    @property
+    def special_tokens(self) -> list[str]:
+        return SPECIAL_TOKENS + list(self.extra_tokens)
 
 
 def _language_model(spec: dict, tokenizer: Any) -> dict[str, Any]:
@@ -207,43 +201,19 @@ def _qwen2_5_vl(spec: dict, tokenizer: Any) -> tuple[torch.nn.Module, list[Any]]
 
 
 TINY_MODELS: dict[str, TinyKind] = {
-    "tiny-qwen2": TinyKind(
-        version=TINY_VERSION,
-        defaults=TINY_DEFAULTS,
-        special_tokens=SPECIAL_TOKENS,
-        chat_template=CHATML_TEMPLATE,
-        corpus=lambda seed: arithmetic.tokenizer_corpus(seed=seed),
-        build=_qwen2,
-        done_file="tokenizer.json",
-    ),
-    "tiny-qwen3-moe": TinyKind(
-        version=TINY_MOE_VERSION,
-        defaults=TINY_MOE_DEFAULTS,
-        special_tokens=SPECIAL_TOKENS,
-        chat_template=CHATML_TEMPLATE,
-        corpus=lambda seed: arithmetic.tokenizer_corpus(seed=seed),
-        build=_qwen3_moe,
-        done_file="tokenizer.json",
-    ),
+    "tiny-qwen2": TinyKind(TINY_VERSION, TINY_DEFAULTS, _qwen2),
+    "tiny-qwen3-moe": TinyKind(TINY_MOE_VERSION, TINY_MOE_DEFAULTS, _qwen3_moe),
     "tiny-qwen2-tools": TinyKind(
-        version=TINY_TOOLS_VERSION,
-        defaults=TINY_DEFAULTS,
-        special_tokens=SPECIAL_TOKENS + TOOL_TOKENS,
-        chat_template=TOOLS_CHAT_TEMPLATE,
+        TINY_TOOLS_VERSION, TINY_DEFAULTS, _qwen2,
         corpus=lambda seed: arithmetic.tokenizer_corpus(n=1000, seed=seed) + tool_arithmetic.tokenizer_corpus(seed=seed),
-        build=_qwen2,
-        done_file="tokenizer.json",
+        extra_tokens=TOOL_TOKENS, chat_template=TOOLS_CHAT_TEMPLATE,
     ),
     "tiny-qwen2.5-vl": TinyKind(
-        version=TINY_VL_VERSION,
-        defaults=TINY_VL_DEFAULTS,
-        special_tokens=SPECIAL_TOKENS + VISION_TOKENS,
-        chat_template=VL_CHAT_TEMPLATE,
+        TINY_VL_VERSION, TINY_VL_DEFAULTS, _qwen2_5_vl,
         corpus=lambda seed: shapes.tokenizer_corpus(seed=seed) + arithmetic.tokenizer_corpus(n=1000, seed=seed),
-        build=_qwen2_5_vl,
-        done_file="preprocessor_config.json",
+        extra_tokens=VISION_TOKENS, chat_template=VL_CHAT_TEMPLATE, done_file="preprocessor_config.json",
     ),
-}
+}  # fmt: skip
 
 
 def builtin_names() -> list[str]:
