@@ -15,6 +15,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
+from postrl.errors import UserError
+
 
 def cache_dir() -> Path:
     """Where built artefacts (tiny models, built-in data) are cached: $POSTRL_CACHE or ~/.cache/postrl."""
@@ -70,6 +72,15 @@ def get_dotted(row: Any, dotted: str, default: Any = None) -> Any:
         else:
             return default
     return node
+
+
+def split_named(spec: str, malformed: str) -> tuple[str, str]:
+    """A user's 'module:name' (an agent program, a tool, an environment class) as (module, name); a UserError
+    with the message `malformed` (what the name should look like, and how to fix it) when a part is missing."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise UserError(malformed)
+    return module_name, attr
 
 
 def import_named(spec: str, kind: str, function: bool = True) -> Any:

@@ -27,7 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import postrl.agents.results as results
 from postrl.errors import UserError, fails_nearly_always
-from postrl.utils import import_named
+from postrl.utils import import_named, split_named
 
 log = logging.getLogger("postrl.agents")
 ENV_METRICS = {"error": "agent/env_errors", "invalid": "agent/env_invalid"}
@@ -46,12 +46,8 @@ class Environment(Protocol):
 
 def load_environment(spec: str) -> type:
     """The class named 'package.module:Class' (a UserError says how to fix a bad name)."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise UserError(
-            f"rollout.multi_turn.interaction '{spec}' is not of the form 'package.module:Class'. "
-            "Fix: name a class with reset(row) and step(assistant_text) -> (observation, reward, done)."
-        )
+    split_named(spec, f"rollout.multi_turn.interaction '{spec}' is not of the form 'package.module:Class'. "
+                "Fix: name a class with reset(row) and step(assistant_text) -> (observation, reward, done).")
     try:
         cls = import_named(spec, f"rollout.multi_turn.interaction '{spec}'", function=False)
     except ValueError as exc:

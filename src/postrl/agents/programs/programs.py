@@ -17,17 +17,13 @@ from typing import Any
 
 from postrl.agents.session import Session
 from postrl.errors import UserError, fails_nearly_always
-from postrl.utils import import_named, load_file_module
+from postrl.utils import import_named, load_file_module, split_named
 
 
 def load_agent(spec: str) -> Any:
     """The function named 'package.module:function' or 'path/to/file.py:function'."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise UserError(
-            f"rollout.agent '{spec}' is not of the form 'package.module:function' (or 'path/to/file.py:function'). "
-            "Fix: name a function (sync or async) that takes (client, row)."
-        )
+    module_name, attr = split_named(spec, f"rollout.agent '{spec}' is not of the form 'package.module:function' (or "
+                                    "'path/to/file.py:function'). Fix: name a function (sync or async) that takes (client, row).")
     if module_name.endswith(".py"):
         path = Path(module_name)
         if not path.is_file():

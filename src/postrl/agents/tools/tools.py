@@ -40,7 +40,7 @@ from postrl.agents.sandbox.sandbox import (
 )
 from postrl.errors import UserError
 from postrl.untrusted import load_json
-from postrl.utils import import_named
+from postrl.utils import import_named, split_named
 
 log = logging.getLogger("postrl.agents")
 
@@ -265,13 +265,9 @@ def load_tool(spec: str, sandbox_limits: dict | None = None) -> Tool:
             )
         limits = dict(sandbox_limits or {}) if name == "python" else {}
         return Tool(name, _builtin_schema(name), BUILTINS[name], spec, builtin=True, sandbox_limits=limits)
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise UserError(
-            f"tool '{spec}' is not a tool name. A tool is a built-in ({', '.join('builtin:' + n for n in BUILTINS)}) "
-            "or your own Python function named 'package.module:function' (for example 'my_tools:search'). "
-            "Fix: use one of those forms."
-        )
+    split_named(spec, f"tool '{spec}' is not a tool name. A tool is a built-in ({', '.join('builtin:' + n for n in BUILTINS)}) "
+                "or your own Python function named 'package.module:function' (for example 'my_tools:search'). "
+                "Fix: use one of those forms.")
     try:
         fn = import_named(spec, f"tool '{spec}'")
     except ValueError as exc:
