@@ -27,13 +27,13 @@ def _build(cache: str, barrier, results) -> None:
         import torch
 
         torch.set_num_threads(1)
-        from postrl.builtin import arithmetic, shapes
+        from postrl.builtin.tasks import task_files
         from postrl.builtin.tiny import build_tiny_model
         from postrl.config.schema import BuiltinTaskConfig, ShapesTaskConfig
 
         barrier.wait(timeout=120)  # every builder starts on an empty cache at the same moment
-        files = {f"arithmetic/{k}": str(v) for k, v in arithmetic.task_files(BuiltinTaskConfig().model_dump()).items()}
-        shape_files = shapes.task_files(ShapesTaskConfig().model_dump())
+        files = {f"arithmetic/{k}": str(v) for k, v in task_files("arithmetic", BuiltinTaskConfig().model_dump()).items()}
+        shape_files = task_files("shapes", ShapesTaskConfig().model_dump())
         files.update({f"shapes/{k}": str(v) for k, v in shape_files.items()})
         files["model"] = str(build_tiny_model("tiny-qwen2"))
         results.put(("ok", files))

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import random
 import re
-from pathlib import Path
 
 from postrl.builtin import cache
 
@@ -107,11 +106,6 @@ def generate_splits(
         to_row,
         f"problems with max_value={max_value} and {min_operands}-{max_operands} operands; raise max_value or max_operands",
     )
-
-
-def task_files(knobs: dict) -> dict[str, Path]:
-    """Write (or reuse) the parquet files of the arithmetic task; returns {split: path}."""
-    return cache.task_files("arithmetic", TASK_VERSION, generate_splits, knobs)
 
 
 def tokenizer_corpus(n: int = 4000, seed: int = 0) -> list[str]:

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import io
 import random
-from pathlib import Path
 
 from postrl.builtin import cache
 
@@ -145,11 +144,6 @@ def generate_splits(
         to_row,
         "pictures; raise image_size or max_shapes",
     )
-
-
-def task_files(knobs: dict) -> dict[str, Path]:
-    """Write (or reuse) the parquet files of the shapes task; returns {split: path}."""
-    return cache.task_files("shapes", TASK_VERSION, generate_splits, knobs)
 
 
 def tokenizer_corpus(n: int = 2000, seed: int = 0) -> list[str]:

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from postrl.builtin import arithmetic, shapes, tool_arithmetic
+from postrl.builtin import arithmetic, cache, shapes, tool_arithmetic
 from postrl.errors import UserError
 
-TASKS = {"arithmetic": arithmetic.task_files, "shapes": shapes.task_files, "tool_arithmetic": tool_arithmetic.task_files}
+TASKS = {"arithmetic": arithmetic, "shapes": shapes, "tool_arithmetic": tool_arithmetic}  # TASK_VERSION, generate_splits
+
+
+def task_files(task: str, knobs: dict) -> dict[str, Path]:
+    """Write (or reuse) the parquet files of the built-in `task` built with `knobs`; returns {split: path}."""
+    return cache.task_files(task, TASKS[task].TASK_VERSION, TASKS[task].generate_splits, knobs)
 
 
 def task_file(path: str, knobs: dict[str, dict | None]) -> Path:
@@ -18,4 +23,4 @@ def task_file(path: str, knobs: dict[str, dict | None]) -> Path:
             f"unknown built-in data set '{path}'; use 'builtin:arithmetic:train' / ':val' (text) or "
             "'builtin:shapes:train' / ':val' (images), or 'builtin:tool_arithmetic:train' / ':val' (tools)."
         )
-    return TASKS[parts[1]](knobs.get(parts[1]) or {})[parts[2]]
+    return task_files(parts[1], knobs.get(parts[1]) or {})[parts[2]]

@@ -20,7 +20,6 @@ disjoint (no validation expression occurs in training).
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 from postrl.builtin import cache
 
@@ -82,11 +81,6 @@ def generate_splits(train_size: int, val_size: int, tool_ratio: float = 0.3, max
     return cache.disjoint_splits(
         {"val": val_size, "train": train_size}, lambda: make_problem(rng, max_digits), to_row, "expressions"
     )
-
-
-def task_files(knobs: dict) -> dict[str, Path]:
-    """Write (or reuse) the parquet files of the task; returns {split: path}."""
-    return cache.task_files("tool_arithmetic", TASK_VERSION, generate_splits, knobs)
 
 
 def tokenizer_corpus(n: int = 2000, seed: int = 0) -> list[str]:
