@@ -1,8 +1,10 @@
-"""Shared fixtures: the tiny model (built once per cache) and test-only user verifiers on the path."""
+"""Shared fixtures and helpers: the tiny model (built once per cache), the tiny run (its overrides, config and Trainer),
+`postrl` run as a user runs it in a child process, and test-only user verifiers on the path."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -125,6 +127,21 @@ def tiny_overrides(tmp_path: Path, *extra: str) -> list[str]:
     ]
 
 
+AGENT_RECIPE = TESTS.parent / "examples/openai_agent/tiny_tool_dapo_agent.yaml"
+
+
+def tiny_agent_overrides(run_dir: Path, program: str, *extra: str) -> list[str]:
+    """Overrides that shorten AGENT_RECIPE (the calculator task with a plain openai-client program behind postrl's
+    endpoint) to 2 steps of 2 prompts x 2 samples on the random tiny tools model with HF rollout, `program`
+    ('path/to/file.py:function') as rollout.agent, no dynamic sampling, no checkpoint; metrics in `run_dir`."""
+    return [
+        "model.path=builtin:tiny-qwen2-tools", "rollout.engine=hf", "rollout.n_samples_per_prompt=2", f"rollout.agent={program}",
+        "algorithm.filter_groups.enable=false", "algorithm.overlong_buffer.len=4", "train.global_batch_size=2",
+        "train.gen_batch_size=2", "train.micro_batch_size=4", "train.total_steps=2", "train.warmup_steps=0", "eval.freq=0",
+        f"logging.dir={run_dir}", "logging.progress=false", "checkpoint.keep_best=null", "checkpoint.save_final=false", *extra,
+    ]  # fmt: skip
+
+
 def tiny_cfg(tmp_path: Path, *extra: str):
     """The tiny trainer run's config (tiny_overrides), its metrics in <tmp_path>/run/metrics.jsonl only."""
     from postrl.checks import load_config
@@ -137,6 +154,37 @@ def tiny_trainer(tmp_path: Path, *extra: str):
     from postrl.trainer import Trainer
 
     return Trainer(tiny_cfg(tmp_path, *extra), quiet_console())
+
+
+def tiny_train_args(tmp_path: Path, *extra: str) -> list[str]:
+    """`postrl train` arguments for the tiny run (tiny_overrides): a config file naming the model, written into
+    `tmp_path`, and the overrides."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    cfg_file = tmp_path / "run.yaml"
+    cfg_file.write_text("model: {path: builtin:tiny-qwen2}\n")
+    return ["train", str(cfg_file), *tiny_overrides(tmp_path, *extra)]
+
+
+def start_postrl(*args: str, env: dict[str, str | None] | None = None, **popen) -> subprocess.Popen:
+    """`postrl ARGS` started in a fresh process, as a user runs it: one torch thread, a wide console (COLUMNS=1000:
+    no message is wrapped mid-phrase), `env` over this process's environment (None: the variable unset), stdout
+    and stderr piped as text; `popen` adds to or replaces Popen's options (start_new_session, cwd,
+    stderr=subprocess.STDOUT)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "1000", **(env or {})}
+    options = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={k: v for k, v in env.items() if v is not None})
+    return subprocess.Popen([sys.executable, "-m", "postrl.cli", *args], **{**options, **popen})
+
+
+def run_postrl(*args: str, timeout: float = 600, env: dict[str, str | None] | None = None, **popen) -> subprocess.CompletedProcess:
+    """`postrl ARGS` (start_postrl) run to its end: returncode, stdout, stderr. Past `timeout` seconds it is killed
+    and subprocess.TimeoutExpired raised, as subprocess.run does."""
+    with start_postrl(*args, env=env, **popen) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def quiet_console(width: int = 400, **options):

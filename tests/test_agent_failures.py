@@ -8,12 +8,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import tiny_overrides
+from conftest import start_postrl, tiny_train_args
 from safetensors.torch import load_file
 
 from postrl import checkpoint
@@ -42,15 +41,11 @@ def run(client, row):
 def _train(tmp_path: Path, mode: str, workers: int, *extra: str) -> subprocess.Popen:
     program = tmp_path / "program.py"
     program.write_text(PROGRAM)
-    cfg = tmp_path / "run.yaml"
-    cfg.write_text("model: {path: builtin:tiny-qwen2}\n")
-    overrides = tiny_overrides(tmp_path, f"rollout.agent={program}:run", f"rollout.agent_workers={workers}", "rollout.agent_timeout_s=3600",
-                               "algorithm.filter_groups.enable=false", "reward.verifiers=[verifiers_for_tests:length_parity]",
-                               "rollout.agent_env_passthrough=[AGENT_MODE,HANG_AFTER,HANG_MARK]", *extra)  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "1000", "AGENT_MODE": mode, "HANG_AFTER": "16", "HANG_MARK": str(tmp_path / "hung"),
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests")])}  # fmt: skip
-    cmd = [sys.executable, "-m", "postrl.cli", "train", str(cfg), *overrides]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    args = tiny_train_args(tmp_path, f"rollout.agent={program}:run", f"rollout.agent_workers={workers}", "rollout.agent_timeout_s=3600",
+                           "algorithm.filter_groups.enable=false", "reward.verifiers=[verifiers_for_tests:length_parity]",
+                           "rollout.agent_env_passthrough=[AGENT_MODE,HANG_AFTER,HANG_MARK]", *extra)  # fmt: skip
+    env = {"AGENT_MODE": mode, "HANG_AFTER": "16", "HANG_MARK": str(tmp_path / "hung"), "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests")])}
+    return start_postrl(*args, env=env, start_new_session=True)
 
 
 def _steps_logged(run: Path) -> list[int]:

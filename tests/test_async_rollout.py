@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_overrides
+from conftest import run_postrl, tiny_train_args, tiny_trainer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -18,13 +18,8 @@ def _rows(run_dir):
 
 
 def _train(tmp_path, name, *extra):
-    from postrl.checks import load_config
-    from postrl.trainer import Trainer
-
-    cfg = load_config(None, tiny_overrides(tmp_path / name, "train.deterministic=true", *extra))
-    tr = Trainer(cfg)
-    out = tr.fit()
-    return tr, out
+    tr = tiny_trainer(tmp_path / name, "train.deterministic=true", *extra)
+    return tr, tr.fit()
 
 
 def test_async_at_staleness_0_gives_the_weights_of_sync(tmp_path):
@@ -190,13 +185,10 @@ def test_a_killed_worker_is_restarted_and_past_the_limit_the_run_stops_with_a_ch
     import signal
 
     from postrl.placement.worker import AsyncRollout
-    from postrl.checks import load_config
     from postrl.errors import UserError
-    from postrl.trainer import Trainer
 
     def run(name, restarts):
-        cfg = load_config(None, tiny_overrides(tmp_path / name, "rollout.mode=async", f"rollout.max_worker_restarts={restarts}"))
-        tr = Trainer(cfg)
+        tr = tiny_trainer(tmp_path / name, "rollout.mode=async", f"rollout.max_worker_restarts={restarts}")
         real = AsyncRollout.publish
 
         def kill_then_publish(self, model, version):
@@ -222,16 +214,12 @@ def test_a_resumed_async_run_trains_every_prompt_once(tmp_path):
     """One step off (k = 1): the worker has step 2's batch in flight when a 2-step run ends. Resumed to 4
     steps, the run regenerates it from the trained position: after every step the data position equals
     an uninterrupted 4-step run's, so no prompt was skipped or trained twice."""
-    from postrl.checks import load_config
-    from postrl.trainer import Trainer
 
     def positions(name, *steps):
         out = {}
         for total in steps:
-            cfg = load_config(None, tiny_overrides(tmp_path / name, "rollout.mode=async", "rollout.max_staleness=1",
-                                                   "checkpoint.save_freq=1", "checkpoint.keep_last=0", f"train.total_steps={total}"))  # fmt: skip
-            tr = Trainer(cfg)
-            tr.fit()
+            tiny_trainer(tmp_path / name, "rollout.mode=async", "rollout.max_staleness=1", "checkpoint.save_freq=1",
+                         "checkpoint.keep_last=0", f"train.total_steps={total}").fit()  # fmt: skip
         for it in sorted((tmp_path / name / "run" / "checkpoints").glob("iter_*")):
             out[it.name] = torch.load(it / "dataloader.pt", weights_only=False)
         return out
@@ -259,12 +247,10 @@ def test_async_one_step_off_runs_lora_agents_vision_and_dynamic_sampling(tmp_pat
     """Two steps one step off (k = 1 unless set) for each kind of run: the worker serves it, the correction
     is on, every sequence is within the bound, and the trainer's weights moved (LoRA: only the adapters
     travel, and the worker's checksum matched them, or the run would have stopped)."""
-    from postrl.checks import load_config
-    from postrl.trainer import Trainer
 
-    cfg = load_config(None, tiny_overrides(tmp_path, "rollout.mode=async", "rollout.max_staleness=1", "train.total_steps=2",
-                                           "reward.verifiers=[verifiers_for_tests:length_parity]", *extra))  # mixed groups: it learns
-    tr = Trainer(cfg)
+    tr = tiny_trainer(tmp_path, "rollout.mode=async", "rollout.max_staleness=1", "train.total_steps=2",
+                      "reward.verifiers=[verifiers_for_tests:length_parity]", *extra)  # mixed groups: it learns
+    cfg = tr.cfg
     before = {n: p.detach().clone() for n, p in tr.model.named_parameters() if p.requires_grad}
     if kind == "lora":
         assert all(".lora_" in s.name for s in tr.batches.rollout.weights.slots)
@@ -282,9 +268,6 @@ def test_two_trainer_ranks_train_on_the_batches_of_rank_0s_worker(tmp_path):
     batch; both FSDP2 ranks train on it (broadcast), and the worker samples step 2 with the weights gathered
     from both ranks' shards. Batch b uses sync step b's seeds with weights of version b, so the batches
     are a one-process sync run's: the same rewards and response lengths at every step."""
-    import os
-    import subprocess
-    import sys
 
     from postrl.metrics import read_jsonl
 
@@ -292,12 +275,8 @@ def test_two_trainer_ranks_train_on_the_batches_of_rank_0s_worker(tmp_path):
     extra = ("train.total_steps=2", "reward.verifiers=[verifiers_for_tests:length_parity]")  # mixed groups: it learns
     _train(tmp_path, "sync", *extra)
     sync = [r for r in _rows(tmp_path / "sync" / "run") if "timing/all" in r]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "1000"}
-    (tmp_path / "tiny.yaml").write_text("model:\n  path: builtin:tiny-qwen2\n")
-    out = subprocess.run(
-        [sys.executable, "-m", "postrl.cli", "train", "tiny.yaml", "--nproc", "2", *tiny_overrides(tmp_path / "ranks", "train.deterministic=true",
-         "rollout.mode=async", *extra)], capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path,
-    )  # fmt: skip
+    out = run_postrl(*tiny_train_args(tmp_path / "ranks", "train.deterministic=true", "rollout.mode=async", *extra), "--nproc", "2",
+                     timeout=600, cwd=tmp_path)  # fmt: skip
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     assert out.stdout.count("its batches broadcast to 2 ranks") == 1  # one worker, rank 0's
     ranks = [r for r in read_jsonl(tmp_path / "ranks" / "run" / "metrics.jsonl") if "timing/all" in r]
@@ -341,13 +320,10 @@ def test_a_worker_that_sends_a_pickle_is_restarted_and_the_payload_never_runs(tm
     """The worker's pipe is read with recv_bytes and decoded into a declared shape (placement/wire.py): a pickle
     written into it is a bad reply, the worker is restarted (one restart allowed), the run trains its 2 steps,
     and the payload (a directory it would create) never ran. ~35 s: two worker processes start."""
-    from postrl.checks import load_config
     from postrl.placement import worker
-    from postrl.trainer import Trainer
 
     monkeypatch.setattr(worker, "_serve", _compromised_serve)  # the spawned process imports it from this module
-    cfg = load_config(None, tiny_overrides(tmp_path, "rollout.mode=async", "rollout.max_worker_restarts=1", "train.total_steps=2"))
-    tr = Trainer(cfg)
+    tr = tiny_trainer(tmp_path, "rollout.mode=async", "rollout.max_worker_restarts=1", "train.total_steps=2")
     logged: list[str] = []
     tr.batches.rollout.log = lambda msg: (logged.append(msg), tr.log(msg))
     tr.fit()
@@ -419,13 +395,10 @@ def _tampering_serve(spec, weights, out, slots, stop, share):
 def test_a_worker_that_sends_an_id_past_the_vocabulary_is_restarted_and_the_run_goes_on(tmp_path, monkeypatch):
     """A reply in the declared shape with a value the trainer cannot use is the worker's failure, as a malformed one
     is: refused before any tensor, counted in the restarts, the worker restarted, the run trains its 2 steps. ~35 s."""
-    from postrl.checks import load_config
     from postrl.placement import worker
-    from postrl.trainer import Trainer
 
     monkeypatch.setattr(worker, "_serve", _tampering_serve)
-    cfg = load_config(None, tiny_overrides(tmp_path, "rollout.mode=async", "rollout.max_worker_restarts=1", "train.total_steps=2"))
-    tr = Trainer(cfg)
+    tr = tiny_trainer(tmp_path, "rollout.mode=async", "rollout.max_worker_restarts=1", "train.total_steps=2")
     logged: list[str] = []
     tr.batches.rollout.log = lambda msg: (logged.append(msg), tr.log(msg))
     tr.fit()

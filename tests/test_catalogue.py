@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from conftest import run_postrl
 
 import postrl
 from postrl.config import RewardConfig
@@ -138,9 +139,8 @@ def files(tmp_path_factory, tiny_model_path) -> dict[str, str]:
 
 
 def postrl_cli(*args: str) -> subprocess.CompletedProcess:
-    """`postrl ARGS` in a fresh process, as a user runs it (wide console: no wrapped lines)."""
-    env = dict(os.environ, COLUMNS="400", PYTHONPATH=os.pathsep.join([str(SRC), str(TESTS)]))
-    return subprocess.run([sys.executable, "-m", "postrl.cli", *args], capture_output=True, text=True, env=env, timeout=300)
+    """`postrl ARGS` in a fresh process, as a user runs it (run_postrl), importing this checkout and its test verifiers."""
+    return run_postrl(*args, env={"COLUMNS": "400", "PYTHONPATH": os.pathsep.join([str(SRC), str(TESTS)])}, timeout=300)
 
 
 @pytest.mark.parametrize("case", CLI_CASES, ids=lambda c: c.id)

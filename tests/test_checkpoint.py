@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import fixed_batch, masked_logprobs, quiet_console, tiny_cfg, tiny_overrides
+from conftest import fixed_batch, masked_logprobs, quiet_console, run_postrl, tiny_cfg, tiny_train_args
 from verifiers_for_tests import length_parity
 
 from postrl import checkpoint
@@ -131,17 +131,9 @@ def test_interrupted_and_resumed_run_equals_an_uninterrupted_one(tmp_path):
 def test_sigkill_while_saving_resumes_from_the_previous_checkpoint(tmp_path):
     """A run SIGKILLed in the middle of writing checkpoint 2 leaves checkpoint 1 as the one resume picks;
     the partial directory is never read, and the resumed run completes and cleans it up."""
-    cfg_file = tmp_path / "run.yaml"
-    cfg_file.write_text("model: {path: builtin:tiny-qwen2}\n")
-    overrides = tiny_overrides(
-        tmp_path, "logging.sinks=[jsonl]", "reward.verifiers=[acc_for_dapo]", "checkpoint.save_freq=1",
-        "train.total_steps=3", "train.deterministic=true",
-    )  # fmt: skip
-    env = {**os.environ, checkpoint.CRASH_ENV: "2", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "postrl.cli", "train", str(cfg_file), *overrides],
-        env=env, capture_output=True, text=True, timeout=600, start_new_session=True,
-    )  # fmt: skip
+    args = tiny_train_args(tmp_path, "logging.sinks=[jsonl]", "reward.verifiers=[acc_for_dapo]", "checkpoint.save_freq=1",
+                           "train.total_steps=3", "train.deterministic=true")  # fmt: skip
+    proc = run_postrl(*args, env={checkpoint.CRASH_ENV: "2"}, timeout=600, start_new_session=True)
     assert proc.returncode == -9, proc.stdout[-2000:] + proc.stderr[-2000:]
 
     ckpts = tmp_path / "run" / "checkpoints"
@@ -152,7 +144,7 @@ def test_sigkill_while_saving_resumes_from_the_previous_checkpoint(tmp_path):
     assert (partial / "model" / "config.json").is_file(), "the crash hook fires after the weights are written"
     assert not (partial / checkpoint.STATE_FILE).exists()
 
-    cfg = load_config(cfg_file, overrides)
+    cfg = load_config(args[1], args[2:])  # the same run (train CONFIG OVERRIDES), resumed in this process
     assert checkpoint.find_resume_dir(cfg) == ckpts / "iter_0000001"
     resumed = Trainer(cfg, quiet_console())
     assert resumed.step == 1

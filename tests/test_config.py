@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_postrl
 
 from postrl.checks import load_config
 from postrl.config import build_config
@@ -96,9 +95,7 @@ def test_check_config_cli_exits_nonzero_without_traceback(tmp_path):
         "algorithm: {clip_ratio_c: 0.5, bogus: 1}\n"
         "train: {global_batch_size: 8, gen_batch_size: 4, micro_batch_size: many}\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-m", "postrl.cli", "check-config", str(bad)], capture_output=True, text=True, cwd=tmp_path
-    )
+    proc = run_postrl("check-config", str(bad), cwd=tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out
     assert "Traceback" not in out
@@ -107,17 +104,12 @@ def test_check_config_cli_exits_nonzero_without_traceback(tmp_path):
     # The path check runs only when the schema is valid; a valid schema with a missing model is reported too.
     ok_schema = tmp_path / "missing_model.yaml"
     ok_schema.write_text("model: {path: ./no/such/model}\n")
-    proc = subprocess.run(
-        [sys.executable, "-m", "postrl.cli", "check-config", str(ok_schema)], capture_output=True, text=True, cwd=tmp_path
-    )
+    proc = run_postrl("check-config", str(ok_schema), cwd=tmp_path)
     assert proc.returncode == 2 and "model.path" in proc.stdout and "Traceback" not in proc.stdout + proc.stderr
 
 
 def test_check_config_prints_resolved_config():
-    proc = subprocess.run(
-        [sys.executable, "-m", "postrl.cli", "check-config", str(ROOT / "configs" / "tiny_dapo.yaml"), "--no-path-check"],
-        capture_output=True, text=True,
-    )  # fmt: skip
+    proc = run_postrl("check-config", str(ROOT / "configs" / "tiny_dapo.yaml"), "--no-path-check")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "clip_ratio_high: 0.28" in proc.stdout and "loss_agg_mode: token-mean" in proc.stdout
 

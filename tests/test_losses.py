@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import math
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_overrides
+from conftest import run_postrl, tiny_overrides
 
 from postrl import algorithms
 from postrl.algorithms import (
@@ -135,9 +133,7 @@ def test_args_for_a_loss_that_declares_none_and_unloadable_losses():
 def test_check_config_shows_the_resolved_loss_arguments(tmp_path):
     cfg_file = tmp_path / "loss.yaml"
     cfg_file.write_text("model: {path: m}\nalgorithm: {policy_loss: 'losses_for_tests:scaled'}\n")
-    proc = subprocess.run(
-        [sys.executable, "-m", "postrl.cli", "check-config", str(cfg_file), "--no-path-check"], capture_output=True, text=True
-    )
+    proc = run_postrl("check-config", str(cfg_file), "--no-path-check")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "policy_loss_args:\n    scale: 1.0\n" in proc.stdout
 

@@ -18,23 +18,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_overrides
+from conftest import run_postrl, start_postrl, tiny_cfg, tiny_train_args, tiny_trainer
 from safetensors.torch import load_file
 
 from postrl import checkpoint
-from postrl.checks import load_config
 from postrl.errors import UserError
 
 DETERMINISTIC = ("reward.verifiers=[verifiers_for_tests:length_parity]", "train.deterministic=true", "logging.sinks=[jsonl]")
 
 
 def _train(tmp_path: Path, *extra: str, **popen) -> subprocess.Popen:
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    cfg_file = tmp_path / "run.yaml"
-    cfg_file.write_text("model: {path: builtin:tiny-qwen2}\n")
-    cmd = [sys.executable, "-m", "postrl.cli", "train", str(cfg_file), *tiny_overrides(tmp_path, *DETERMINISTIC, *extra)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "1000"}
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+    return start_postrl(*tiny_train_args(tmp_path, *DETERMINISTIC, *extra), **popen)
 
 
 def _steps_logged(run: Path) -> list[int]:
@@ -101,7 +95,7 @@ def test_a_second_run_on_the_same_directory_is_refused_and_told_who_holds_it(tmp
 def test_a_run_directory_that_is_a_file_is_refused_before_the_model_loads(tmp_path, which):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
-    cfg = load_config(None, tiny_overrides(tmp_path, f"{which}={blocker / 'sub'}"))
+    cfg = tiny_cfg(tmp_path, f"{which}={blocker / 'sub'}")
     with pytest.raises(UserError) as info:
         checkpoint.check_run_dirs(cfg)
     assert f"{which} '{blocker / 'sub'}' is a file, not a directory" in info.value.problems[0]
@@ -112,10 +106,8 @@ def test_a_run_directory_that_is_a_file_is_refused_before_the_model_loads(tmp_pa
 
 
 def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_says_so(tmp_path, monkeypatch):
-    from postrl.trainer import Trainer
-
-    cfg = load_config(None, tiny_overrides(tmp_path, *DETERMINISTIC, "train.total_steps=1"))
-    tr = Trainer(cfg)
+    tr = tiny_trainer(tmp_path, *DETERMINISTIC, "train.total_steps=1")
+    cfg = tr.cfg
     tr.step = 1
     first = checkpoint.save(cfg, tr.state_dict())
     real_save = torch.save
@@ -139,11 +131,9 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_says_so(tmp
 
 
 def _two_checkpoints(tmp_path: Path) -> Path:
-    from postrl.trainer import Trainer
-
-    cfg = load_config(None, tiny_overrides(tmp_path, *DETERMINISTIC, "train.total_steps=2", "checkpoint.save_freq=1", "checkpoint.keep_last=0"))
-    Trainer(cfg).fit()
-    return Path(cfg.checkpoint.dir)
+    tr = tiny_trainer(tmp_path, *DETERMINISTIC, "train.total_steps=2", "checkpoint.save_freq=1", "checkpoint.keep_last=0")
+    tr.fit()
+    return Path(tr.cfg.checkpoint.dir)
 
 
 @pytest.fixture(scope="module")
@@ -159,12 +149,7 @@ def test_a_damaged_checkpoint_file_is_named_with_the_way_back(two_checkpoints, t
     shutil.copytree(two_checkpoints, root)
     f = root / "iter_0000002" / damaged
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 3])  # truncated, as by a full disk or a bad copy
-    cfg_file = tmp_path / "run.yaml"
-    cfg_file.write_text("model: {path: builtin:tiny-qwen2}\n")
-    proc = subprocess.run(
-        [sys.executable, "-m", "postrl.cli", "train", str(cfg_file), *tiny_overrides(tmp_path, *DETERMINISTIC, f"checkpoint.dir={root}")],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "1000"},
-    )  # fmt: skip
+    proc = run_postrl(*tiny_train_args(tmp_path, *DETERMINISTIC, f"checkpoint.dir={root}"), timeout=300)
     text = " ".join(proc.stdout.split())
     assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-2000:]
     assert f"{f} is damaged and cannot be read" in text
@@ -179,7 +164,7 @@ def test_export_of_a_damaged_checkpoint_fails_and_writes_nothing(two_checkpoints
     f = root / "iter_0000002" / "model" / "model.safetensors"
     f.write_bytes(b"garbage" * 10)
     out = tmp_path / "exported"
-    proc = subprocess.run([sys.executable, "-m", "postrl.cli", "export", str(root), str(out)], capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "1000"})
+    proc = run_postrl("export", str(root), str(out), timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr
     assert "is damaged and cannot be read" in " ".join(proc.stdout.split()) and not out.exists()
     assert checkpoint.export(root / "iter_0000001", out) == out  # the intact one exports
