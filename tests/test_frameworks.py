@@ -9,9 +9,9 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+from conftest import AGENT_RECIPE, tiny_agent_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPE = ROOT / "examples/openai_agent/tiny_tool_dapo_agent.yaml"
 
 
 def _needs(module: str):
@@ -23,14 +23,10 @@ def _train(tmp_path, program: str, *extra: str) -> list[dict]:
     from postrl.metrics import read_jsonl
     from postrl.trainer import Trainer
 
-    cfg = load_config(RECIPE, [
-        "model.path=builtin:tiny-qwen2-tools", "rollout.engine=hf", f"rollout.agent={ROOT / 'examples/frameworks' / program}:run",
-        "rollout.n_samples_per_prompt=2", "rollout.max_tokens=32", "rollout.agent_timeout_s=120", "algorithm.filter_groups.enable=false",
-        "algorithm.overlong_buffer.len=4", "train.global_batch_size=2", "train.gen_batch_size=2", "train.micro_batch_size=4",
-        "train.total_steps=2", "train.warmup_steps=0", "eval.before_train=false", "eval.after_train=false", "eval.freq=0",
-        f"logging.dir={tmp_path}", "logging.progress=false", "checkpoint.keep_best=null", "checkpoint.end_with_best=null",
-        "checkpoint.save_final=false", *extra,
-    ])  # fmt: skip
+    cfg = load_config(AGENT_RECIPE, tiny_agent_overrides(
+        tmp_path, f"{ROOT / 'examples/frameworks' / program}:run", "rollout.max_tokens=32", "rollout.agent_timeout_s=120",
+        "eval.before_train=false", "eval.after_train=false", "checkpoint.end_with_best=null", *extra,
+    ))  # fmt: skip
     Trainer(cfg).fit()
     return [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "timing/all" in r]
 

@@ -11,6 +11,7 @@ import json
 import time
 
 import pytest
+from conftest import AGENT_RECIPE, tiny_agent_overrides
 
 from postrl.agents.endpoint.gateway import AgentGateway
 from postrl.agents.loop.loop import AgentLoop
@@ -326,21 +327,14 @@ def test_the_endpoint_answers_models_completions_and_a_closed_session(tokenizer)
 def test_the_openai_agent_example_trains_two_steps_and_validates_through_the_endpoint(tmp_path):
     """examples/openai_agent/ (a plain openai-client program) with tiny_tool_dapo's settings, shortened: the
     random tiny tools model, HF rollout, 2 steps, validation before and after."""
-    from pathlib import Path
-
     from postrl.checks import load_config
     from postrl.metrics import read_jsonl
     from postrl.trainer import Trainer
 
-    root = Path(__file__).resolve().parents[1]
-    cfg = load_config(root / "examples/openai_agent/tiny_tool_dapo_agent.yaml", [
-        "model.path=builtin:tiny-qwen2-tools", "rollout.engine=hf", "rollout.n_samples_per_prompt=2", "rollout.max_tokens=16",
-        f"rollout.agent={root}/examples/openai_agent/calculator_agent.py:run", "rollout.agent_concurrency=8",
-        "algorithm.filter_groups.enable=false", "algorithm.overlong_buffer.len=4", "train.global_batch_size=2", "train.gen_batch_size=2", "train.micro_batch_size=4",
-        "train.total_steps=2", "train.warmup_steps=0", "eval.freq=0",
-        "data.tool_arithmetic.train_size=64", "data.tool_arithmetic.val_size=8", "eval.max_prompts=4", "eval.max_tokens=16", f"logging.dir={tmp_path}", "logging.progress=false", "checkpoint.keep_best=null",
-        "checkpoint.save_final=false",
-    ])  # fmt: skip
+    cfg = load_config(AGENT_RECIPE, tiny_agent_overrides(
+        tmp_path, f"{AGENT_RECIPE.parent}/calculator_agent.py:run", "rollout.max_tokens=16", "rollout.agent_concurrency=8",
+        "data.tool_arithmetic.train_size=64", "data.tool_arithmetic.val_size=8", "eval.max_prompts=4", "eval.max_tokens=16",
+    ))  # fmt: skip
     Trainer(cfg).fit()
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     steps = [r for r in rows if "agent/requests_mean" in r]

@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import tiny_overrides
+from conftest import AGENT_RECIPE, start_postrl, tiny_agent_overrides, tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
@@ -28,13 +28,11 @@ def _run_and_watch(args: list[str], cwd: Path, timeout: float, **extra_env: str)
     import psutil
 
     marker = uuid.uuid4().hex
-    env = dict(os.environ, OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0", POSTRL_TEST_RUN=marker,
-               PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))  # fmt: skip
-    for name in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-        env.pop(name, None)  # postrl itself must keep the run on loopback
-    env.update(extra_env)
-    proc = subprocess.Popen([sys.executable, "-m", "postrl.cli", "train", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True, env=env, cwd=cwd)  # fmt: skip
+    unset = dict.fromkeys(("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"))  # postrl
+    # itself must keep the run on loopback
+    env = {**unset, "RAY_USAGE_STATS_ENABLED": "0", "POSTRL_TEST_RUN": marker,
+           "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra_env}  # fmt: skip
+    proc = start_postrl("train", *args, env=env, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd)
     ours: dict[tuple[int, float], bool] = {}  # (pid, start time) -> whether it belongs to the run
 
     def belongs(p: psutil.Process) -> bool:
@@ -110,14 +108,10 @@ def test_a_pool_run_listens_on_loopback_only(tmp_path):
 def test_an_endpoint_run_listens_on_loopback_only(tmp_path):
     """examples/openai_agent (a plain openai-client program against postrl's endpoint), 2 tiny steps: the
     endpoint and everything else of the run bind loopback."""
-    example = ROOT / "examples/openai_agent"
-    args = [str(example / "tiny_tool_dapo_agent.yaml"), "model.path=builtin:tiny-qwen2-tools", "rollout.engine=hf",
-            "rollout.n_samples_per_prompt=2", "rollout.max_tokens=16", f"rollout.agent={example}/calculator_agent.py:run",
-            "rollout.agent_concurrency=4", "algorithm.filter_groups.enable=false", "algorithm.overlong_buffer.len=4",
-            "train.global_batch_size=2", "train.gen_batch_size=2", "train.micro_batch_size=4", "train.total_steps=2",
-            "train.warmup_steps=0", "eval.before_train=false", "eval.freq=0", "eval.after_train=false",
-            "data.tool_arithmetic.train_size=64", "data.tool_arithmetic.val_size=8", f"logging.dir={tmp_path / 'run'}",
-            "logging.progress=false", "checkpoint.keep_best=null", "checkpoint.save_final=false"]  # fmt: skip
+    args = [str(AGENT_RECIPE), *tiny_agent_overrides(
+        tmp_path / "run", f"{AGENT_RECIPE.parent}/calculator_agent.py:run", "rollout.max_tokens=16", "rollout.agent_concurrency=4",
+        "eval.before_train=false", "eval.after_train=false", "data.tool_arithmetic.train_size=64", "data.tool_arithmetic.val_size=8",
+    )]  # fmt: skip
     rc, out, listening = _run_and_watch(args, tmp_path, timeout=300)
     assert rc == 0, out[-4000:]
     assert listening, "the endpoint listens: the scan should have seen it"

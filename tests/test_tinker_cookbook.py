@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import start_postrl
 
 tinker = pytest.importorskip("tinker")
 pytest.importorskip("tinker_cookbook")
@@ -33,10 +34,9 @@ def _gsm8k_like(path: Path) -> Path:
 
 class Served:
     def __init__(self, tmp: Path, *extra: str):
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        cmd = [sys.executable, "-m", "postrl.cli", "serve-tinker", "model.path=builtin:tiny-qwen2", "model.tiny.max_position_embeddings=2048",
-               "--model-name", NAME, "--port", "0", "--api-key", KEY, "--state-dir", str(tmp / "state"), *extra]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp)
+        self.proc = start_postrl("serve-tinker", "model.path=builtin:tiny-qwen2", "model.tiny.max_position_embeddings=2048",
+                                 "--model-name", NAME, "--port", "0", "--api-key", KEY, "--state-dir", str(tmp / "state"), *extra,
+                                 stderr=subprocess.STDOUT, cwd=tmp)  # fmt: skip
         self.lines: list[str] = []
         self.url = None
         deadline = time.monotonic() + 240
