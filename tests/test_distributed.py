@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_overrides
+from conftest import start_postrl, tiny_overrides, tiny_train_args
 
 from postrl import distributed, launch, partition
 from postrl.checks import load_config
@@ -42,18 +42,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _run(cmd: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
-    """Run in a new session; on timeout the whole process group (all it started) is killed."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, **kwargs)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"timed out after {timeout} s: {' '.join(cmd)}\n{out[-4000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
 
 
 # ------------------------------------------------------------------------- partitioning (in-process)
@@ -389,10 +377,8 @@ def _session_pids(sid: int) -> list[int]:
     return pids
 
 
-def _launcher_overrides(tmp_path: Path, *extra: str) -> list[str]:
-    return tiny_overrides(
-        tmp_path, "reward.verifiers=[acc_for_dapo]", "train.total_steps=2", "checkpoint.save_final=true", *extra
-    )
+def _launcher_args(tmp_path: Path, *extra: str) -> list[str]:
+    return tiny_train_args(tmp_path, "reward.verifiers=[acc_for_dapo]", "train.total_steps=2", "checkpoint.save_final=true", *extra)
 
 
 def _check_run(run_dir: Path, out: str, steps: int) -> None:
@@ -416,15 +402,9 @@ def test_nproc_2_trains_on_loopback_only_with_dynamic_batch_size(tmp_path):
     no process of the job listens on anything but loopback (psutil reads the sockets)."""
     import psutil
 
-    cfg = tmp_path / "tiny.yaml"
-    cfg.write_text("model:\n  path: builtin:tiny-qwen2\n")
-    overrides = _launcher_overrides(tmp_path, "train.use_dynamic_bsz=true", "train.max_token_len_per_device=160")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("GLOO_SOCKET_IFNAME", None)  # the launcher itself must pick loopback
-    proc = subprocess.Popen(
-        [PY, "-m", "postrl.cli", "train", str(cfg), *overrides, "--nproc", "2"], stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env, cwd=tmp_path,
-    )  # fmt: skip
+    args = _launcher_args(tmp_path, "train.use_dynamic_bsz=true", "train.max_token_len_per_device=160")
+    proc = start_postrl(*args, "--nproc", "2", env={"GLOO_SOCKET_IFNAME": None},  # the launcher itself must pick loopback
+                        stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp_path)  # fmt: skip
     listening: set[tuple[str, int]] = set()
     deadline = time.monotonic() + 200
     try:
@@ -470,15 +450,13 @@ sys.exit(code)
 def test_ray_cluster_on_loopback_trains_two_steps_and_checkpoints(tmp_path):
     """cluster.launcher: ray through --ray-address: Ray Train's TorchTrainer runs 2 CPU workers of the
     same SPMD loop (FSDP2 over gloo); afterwards no process of the Ray cluster is left running."""
-    cfg = tmp_path / "tiny.yaml"
-    cfg.write_text("model:\n  path: builtin:tiny-qwen2\n")
-    overrides = _launcher_overrides(tmp_path, "cluster.launcher=ray", "cluster.devices_per_node=2")
+    train_args = _launcher_args(tmp_path, "cluster.launcher=ray", "cluster.devices_per_node=2")
     env = dict(
         os.environ, GLOO_SOCKET_IFNAME="lo", RAY_USAGE_STATS_ENABLED="0",
         RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",  # keep every Ray address on 127.0.0.1 (Ray would pick the LAN IP)
     )  # fmt: skip
     proc = subprocess.Popen(
-        [PY, "-c", RAY_DRIVER, str(cfg), *overrides], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [PY, "-c", RAY_DRIVER, *train_args[1:]], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True, env=env, cwd=tmp_path,
     )  # fmt: skip
     try:
@@ -514,16 +492,10 @@ def test_a_local_ray_cluster_listens_on_loopback_only(tmp_path):
     store (it binds every interface) that Ray Train's TorchConfig would open in rank 0."""
     import psutil
 
-    cfg = tmp_path / "tiny.yaml"
-    cfg.write_text("model:\n  path: builtin:tiny-qwen2\n")
-    overrides = _launcher_overrides(tmp_path, "cluster.launcher=ray", "cluster.devices_per_node=2", "train.total_steps=3")
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", OMP_NUM_THREADS="1")
-    for name in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "GLOO_SOCKET_IFNAME"):
-        env.pop(name, None)  # the launcher itself must keep Ray and the collectives on loopback
-    proc = subprocess.Popen(
-        [PY, "-m", "postrl.cli", "train", str(cfg), *overrides], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, start_new_session=True, env=env, cwd=tmp_path,
-    )  # fmt: skip
+    args = _launcher_args(tmp_path, "cluster.launcher=ray", "cluster.devices_per_node=2", "train.total_steps=3")
+    # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER and GLOO_SOCKET_IFNAME unset: the launcher itself must keep Ray and the collectives on loopback
+    env = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": None, "GLOO_SOCKET_IFNAME": None}
+    proc = start_postrl(*args, env=env, stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp_path)
     listening: set[tuple[str, int, str]] = set()
     deadline = time.monotonic() + 300
     try:

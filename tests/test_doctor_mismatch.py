@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_overrides
+from conftest import run_postrl, tiny_overrides
 
 from postrl.algorithms.mismatch import mismatch_metrics, mismatch_sums
 from postrl.checks import load_config
@@ -204,15 +204,10 @@ def test_the_doctor_on_a_pool_whose_trainer_imports_ray_through_vllm_keeps_its_c
     """The doctor builds the trainer's vLLM engine (which imports ray) before the pool starts its Ray cluster: Ray's
     switch for a one-machine cluster, read at import, must be set before that (else the pool refuses to start a
     cluster on the LAN address, and the doctor could not run on a pool)."""
-    import os
-    import subprocess
-    import sys
-
     out = tmp_path / "m.json"
-    args = [*tiny_overrides(tmp_path, "train.global_batch_size=2", "rollout.engine=vllm", "rollout.placement=pool", "rollout.pool.replicas=1")]
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
-    p = subprocess.run([sys.executable, "-m", "postrl.cli", "doctor", "--mismatch", "configs/tiny_grpo.yaml", *args, "--json", str(out)],
-                       env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
+    args = tiny_overrides(tmp_path, "train.global_batch_size=2", "rollout.engine=vllm", "rollout.placement=pool", "rollout.pool.replicas=1")
+    p = run_postrl("doctor", "--mismatch", "configs/tiny_grpo.yaml", *args, "--json", str(out),
+                   env={"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": None}, timeout=900)  # fmt: skip
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["engine"]["placement"] == "pool" and r["engine"]["name"] == "vllm"

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_overrides
+from conftest import run_postrl, tiny_overrides, tiny_train_args
 from test_distributed import ScriptedRollout  # also registers the in-process test verifiers
 
 from postrl.checks import load_config
@@ -166,17 +166,11 @@ def test_two_step_grpo_run_with_sequence_parallel_2_on_two_ranks(tmp_path):
 
     from postrl.metrics import read_jsonl
 
-    cfg = tmp_path / "tiny.yaml"
-    cfg.write_text("model:\n  path: builtin:tiny-qwen2\n")
-    overrides = tiny_overrides(
+    args = tiny_train_args(
         tmp_path, "reward.verifiers=[verifiers_for_tests:length_parity]", "train.total_steps=2", "train.sequence_parallel_size=2",
         "algorithm.kl.coef=0.01", "train.use_remove_padding=true",
     )  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "postrl.cli", "train", str(cfg), *overrides, "--nproc", "2"], capture_output=True,
-        text=True, env=env, cwd=tmp_path, timeout=300,
-    )  # fmt: skip
+    proc = run_postrl(*args, "--nproc", "2", cwd=tmp_path, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     rows = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "timing/all" in r]
