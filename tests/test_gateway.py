@@ -386,3 +386,57 @@ def test_async_staleness_drops_a_stale_group_with_its_extra_segments():
     )  # fmt: skip
     kept, dropped = split_stale(batch, step=3, max_staleness=1, group_size=2)
     assert dropped == 1 and kept.response_ids == [[2], [3], [5]] and kept.owners == [None, None, 0]
+
+
+class SeededStepEngine(ScriptEngine):
+    """A continuous-batching engine that samples as vLLM's in-process `generate_continuing` does: a call's
+    `seed` seeds one RNG that the requests draw from in the order they join; with no call seed, each request
+    draws from its own `params.seed`. A completion is `\\boxed{<draw>}` and the end."""
+
+    capabilities = EngineCapabilities(reports_logprobs=False, shares_trainer_model=False, can_sleep=False, continuous_batching=True)
+
+    def generate_continuing(self, requests, on_finish, seed=None):
+        import random
+
+        shared = None if seed is None else random.Random(seed)
+        live = list(requests)
+        while live:
+            done, live = live, []
+            outs = []
+            for key, prompt, params in done:
+                draw = (shared or random.Random(params.seed)).randrange(10**6)
+                ids = self.tok(f"\\boxed{{{draw}}}<|im_end|>", add_special_tokens=False)["input_ids"][: params.max_tokens]
+                outs.append((key, Completion(0, ids, True, [-0.25] * len(ids))))
+            live += on_finish(outs)
+
+
+def test_a_seeded_rollout_samples_the_same_tokens_whatever_order_the_programs_ask_in(tokenizer):
+    """Six programs ask one after the other (each waits for the one before it to be answered), first in the
+    samples' order, then in the reverse: every sample gets the same tokens both times, since its seed is its
+    own (the rollout's seed, the sample, its request), not the draw its arrival happened to get."""
+    import threading
+
+    gates: list[threading.Event] = []
+
+    def in_turn(client, row):
+        assert gates[row["rank"]].wait(30)
+        try:
+            client.chat.completions.create(model=client.model, messages=QUESTION)
+        finally:
+            gates[row["rank"] + 1].set()
+        return 1.0
+
+    engine = SeededStepEngine(tokenizer, [])
+    gw = AgentGateway(engine, tokenizer, RolloutConfig(agent="x:y", agent_timeout_s=30), agent=in_turn)
+    runs = []
+    try:
+        for ranks in (range(6), reversed(range(6))):
+            gates[:] = [threading.Event() for _ in range(7)]
+            gates[0].set()
+            rows = [{"rank": r} for r in ranks]
+            out = gw.generate([_prompt(tokenizer)] * 6, SamplingParams(max_tokens=20, n=1, seed=7), rows=rows)
+            assert gw.pop_metrics()["agent/errors"] == 0
+            runs.append([tokenizer.decode(c.token_ids) for c in out])
+    finally:
+        gw.close()
+    assert runs[0] == runs[1] and len(set(runs[0])) == 6, runs  # the same six draws, one per sample

@@ -1,4 +1,4 @@
-"""`verifiers` environments as the rollout (agents/verifiers/env.py + verifiers_worker.py).
+"""`verifiers` environments as the rollout (agents/verifiers/env.py + worker.py).
 
 The environment runs in its own process with an interpreter that has verifiers 0.1.x: `make setup` builds the
 side venv `.venv-verifiers` at the repository root (POSTRL_VERIFIERS_PYTHON overrides the path); without it the
@@ -209,16 +209,17 @@ def test_a_failing_environment_is_contained_and_counted_and_a_broken_one_stops_w
 
 
 HOSTILE_ENV = """
-import gc, io, json, os
+import gc, io, json, os, stat, struct
 import verifiers as vf
 from datasets import Dataset
 
 
 class Env(vf.SingleTurnEnv):
     async def setup_state(self, state):
-        if state["info"].get("mode") == "bad_line":  # code in the environment writes onto postrl's channel
-            (out,) = [f for f in gc.get_objects() if isinstance(f, io.TextIOWrapper) and f.writable() and f.fileno() > 2]
-            out.write("this is not JSON\\n")
+        if state["info"].get("mode") == "bad_frame":  # code in the environment writes onto postrl's channel
+            (out,) = [f for f in gc.get_objects() if isinstance(f, io.BufferedWriter) and not f.closed and f.fileno() > 2
+                      and stat.S_ISFIFO(os.fstat(f.fileno()).st_mode)]
+            out.write(struct.pack("!i", 16) + b"this is not JSON")  # a whole frame, of garbage
             out.flush()
 
 
@@ -232,9 +233,9 @@ def load_environment(env_out=None):
 
 @needs_vf
 @pytest.mark.slow  # two environment processes start (~70 s on 2 loaded cores)
-def test_the_environment_process_starts_scrubbed_and_a_bad_line_from_it_is_counted_and_restarts_it(tmp_path, tokenizer, monkeypatch):
+def test_the_environment_process_starts_scrubbed_and_a_bad_frame_from_it_is_counted_and_restarts_it(tmp_path, tokenizer, monkeypatch):
     """The environment's process gets the allowlist plus rollout.agent_env_passthrough, not the trainer's secrets;
-    a line that breaks the protocol kills it: its sample scores 0 (counted), the next sample starts a new one."""
+    a frame that breaks the protocol kills it: its sample scores 0 (counted), the next sample starts a new one."""
     import json
 
     from postrl.rollout.base import SamplingParams
@@ -246,14 +247,14 @@ def test_the_environment_process_starts_scrubbed_and_a_bad_line_from_it_is_count
     env.write_text(HOSTILE_ENV)
     gw = _engine(tokenizer, ["\\boxed{1}<|im_end|>"] * 4, env, environment_args={"env_out": str(seen)}, agent_env_passthrough=["MY_SERVICE_KEY"])
     rows = [{"prompt": QUESTION, "extra_info": {"verifiers": {"prompt": QUESTION, "answer": "1", "info": {"mode": mode}, "example_id": 0}}}
-            for mode in ("bad_line", "ok")]  # fmt: skip
+            for mode in ("bad_frame", "ok")]  # fmt: skip
     try:
         environ = json.loads(seen.read_text())
         first = gw.agent.worker
         (bad,) = gw.generate([[1, 2, 3]], SamplingParams(max_tokens=50, n=1, seed=0), rows=rows[:1])
         m = gw.pop_metrics()
         assert bad.env_reward == 0.0 and (m["agent/errors"], m["rubric/failed"]) == (1, 1)
-        assert "not JSON" in first.bad_line and first.proc.poll() is not None
+        assert "not JSON" in first.bad_frame and first.proc.poll() is not None
         (ok,) = gw.generate([[1, 2, 3]], SamplingParams(max_tokens=50, n=1, seed=0), rows=rows[1:])
         m = gw.pop_metrics()
         assert ok.env_reward == 1.0 and (m["rubric/worker_restarts"], m["rubric/scored"], m["agent/errors"]) == (1, 1, 0)
@@ -263,16 +264,34 @@ def test_the_environment_process_starts_scrubbed_and_a_bad_line_from_it_is_count
     assert environ["MY_SERVICE_KEY"] == "listed" and environ["PATH"] == os.environ["PATH"]
 
 
-def test_the_environment_channel_refuses_long_lines_and_other_shapes():
-    import io
+def test_the_environment_channel_refuses_long_cut_short_and_garbage_frames_and_other_shapes(monkeypatch):
     import json
+    import struct
 
-    from postrl.agents.verifiers.env import MAX_LINE_BYTES, BadLine, check_reply, read_line
+    from postrl.agents.verifiers import env as vf_env
+    from postrl.agents.verifiers.env import MAX_REPLY_BYTES, FrameError, check_reply, read_reply
 
-    assert read_line(io.BytesIO(b'{"id": 1}\n')) == ({"id": 1}, 10) and read_line(io.BytesIO(b"")) == (None, 0)
-    for data in (b"x" * (MAX_LINE_BYTES + 2), b"\xff\xfe\n", b"[" * 100_000 + b"\n", b"not json\n"):
-        with pytest.raises(BadLine):
-            read_line(io.BytesIO(data))
+    def reply(data: bytes, close: bool = True):
+        r, w = os.pipe()  # the environment's stdout as postrl reads it: a pipe
+        try:
+            os.write(w, data)
+            if close:
+                os.close(w)
+            return read_reply(r)
+        finally:
+            os.close(r)
+            if not close:
+                os.close(w)
+
+    assert reply(struct.pack("!i", 9) + b'{"id": 1}') == ({"id": 1}, 9) and reply(b"") == (None, 0)
+    for data in (struct.pack("!i", MAX_REPLY_BYTES + 1), b"\xff\xfe\xfd\xfc", struct.pack("!i", 2) + b"\xff\xfe",
+                 struct.pack("!i", 130) + b"[" * 65 + b"]" * 65, struct.pack("!i", 8) + b"not json"):  # fmt: skip
+        with pytest.raises(FrameError):
+            reply(data)
+    monkeypatch.setattr(vf_env, "FRAME_TIMEOUT_S", 0.05)  # a frame begun, then nothing: the process hangs mid-frame
+    with pytest.raises(FrameError, match="cut short"):
+        reply(struct.pack("!i", 10) + b"{", close=False)
+    assert reply(struct.pack("!i", 10) + b"{") == (None, 0)  # the process died mid-frame: its end, reported as its death
     good = {"id": 2, "reward": 1.0, "metrics": {"m": 0.5}, "error": None, "rubric_errors": 0}
     check_reply("rollout", good)
     check_reply("rollout", {"id": 2, "exception": "ValueError: x"})
@@ -282,10 +301,31 @@ def test_the_environment_channel_refuses_long_lines_and_other_shapes():
         ("rollout", {**good, "metrics": {"m": [1]}}), ("rollout", {**good, "error": 3}),
         ("rollout", {"id": 2, "exception": {"a": 1}}), ("dataset", {"id": 1, "rows": "abc"}), ("dataset", {"id": 1, "rows": [1]}),
     ):  # fmt: skip
-        with pytest.raises(BadLine):
+        with pytest.raises(FrameError):
             check_reply(op, json.loads(json.dumps(bad)))
     for value in ({**good, "reward": 10**400}, {**good, "reward": math.nan}, {**good, "metrics": {"m": math.inf}}):
         check_reply("rollout", value)  # of the shape: its values are the sample's business (VerifiersAgent.run)
+
+
+def test_the_worker_speaks_postrls_frames_without_postrl_installed():
+    """worker.py loads postrl/ipc.py by its path, in an interpreter that cannot import postrl (no site-packages):
+    the frames it writes are the ones postrl reads, and the channel's refusals are the same FrameError."""
+    import subprocess
+    import sys
+
+    from postrl import ipc
+
+    code = (
+        "import runpy, sys\n"
+        f"w = runpy.run_path({str(ROOT / 'src/postrl/agents/verifiers/worker.py')!r})\n"
+        "assert 'postrl' not in sys.modules and 'torch' not in sys.modules, sorted(sys.modules)\n"
+        "sys.stdout.buffer.write(w['ipc'].encode({'op': 'ready', 'env_id': 'x', 'group_rubric': False}))\n"
+        "try:\n    w['ipc'].loads(b'not json')\nexcept w['ipc'].FrameError as exc:\n    print(exc, file=sys.stderr)\n"
+    )
+    out = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, timeout=120, cwd="/")
+    assert out.returncode == 0, out.stderr.decode()
+    assert ipc.loads(out.stdout[4:]) == {"op": "ready", "env_id": "x", "group_rubric": False}
+    assert ipc.HEADER.unpack(out.stdout[:4]) == (len(out.stdout) - 4,) and b"not JSON" in out.stderr
 
 
 @needs_vf

@@ -118,6 +118,31 @@ def test_layout_and_seeds(setup):
     assert len({tuple(x.token_ids) for x in a[:3]}) == 3
 
 
+def test_continuous_batch_requests_with_their_own_seeds_sample_alike_whatever_the_batch(setup):
+    """generate_continuing without a call seed (the endpoint's): each request draws from its own params.seed, so
+    what it samples depends neither on the other requests of the batch, their order, nor when it joined."""
+    engine, prompts = setup["engine"], setup["prompts"]
+
+    def run(first, later, shift=0):
+        requests = [(i, prompts[i], SamplingParams(temperature=1.0, max_tokens=12, n=1, seed=100 + i + shift)) for i in first + later]
+        got, waiting = {}, requests[len(first) :]
+
+        def on_finish(done):
+            nonlocal waiting
+            got.update((k, c.token_ids) for k, c in done)
+            new, waiting = waiting, []
+            return new  # the rest join after the first step that finished a request
+
+        engine.generate_continuing(requests[: len(first)], on_finish, seed=None)
+        return got
+
+    together = run(list(range(6)), [])
+    assert run([5, 4], [3, 2, 1, 0]) == together and run([0], [5, 1, 2]) == {i: together[i] for i in (0, 5, 1, 2)}
+    assert len({tuple(t) for t in together.values()}) == 6
+    other = run(list(range(6)), [], shift=1)  # another seed per request, other draws
+    assert sum(other[i] != together[i] for i in range(6)) >= 5
+
+
 def test_large_seeded_batch(setup):
     """192 seeded requests, 5k prompt tokens: more than one engine step takes (4096 tokens).
 

@@ -1,4 +1,5 @@
-"""The one channel between postrl and its child processes (agent program workers, the verifier pool): JSON frames.
+"""The one channel between postrl and its child processes (agent program workers, the verifier pool, verifiers
+environments): JSON frames.
 
 A frame is its length (4 bytes, big-endian, signed: multiprocessing's `Connection.send_bytes` framing, so a
 child may write with that) and then that many bytes of UTF-8 JSON. Whoever opens a channel states its caps
@@ -7,6 +8,9 @@ and how long a frame may take to arrive whole (None: for ever, where something e
 frame's JSON is read with its depth capped; nothing is ever unpickled. Every refusal is one `FrameError`; a
 channel that ends between frames, or mid-frame (the child died: its death, not its message, is what to
 report), is EOFError. The placement's batch wire (placement/wire.py) is the one exchange that is not this.
+
+The standard library only, never postrl: a child in a venv without postrl (the verifiers environment's,
+agents/verifiers/worker.py) loads this file by its path and speaks the same frames.
 """
 
 from __future__ import annotations
@@ -17,8 +21,6 @@ import select
 import struct
 import time
 from typing import Any, Protocol, Union
-
-from postrl.untrusted import json_depth
 
 HEADER = struct.Struct("!i")  # multiprocessing's frame header: a signed big-endian length (-1: a frame over 2 GiB)
 MAX_DEPTH = 64  # a frame's JSON nests at most this deep unless its channel says otherwise
@@ -75,6 +77,20 @@ def loads(data: bytes, max_depth: int = MAX_DEPTH) -> Any:
     if deep:
         raise FrameError(f"a frame that is not JSON within {max_depth} levels of nesting")
     return value
+
+
+def json_depth(value: Any, limit: int) -> int:
+    """The nesting depth of a JSON value (an object or array is 1 deeper than its members), counted without
+    recursion and given up past `limit`."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, d)
+            if deepest > limit:
+                return deepest
+            stack.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
 
 
 def _read_exact(fd: int, n: int, deadline: float | None) -> bytes:

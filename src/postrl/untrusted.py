@@ -35,6 +35,8 @@ from decimal import MAX_EMAX, MIN_EMIN, Context, Decimal, localcontext
 from fractions import Fraction
 from typing import Any, Callable, ContextManager, TypeVar
 
+from postrl.ipc import json_depth  # in ipc.py, which a child without postrl loads by path; readers of model text take it from here
+
 MAX_JSON_CHARS = 1 << 20  # one tool call's JSON: a megabyte of arguments is far past any honest call
 MAX_JSON_DEPTH = 64  # as rollout.agent_max_json_depth's default: deeper than any tool schema nests
 MAX_EXPONENT = 1000  # a number whose decimal exponent is larger than this is compared, never expanded
@@ -96,20 +98,6 @@ def _finite(text: str) -> float:
 
 def _no_constant(name: str) -> Any:
     raise Unreadable(f"{name} is not a JSON number")
-
-
-def json_depth(value: Any, limit: int) -> int:
-    """The nesting depth of a JSON value (an object or array is 1 deeper than its members), counted without
-    recursion and given up past `limit`."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        v, d = stack.pop()
-        if isinstance(v, (dict, list)):
-            deepest = max(deepest, d)
-            if deepest > limit:
-                return deepest
-            stack.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
-    return deepest
 
 
 def bracket_depth(text: str) -> int:

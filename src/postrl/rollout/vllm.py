@@ -172,7 +172,9 @@ class VLLMEngine:
         in it and returns the follow-up requests, which join the running batch at the next step, so no
         sequence waits for the slowest one of a turn; their prompt (the one before plus its completion)
         reuses its KV from the prefix cache. Runs until no request is left. `seed`: one seed for the whole
-        run (the engine in this process), else a derived seed per request."""
+        run (the engine in this process), else a derived seed per request; None: each request's own
+        `params.seed` (the endpoint's, agents/endpoint/scheduler.py: one that does not depend on when the request
+        came or what else the batch holds; vLLM then gives that request a generator of its own)."""
         if self._asleep:
             self.wake_up()
         engine, keys, counter = self.llm.llm_engine, {}, 0
@@ -183,7 +185,7 @@ class VLLMEngine:
                 assert params.greedy or params.n == 1, "generate_continuing: one sample per request"
                 if not params.greedy and params.temperature > MAX_TEMPERATURE:
                     raise ValueError(f"vLLM samples at temperatures up to {MAX_TEMPERATURE}, got {params.temperature}; use the hf engine.")
-                request_seed = None if seed is None or self.in_process else (seed + 7919 * counter) % 2**31
+                request_seed = params.seed if seed is None else None if self.in_process else (seed + 7919 * counter) % 2**31
                 sampling = self._vllm_params(params, 1, request_seed)
                 sampling.output_kind = self._final_only
                 request_id = f"postrl-{counter}"

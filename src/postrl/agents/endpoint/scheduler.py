@@ -6,7 +6,11 @@ programs' requests until every running program waits on one (or none came for `r
 or a tenth of an engine call, whichever is longer, and at most ten times that after the first), renders
 them (agents/endpoint/jobs.py), and samples them in one engine call, so concurrent agents batch like the agent
 loop's turns. With an engine that batches continuously (vLLM) that call is a continuous batch that each
-request joins as it arrives (`Stream`), so the programs' HTTP work overlaps the engine's steps.
+request joins as it arrives (`Stream`), so the programs' HTTP work overlaps the engine's steps. There each
+request samples with a seed of its own (`request_seed`: the rollout's seed, which sample, which of its
+requests, which choice), never one that depends on when it arrived or what else was in the batch, so a seeded
+rollout of deterministic programs samples the same tokens whatever the programs' timing (up to the float
+rounding that a different batch composition may bring).
 
 Every request gets an answer: sampled ids (agents/endpoint/answers.py), an OpenAI-shaped 400 (a prompt over the
 run's context, a template that refuses the messages), 410 (its sample ended), or, should anything else
@@ -22,6 +26,8 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
+
+import numpy as np
 
 import postrl.agents.results as results
 from postrl.agents.endpoint.answers import Shaper
@@ -49,6 +55,8 @@ class Rollout:
     running: dict[str, tuple[Session, float, Any]] = field(default_factory=dict)
     pending: list[Pending] = field(default_factory=list)
     calls: int = 0
+    index: dict[str, int] = field(default_factory=dict)  # session key -> its sample's place (prompt-major)
+    asked: dict[str, int] = field(default_factory=dict)  # session key -> its requests taken into a batch so far
 
 
 class Scheduler:
@@ -68,7 +76,7 @@ class Scheduler:
 
     def run(self, sessions: list[Session], params: SamplingParams) -> None:
         """Admit `sessions`' programs, batch their requests into engine calls, until every program has ended."""
-        r = Rollout(params, list(sessions))
+        r = Rollout(params, list(sessions), index={s.key: i for i, s in enumerate(sessions)})
         continuous = self.engine.capabilities.continuous_batching
         try:
             while r.waiting or r.running:
@@ -94,8 +102,11 @@ class Scheduler:
                 due = time.perf_counter() >= flush_time(r.pending, wait_s, starting) if r.pending else False
                 if r.pending and (continuous or waiting_on_us >= len(r.running) or due):
                     batch, r.pending = r.pending, []
-                    seed = None if params.seed is None else (params.seed + 7919 * r.calls) % 2**31
-                    r.calls += Stream(self, r).run(batch, seed) if continuous else self.sample(batch, replace(params, seed=seed))
+                    if continuous:
+                        r.calls += Stream(self, r).run(batch)
+                    else:  # one seed per call: an engine without continuous batching (hf) samples a batch with one RNG
+                        seed = None if params.seed is None else (params.seed + 7919 * r.calls) % 2**31
+                        r.calls += self.sample(batch, replace(params, seed=seed))
         finally:
             self.rendered.clear()
 
@@ -243,33 +254,40 @@ class Stream:
 
     def __init__(self, scheduler: Scheduler, r: Rollout):
         self.s, self.r = scheduler, r
-        self.one = replace(r.params, n=1, seed=None)
+        self.one = replace(r.params, n=1, seed=None)  # each request's seed is its own (`request_seed`)
         self.live: dict[int, tuple[Job, int, tuple[int, ...], list[Completion | None]]] = {}
         self.ticking = False  # a tick request is in the batch
         self.polled_s = 0.0  # the seconds spent in `on_finish` (not the engine's)
 
-    def run(self, batch: list[Pending], seed: int | None) -> int:
+    def run(self, batch: list[Pending]) -> int:
         """Returns when the engine has nothing left to run: 1 (one engine call), or 0 if nothing was to sample."""
-        first = self.requests(self.s.prepare(batch, self.r.params))
+        first = self.requests(self.s.prepare(self.ordered(batch), self.r.params))
         if not first:
             return 0
         first += self.tick()
         self.s.stats["agent/engine_calls"] += 1
         start = time.perf_counter()
         try:
-            self.s.engine.generate_continuing(first, self.on_finish, seed=seed)
+            self.s.engine.generate_continuing(first, self.on_finish, seed=None)  # None: each request's own seed
         except Exception as exc:  # the requests still in the batch are answered 500; the loop goes on
             self.s.engine_failed(exc, [job for job, *_ in self.live.values()])
             self.live.clear()
         self.s.stats["timing/agent_engine"] += time.perf_counter() - start - self.polled_s
         return 1
 
+    def ordered(self, batch: list[Pending]) -> list[Pending]:
+        """`batch` in the samples' order (prompt-major), not the order the requests arrived in."""
+        return sorted(batch, key=lambda p: self.r.index[p.session.key])
+
     def requests(self, prepared: list[tuple[Job, int, tuple[int, ...]]]) -> list[tuple[Any, list[int], SamplingParams]]:
-        out = []
+        out, seed = [], self.r.params.seed
         for job, room, stops in prepared:
-            k, n = id(job), 1 if self.r.params.greedy else job.n
+            k, n, key = id(job), 1 if self.r.params.greedy else job.n, job.pending.session.key
             self.live[k] = (job, room, stops, [None] * n)
-            out += [((k, i), job.prompt, replace(self.one, max_tokens=room, stop_token_ids=stops)) for i in range(n)]
+            sample, nth = self.r.index[key], self.r.asked.get(key, 0)
+            self.r.asked[key] = nth + 1
+            out += [((k, i), job.prompt, replace(self.one, max_tokens=room, stop_token_ids=stops, seed=request_seed(seed, sample, nth, i)))
+                    for i in range(n)]  # fmt: skip
         self.s.stats["agent/requests"] += len(prepared)
         return out
 
@@ -290,7 +308,7 @@ class Stream:
                 events.append(self.s.events.get_nowait())
         self.s.take(self.r, events)
         self.s.admit(self.r)
-        new, self.r.pending = self.requests(self.s.prepare(self.r.pending, self.r.params)), []
+        new, self.r.pending = self.requests(self.s.prepare(self.ordered(self.r.pending), self.r.params)), []
         self.polled_s += time.perf_counter() - start
         return new + self.tick()
 
@@ -301,6 +319,14 @@ class Stream:
         self.ticking = True
         self.s.stats["agent/ticks"] += 1
         return [(None, [next(iter(self.s.shaper.eos_ids))], replace(self.one, max_tokens=1, stop_token_ids=()))]
+
+
+def request_seed(seed: int | None, sample: int, request: int, choice: int) -> int | None:
+    """The sampling seed of choice `choice` of the `request`-th request of sample `sample` in a rollout seeded
+    `seed` (None: unseeded): a function of which request it is, not of when it came."""
+    if seed is None:
+        return None
+    return int(np.random.SeedSequence([seed, sample, request, choice]).generate_state(1)[0] >> 1)
 
 
 def spent(s: Session, prompt: list[int]) -> int:

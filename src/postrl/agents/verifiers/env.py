@@ -4,8 +4,9 @@ A verifiers environment (`load_environment(**args)`, the classic API of verifier
 `MultiTurnEnv`, ... with a dataset and a rubric; what prime-rl's Environments Hub holds) runs in a process of its
 own, started with `rollout.environment_python` (default: this interpreter when it imports verifiers), because
 verifiers 0.1.x pins packages that postrl's other extras cannot share (docs/agents.md). That process is
-`verifiers_worker.py`, which imports only verifiers; postrl talks to it by JSON lines (load, the dataset rows,
-run sample i against session URL u) and the environment talks to postrl only through the endpoint.
+`worker.py`, which imports only verifiers (and postrl/ipc.py by its path); postrl talks to it by ipc.py's JSON
+frames (load, the dataset rows, run sample i against session URL u), capped and checked here (`read_reply`,
+`check_reply`), and the environment talks to postrl only through the endpoint.
 
 - Data: `data.train_files: [verifiers:train]` and `data.val_files: [verifiers:eval]` (the defaults with
   rollout.environment, config/rules.py) are the environment's dataset and eval_dataset as postrl rows
@@ -30,6 +31,7 @@ import concurrent.futures
 import itertools
 import json
 import os
+import select
 import subprocess
 import sys
 import threading
@@ -37,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import postrl.agents.results as results
+from postrl import ipc
 from postrl.children import child_env
 from postrl.agents.verifiers.python import interpreter_problems
 from postrl.errors import UserError, fails_nearly_always
@@ -47,11 +50,10 @@ if TYPE_CHECKING:
     from postrl.config import RolloutConfig
 
 WORKER = Path(__file__).with_name("worker.py")
-MAX_LINE_BYTES = 16 * 1024 * 1024  # one line from the environment's process (the dataset comes in chunks below it)
+MAX_REPLY_BYTES = 16 * 1024 * 1024  # one frame from the environment's process (the dataset comes in chunks below it)
 MAX_DATASET_BYTES = 4 * 1024**3  # a dataset's chunks together
-
-
-BadLine = FrameError  # a line from the environment's process that the protocol does not allow (too long, not JSON, ...)
+FRAME_TIMEOUT_S = 30.0  # from a frame's first byte to its last (the process writes a frame at once; a reply
+# itself may take a rollout's time to begin: the gateway's rollout.agent_timeout_s bounds that)
 
 
 def _number(v: Any) -> bool:
@@ -59,7 +61,7 @@ def _number(v: Any) -> bool:
 
 
 def check_reply(op: str, msg: Any) -> None:
-    """BadLine unless `msg` is a reply to `op` of the shape verifiers_worker.py documents. The shape only: a reward
+    """FrameError unless `msg` is a reply to `op` of the shape worker.py documents. The shape only: a reward
     or metric out of range (NaN, 1e400, 10**400) is that sample's error, not the process's (`VerifiersAgent.run`)."""
     ok = isinstance(msg, dict) and isinstance(msg.get("id"), int)
     if ok and "exception" in msg:
@@ -71,27 +73,27 @@ def check_reply(op: str, msg: Any) -> None:
         ok = (_number(msg.get("reward")) and isinstance(metrics, dict) and all(isinstance(k, str) and _number(v) for k, v in metrics.items())
               and (error is None or isinstance(error, str)) and isinstance(msg.get("rubric_errors", 0), int))  # fmt: skip
     if not ok:
-        raise BadLine(f"a reply that is not of the protocol's shape: {str(msg)[:200]!r}")
+        raise FrameError(f"a reply that is not of the protocol's shape: {str(msg)[:200]!r}")
 
 
-def read_line(stream: Any) -> tuple[Any, int]:
-    """The next JSON line of `stream` (binary) and its length; (None, 0) at its end; BadLine past MAX_LINE_BYTES or
-    not JSON."""
-    line = stream.readline(MAX_LINE_BYTES + 1)
-    if not line:
-        return None, 0
-    if len(line) > MAX_LINE_BYTES:
-        raise BadLine(f"a line longer than {MAX_LINE_BYTES} bytes")
+def read_reply(channel: ipc.Channel) -> tuple[Any, int]:
+    """The next frame's value from the environment's process and its length; (None, 0) when the channel ends.
+    The frame may take any time to begin; once begun it must be whole within FRAME_TIMEOUT_S and at most
+    MAX_REPLY_BYTES of JSON (FrameError otherwise: the process is then killed)."""
+    poller = select.poll()
+    poller.register(channel if isinstance(channel, int) else channel.fileno(), select.POLLIN)
+    poller.poll()  # readable, or its writer gone (then the read below is the end)
     try:
-        return json.loads(line), len(line)
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise BadLine(f"a line that is not JSON ({type(exc).__name__}: {line[:100]!r})") from None
+        data = ipc.recv_bytes(channel, MAX_REPLY_BYTES, FRAME_TIMEOUT_S)
+    except EOFError:
+        return None, 0
+    return ipc.loads(data), len(data)
 
 
 class Worker:
-    """The environment's process (verifiers_worker.py): requests by id over its stdin, replies read by a thread.
-    A bad line (too long, not JSON, of another shape) ends the process: its pending requests fail with the
-    reason, and the next sample starts a new one (`VerifiersAgent`)."""
+    """The environment's process (worker.py): requests by id over its stdin, replies read by a thread, ipc.py
+    frames both ways. A bad frame (too long, cut short, not JSON, of another shape) ends the process: its
+    pending requests fail with the reason, and the next sample starts a new one (`VerifiersAgent`)."""
 
     def __init__(self, settings: dict, start_timeout_s: float = 600.0):
         problems = interpreter_problems(settings.get("python"))
@@ -100,11 +102,13 @@ class Worker:
         spec = settings["spec"]
         env = child_env(settings.get("passthrough") or (), {"HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "PYTHONUNBUFFERED": "1"})
         python = str(Path(settings.get("python") or sys.executable).expanduser())
+        # the channel: ipc.py frames on its stdin and stdout; its replies at most MAX_REPLY_BYTES (64 levels deep),
+        # each whole within FRAME_TIMEOUT_S of its first byte (`read_reply`); ours to it trusted (worker.py's caps)
         self.proc = subprocess.Popen(
             [python, str(WORKER), spec, json.dumps(settings.get("args") or {})], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, env=env,
         )  # fmt: skip
-        self.bad_line: str | None = None
+        self.bad_frame: str | None = None
         first: dict = {}
         reader = threading.Thread(target=lambda: first.update(self._read_first()), daemon=True)
         reader.start()
@@ -137,27 +141,27 @@ class Worker:
 
     def _read_first(self) -> dict:
         try:
-            msg, _ = read_line(self.proc.stdout)
-        except BadLine as exc:
-            return {"error": f"it wrote {exc} instead of its ready line"}
+            msg, _ = read_reply(self.proc.stdout)
+        except FrameError as exc:
+            return {"error": f"it wrote {exc} instead of its ready frame"}
         if msg is not None and not isinstance(msg, dict):
-            return {"error": f"it wrote {str(msg)[:200]!r} instead of its ready line"}
+            return {"error": f"it wrote {str(msg)[:200]!r} instead of its ready frame"}
         return msg or {}
 
     def _read(self) -> None:
         why, chunks = None, 0
         try:
-            while (got := read_line(self.proc.stdout))[0] is not None:
+            while (got := read_reply(self.proc.stdout))[1]:  # its length: a frame of JSON null is a reply too (to nothing)
                 msg = got[0]
                 with self._lock:
                     op, fut = self._pending.get(msg.get("id"), (None, None)) if isinstance(msg, dict) else (None, None)
                 if fut is None:
-                    raise BadLine(f"a reply to no request: {str(msg)[:200]!r}")
+                    raise FrameError(f"a reply to no request: {str(msg)[:200]!r}")
                 check_reply(op, msg)
                 if msg.get("more"):  # a dataset chunk: the rest follows under the same id
                     chunks += got[1]
                     if chunks > MAX_DATASET_BYTES:
-                        raise BadLine(f"a dataset of more than {MAX_DATASET_BYTES} bytes")
+                        raise FrameError(f"a dataset of more than {MAX_DATASET_BYTES} bytes")
                     self._rows.setdefault(msg["id"], []).extend(msg["rows"])
                     continue
                 if "rows" in msg:
@@ -169,11 +173,11 @@ class Worker:
                         fut.set_result(msg)
                     except concurrent.futures.InvalidStateError:  # cancelled meanwhile (the sample's time ran out)
                         pass
-        except BadLine as exc:
+        except FrameError as exc:
             why = f"the verifiers environment's process sent {exc}; it was killed (the next sample starts a new one)"
         except BaseException as exc:  # noqa: BLE001 - the pending requests must hear of the end, whatever happened
             why = f"reading the verifiers environment's process failed ({type(exc).__name__}: {exc}); it was killed"
-        self.bad_line = why
+        self.bad_frame = why
         if why is not None:
             self.proc.kill()
         code = self.proc.wait()
@@ -185,18 +189,18 @@ class Worker:
 
     @property
     def alive(self) -> bool:
-        return self.proc.poll() is None and self.bad_line is None
+        return self.proc.poll() is None and self.bad_frame is None
 
     def request(self, msg: dict) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             if not self.alive:
-                fut.set_exception(RuntimeError(self.bad_line or f"the verifiers environment's process exited (code {self.proc.returncode})"))
+                fut.set_exception(RuntimeError(self.bad_frame or f"the verifiers environment's process exited (code {self.proc.returncode})"))
                 return fut
             msg = {"id": next(self._ids), **msg}
             self._pending[msg["id"]] = (msg["op"], fut)
             try:
-                self.proc.stdin.write(json.dumps(msg).encode() + b"\n")
+                self.proc.stdin.write(ipc.encode(msg))
                 self.proc.stdin.flush()
             except (BrokenPipeError, OSError) as exc:
                 self._pending.pop(msg["id"], None)

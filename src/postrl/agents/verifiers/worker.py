@@ -1,17 +1,17 @@
 """The process a `verifiers` environment runs in: postrl starts it with the environment's own interpreter.
 
-    python verifiers_worker.py <environment> '<json of load_environment's args>'
+    python agents/verifiers/worker.py <environment> '<json of load_environment's args>'
 
-A self-contained script: it imports the standard library and `verifiers` (0.1.x, the classic API: an
-`Environment` from `load_environment(**args)` with its dataset, multi-turn logic and rubric), never postrl or
-torch, so it runs in a venv of its own (docs/agents.md: verifiers 0.1.x pins packages postrl's other extras
-cannot share). postrl talks to it through JSON lines on its stdin and stdout (the environment's own prints go
-to stderr):
+A script of its own: it imports the standard library, `verifiers` (0.1.x, the classic API: an
+`Environment` from `load_environment(**args)` with its dataset, multi-turn logic and rubric) and postrl's
+ipc.py by its file path (`_load_ipc`), never postrl or torch, so it runs in a venv of its own
+(docs/agents.md: verifiers 0.1.x pins packages postrl's other extras cannot share). postrl talks to it
+through ipc.py's JSON frames on its stdin and stdout (the environment's own prints go to stderr):
 
     <- {"op": "ready", "env_id": ..., "group_rubric": bool}  (or {"op": "fatal", "error": ...})
     -> {"id": 1, "op": "dataset", "split": "train" | "eval"}
     <- {"id": 1, "rows": [{"prompt", "answer", "info", "task", "example_id"}, ...], "more": bool}
-       (a line of at most ~1 MiB of rows each; "more": false on the last; postrl refuses lines past 16 MiB)
+       (a frame of at most ~1 MiB of rows each; "more": false on the last; postrl refuses frames past 16 MiB)
     -> {"id": 2, "op": "rollout", "url": <session base URL>, "key": <session key>, "model": ..., "input": {...}}
     <- {"id": 2, "reward": float, "metrics": {name: float}, "error": str | null, "rubric_errors": int}
        (or {"id": 2, "exception": "Type: message"} when the rollout itself raised)
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -35,6 +36,23 @@ from pathlib import Path
 
 
 CHUNK_BYTES = 1 << 20
+MAX_REQUEST_BYTES = 1 << 30  # postrl's frames: trusted, as large as its dataset rows (a rollout's input)
+MAX_REQUEST_DEPTH = 1000  # and as deep
+
+
+def _load_ipc():
+    """postrl/ipc.py (the frame channel of every postrl child), loaded from its file, two levels above this one.
+    postrl is not installed in this interpreter's venv, and importing the package would pull in torch; ipc.py
+    imports only the standard library, and being the very file postrl reads with, the two sides cannot drift
+    apart (a path passed on the command line could name another postrl's)."""
+    path = Path(__file__).resolve().parents[2] / "ipc.py"
+    spec = importlib.util.spec_from_file_location("postrl_ipc", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+ipc = _load_ipc()
 
 
 class _ErrorCounter(logging.Handler):
@@ -97,19 +115,17 @@ async def rollout(env, msg: dict, errors: _ErrorCounter) -> dict:
 
 async def serve(env, out, errors: _ErrorCounter) -> None:
     loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader(limit=2**30)
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     tasks: set = set()
 
     def send(reply: dict) -> None:
-        out.write(json.dumps(reply) + "\n")
+        out.write(ipc.encode(reply))
         out.flush()
 
     async def handle(msg: dict) -> None:
         try:
             if msg["op"] == "dataset":
                 rows, size, chunk = dataset_rows(env, msg["split"]), 0, []
-                for row in rows:  # chunks of ~1 MiB: postrl caps a line's length
+                for row in rows:  # chunks of ~1 MiB: postrl caps a frame's length
                     chunk.append(row)
                     size += len(json.dumps(row))
                     if size > CHUNK_BYTES:
@@ -124,28 +140,30 @@ async def serve(env, out, errors: _ErrorCounter) -> None:
             reply = {"exception": f"{type(exc).__name__}: {exc}"[:2000]}
         send({"id": msg["id"], **reply})
 
-    while line := await reader.readline():
-        if line.strip():
-            task = asyncio.create_task(handle(json.loads(line)))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
+    while True:  # postrl's requests, read on a thread (ipc.py blocks) while the rollouts run on this loop
+        try:
+            msg = await loop.run_in_executor(None, ipc.recv, sys.stdin.fileno(), MAX_REQUEST_BYTES, None, MAX_REQUEST_DEPTH)
+        except EOFError:  # postrl closed the channel: the end
+            return
+        task = asyncio.create_task(handle(msg))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
 
 
 def main() -> None:
-    out = os.fdopen(os.dup(1), "w")  # the protocol's channel; anything else printed goes to stderr
+    out = os.fdopen(os.dup(1), "wb")  # the protocol's channel; anything else printed goes to stderr
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     spec, args = sys.argv[1], json.loads(sys.argv[2] if len(sys.argv) > 2 else "{}")
     try:
         env = load(spec, args)
     except Exception as exc:  # noqa: BLE001 - said to postrl, which stops with a clear message
-        out.write(json.dumps({"op": "fatal", "error": f"{type(exc).__name__}: {exc}"[:2000]}) + "\n")
+        out.write(ipc.encode({"op": "fatal", "error": f"{type(exc).__name__}: {exc}"[:2000]}))
         out.flush()
         sys.exit(3)
     errors = _ErrorCounter()  # after the import: verifiers' setup_logging clears its logger's handlers
     logging.getLogger("verifiers").addHandler(errors)
-    ready = {"op": "ready", "env_id": env.env_id or Path(spec).stem, "group_rubric": bool(env.requires_group_rollouts)}
-    out.write(json.dumps(ready) + "\n")
+    out.write(ipc.encode({"op": "ready", "env_id": env.env_id or Path(spec).stem, "group_rubric": bool(env.requires_group_rollouts)}))
     out.flush()
     asyncio.run(serve(env, out, errors))
 
