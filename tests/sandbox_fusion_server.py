@@ -14,6 +14,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from postrl.agents.sandbox.sandbox import run_python
+from postrl.sandbox_limits import SandboxLimits
 
 
 class FakeSandboxFusion:
@@ -41,7 +42,7 @@ class FakeSandboxFusion:
         self.server.server_close()
 
     def run(self, body: dict) -> dict:
-        res = run_python(body["code"], timeout_s=float(body.get("run_timeout", 10)), memory_mb=int(body.get("memory_limit_MB", 1024)))
+        res = run_python(body["code"], SandboxLimits(memory_mb=int(body["memory_limit_MB"])), timeout_s=float(body["run_timeout"]))
         if res.error in ("setup", "isolation"):
             return {"status": "SandboxError", "message": res.stderr, "compile_result": None, "run_result": None, "files": {}}
         status = "TimeLimitExceeded" if res.timed_out else "Finished"

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import AGENT_RECIPE
 
 from postrl.checks import load_config
 from postrl.metrics import read_jsonl
@@ -39,10 +40,10 @@ def test_with_a_calculator_dapo_lifts_held_out_accuracy_and_the_tool_call_rate(t
         "sft.eval_prompts=0",
         f"sft.output_dir={tmp_path}/sft", f"logging.dir={tmp_path}/sft", "logging.progress=false",
     ]))  # fmt: skip
-    cfg = load_config(CONFIGS / "tiny_tool_dapo.yaml", [
-        f"model.path={tmp_path}/sft/model", "train.total_steps=8", "eval.freq=0", "eval.max_prompts=300",
-        f"logging.dir={tmp_path}/rl", "logging.progress=false", "checkpoint.keep_best=null",
-    ])  # fmt: skip
+    # Both arms: 8 steps from the SFT model, 300 held-out prompts (validation before and after), no checkpoint kept.
+    shortened = [f"model.path={tmp_path}/sft/model", "train.total_steps=8", "eval.freq=0", "eval.max_prompts=300",
+                 "logging.progress=false", "checkpoint.keep_best=null"]  # fmt: skip
+    cfg = load_config(CONFIGS / "tiny_tool_dapo.yaml", [*shortened, f"logging.dir={tmp_path}/rl"])
     Trainer(cfg).fit()
     rows = [r for r in read_jsonl(tmp_path / "rl" / "metrics.jsonl") if "val/tool_arithmetic/acc_mean@1" in r]
     acc = [r["val/tool_arithmetic/acc_mean@1"] for r in rows]
@@ -55,12 +56,8 @@ def test_with_a_calculator_dapo_lifts_held_out_accuracy_and_the_tool_call_rate(t
 
     # The same task as a plain openai-client program (examples/openai_agent/, issue 36) through postrl's endpoint,
     # from the same SFT model with the same settings (tests/test_openai_agent_example.py): it learns as the loop does.
-    example = Path(__file__).resolve().parents[1] / "examples/openai_agent"
-    cfg = load_config(example / "tiny_tool_dapo_agent.yaml", [
-        f"model.path={tmp_path}/sft/model", "train.total_steps=8", "eval.freq=0", "eval.max_prompts=300",
-        f"logging.dir={tmp_path}/agent", "logging.progress=false", "checkpoint.keep_best=null",
-        f"rollout.agent={example}/calculator_agent.py:run",
-    ])  # fmt: skip
+    cfg = load_config(AGENT_RECIPE, [*shortened, f"logging.dir={tmp_path}/agent",
+                                     f"rollout.agent={AGENT_RECIPE.parent}/calculator_agent.py:run"])
     start = time.perf_counter()
     Trainer(cfg).fit()
     rows = read_jsonl(tmp_path / "agent" / "metrics.jsonl")

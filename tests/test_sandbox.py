@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,8 +26,9 @@ from postrl.agents.sandbox import sandbox as sandbox_mod
 from postrl.agents.sandbox.sandbox import BOOT, CallStats, isolation
 from postrl.agents.tools.tools import start_python_tool
 from postrl.errors import UserError
+from postrl.sandbox_limits import SandboxLimits
 
-SMALL = dict(timeout_s=10.0, memory_mb=256, max_processes=8, max_output_bytes=4096)
+SMALL = SandboxLimits(memory_mb=256, max_processes=8, max_output_bytes=4096)
 
 
 def _processes(match) -> list[int]:
@@ -85,21 +87,21 @@ def nothing_left_running():
 
 def test_a_clean_run_returns_stdout_and_status_zero():
     stats = CallStats()
-    res = run_python("import sys\nprint(6 * 7)\nprint('note', file=sys.stderr)", stats=stats, **SMALL)
+    res = run_python("import sys\nprint(6 * 7)\nprint('note', file=sys.stderr)", SMALL, timeout_s=10, stats=stats)
     assert (res.stdout, res.stderr, res.exit_status, res.error) == ("42\n", "note\n", 0, None)
     assert not (res.timed_out or res.killed or res.truncated)
     assert stats.as_metrics() == {"sandbox/success": 1, "sandbox/error": 0, "sandbox/timeout": 0}
 
 
 def test_an_exception_is_an_error_result_with_the_traceback():
-    res = run_python("raise ValueError('bad input')", **SMALL)
+    res = run_python("raise ValueError('bad input')", SMALL, timeout_s=10)
     assert res.error == "exit" and res.exit_status == 1
     assert "ValueError: bad input" in res.stderr
 
 
 def test_the_environment_is_empty_and_the_working_directory_fresh():
     code = "import os, json\nprint(json.dumps({'env': sorted(os.environ), 'files': os.listdir('.'), 'cwd': os.getcwd()}))"
-    first, second = (json.loads(run_python(code, **SMALL).stdout) for _ in range(2))
+    first, second = (json.loads(run_python(code, SMALL, timeout_s=10).stdout) for _ in range(2))
     assert first["env"] == ["HOME", "LANG", "LC_ALL", "PATH", "TMPDIR"]
     assert first["files"] == ["main.py"] and second["files"] == ["main.py"]
     assert first["cwd"] != second["cwd"]
@@ -169,7 +171,7 @@ def test_the_hostile_catalogue_is_contained(case, where, fence, interpreter_via_
 @needs_isolation
 def test_a_venv_reached_through_tmp_is_isolated(interpreter_via_tmp):
     """It used to fall open there: covering /tmp hid the interpreter, the probe failed, the code ran as root."""
-    code = "from postrl.agents.sandbox.sandbox import isolation, run_python\nprint(isolation().namespaces, run_python('import os; print(os.getuid())').stdout)"
+    code = "from postrl.agents.sandbox.sandbox import isolation, run_python\nprint(isolation().namespaces, run_python('import os; print(os.getuid())', timeout_s=10).stdout)"
     proc = subprocess.run([interpreter_via_tmp, "-c", code], capture_output=True, text=True, timeout=60,
                           env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": SRC})
     assert proc.stdout.split() == ["True", str(65534 if os.geteuid() == 0 else os.getuid())], proc.stderr
@@ -188,7 +190,7 @@ def test_a_venv_in_a_scratch_directory_stays_usable_inside(scratch):
         site = next((home / "venv" / "lib").glob("python3*/site-packages"))
         (site / "pyseccomp.pth").write_text(os.path.dirname(pyseccomp.__file__) + "\n")
         code = ("from postrl.agents.sandbox.sandbox import isolation, run_python\n"
-                "r = run_python('import os, sys\\nprint(os.getuid(), sys.prefix)\\nopen(sys.prefix + \"/x\", \"w\")')\n"
+                "r = run_python('import os, sys\\nprint(os.getuid(), sys.prefix)\\nopen(sys.prefix + \"/x\", \"w\")', timeout_s=10)\n"
                 "print(isolation().namespaces, r.stdout.strip(), r.stderr.strip().splitlines()[-1])")
         proc = subprocess.run([str(home / "venv" / "bin" / "python"), "-c", code], capture_output=True, text=True, timeout=60,
                               env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": SRC})
@@ -225,13 +227,13 @@ def test_without_isolation_the_python_tool_runs_nothing_and_says_how_to_fix(no_i
     assert res.status == "error" and res.text.startswith("the python tool is unavailable: ") and "ran\n" not in res.text
     assert REFUSED in res.text and "Fix:" in res.text and "backend: sandbox_fusion" in res.text
     stats = CallStats()
-    direct = run_python(code, stats=stats, **SMALL)
+    direct = run_python(code, SMALL, timeout_s=10, stats=stats)
     assert (direct.error, direct.stdout, direct.exit_status) == ("isolation", "", None)
     assert stats.as_metrics() == {"sandbox/success": 0, "sandbox/error": 1, "sandbox/timeout": 0}
     with pytest.raises(UserError, match="cannot isolate it"):
         start_python_tool({"backend": "local", "require_isolation": True})
     if os.geteuid() == 0:  # the opt-out is never honoured as root
-        res = run_python(code, require_isolation=False, **SMALL)
+        res = run_python(code, replace(SMALL, require_isolation=False), timeout_s=10)
         assert res.error == "isolation" and "never honoured as root" in res.stderr
         with pytest.raises(UserError, match="never honoured as root"):
             start_python_tool({"backend": "local", "require_isolation": False})
@@ -265,7 +267,7 @@ def test_without_the_seccomp_filter_nothing_runs(tmp_path):
     marker = tmp_path / "ran"
     script = (f"import sys; sys.path.insert(0, {SRC!r})\n"
               "from postrl.agents.sandbox.sandbox import isolation, run_python\n"
-              f"r = run_python({f'open({str(marker)!r}, chr(119))'!r})\n"
+              f"r = run_python({f'open({str(marker)!r}, chr(119))'!r}, timeout_s=10)\n"
               "print(isolation().namespaces, r.error)\nprint(r.stderr)")
     proc = subprocess.run(["/usr/bin/python3", "-I", "-c", script], capture_output=True, text=True, timeout=60,
                           env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
@@ -308,29 +310,32 @@ def test_every_limit_is_read_from_the_yaml_and_reaches_the_sandbox(tmp_path):
 
 USERNS_SCRIPT = r"""
 import json, os, sys
+from dataclasses import replace
 from postrl.agents.sandbox.sandbox import isolation, run_python
+from postrl.sandbox_limits import SandboxLimits
 target = sys.argv[1]
-small = dict(timeout_s=10.0, memory_mb=256, max_processes=8)
+small = SandboxLimits(memory_mb=256, max_processes=8)
+opted_out = replace(small, require_isolation=False)
 out = {"uid": os.getuid(), "namespaces": isolation().namespaces, "description": isolation().description}
 if not isolation().namespaces:  # refused; then the opt-out, which an ordinary user may take
     from postrl.agents.tools.tools import start_python_tool
-    out["refused"] = run_python("print('ran')", **small).stderr
+    out["refused"] = run_python("print('ran')", small, timeout_s=10).stderr
     said = []
     start_python_tool({"backend": "local", "require_isolation": False}, said.append)
     out["said"] = said
-    res = run_python("import os\nprint(os.getuid())", require_isolation=False, **small)
+    res = run_python("import os\nprint(os.getuid())", opted_out, timeout_s=10)
     out["opted_out"] = [res.error, res.stdout]
-    res = run_python("while True:\n    pass", require_isolation=False, **{**small, "timeout_s": 1.0})
+    res = run_python("while True:\n    pass", opted_out, timeout_s=1.0)
     out["opted_out_timeout"] = res.error
     print(json.dumps(out))
     sys.exit(0)
-res = run_python(f"import os\nprint(os.getuid())\nopen({target!r}, 'w').write('pwned')", **small)
+res = run_python(f"import os\nprint(os.getuid())\nopen({target!r}, 'w').write('pwned')", small, timeout_s=10)
 out["write"] = [res.error, res.stdout, res.stderr.strip().splitlines()[-1] if res.stderr.strip() else ""]
-res = run_python("import os\nwhile True:\n    os.fork()", **{**small, "timeout_s": 2.0})
+res = run_python("import os\nwhile True:\n    os.fork()", small, timeout_s=2.0)
 out["fork"] = res.error
-res = run_python("import socket\nsocket.create_connection(('127.0.0.1', 9), timeout=1)", **small)
+res = run_python("import socket\nsocket.create_connection(('127.0.0.1', 9), timeout=1)", small, timeout_s=10)
 out["net"] = res.stderr.strip().splitlines()[-1]
-res = run_python("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nprint(libc.mount(None, b'/', None, 32 | 4096, None), ctypes.get_errno())", **small)
+res = run_python("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nprint(libc.mount(None, b'/', None, 32 | 4096, None), ctypes.get_errno())", small, timeout_s=10)
 out["remount"] = res.stdout
 print(json.dumps(out))
 """

@@ -8,6 +8,7 @@ import json
 import socket
 import threading
 import time
+from dataclasses import asdict
 
 import pytest
 from conftest import tiny_overrides
@@ -17,17 +18,18 @@ from postrl.agents import CallStats, ToolResult, call_tool, load_tools
 from postrl.agents.sandbox.sandbox import isolation, sandbox_description
 from postrl.agents.sandbox import fusion as sandbox_fusion
 from postrl.agents.sandbox.fusion import _result, run_remote
+from postrl.sandbox_limits import SandboxLimits
 
 pytestmark = pytest.mark.skipif(not isolation().namespaces, reason=f"the stand-in service runs the local sandbox: {sandbox_description()}")
 
 
-def _remote(url: str, **extra) -> dict:
-    return {"backend": "sandbox_fusion", "url": url, **extra}
+def _remote(url: str, **extra) -> SandboxLimits:
+    return SandboxLimits(backend="sandbox_fusion", url=url, **extra)
 
 
 def test_the_tool_gets_the_local_sandboxs_results_and_metrics():
     with FakeSandboxFusion() as service:
-        tools = load_tools(["builtin:python"], sandbox_limits=_remote(service.url, memory_mb=300))
+        tools = load_tools(["builtin:python"], sandbox_limits=asdict(_remote(service.url, memory_mb=300)))
         stats = CallStats()
         assert call_tool(tools, "python", {"code": "print(6 * 7)"}, 4, stats=stats).text == "42\n"
         res = call_tool(tools, "python", {"code": "print('before')\n1 / 0"}, 4, stats=stats)
@@ -41,30 +43,30 @@ def test_the_tool_gets_the_local_sandboxs_results_and_metrics():
 def test_an_answer_that_reached_the_service_is_never_sent_again(status):
     """A 502 / 503 from a proxy may come after the service ran the code: one request, whatever the retries."""
     with FakeSandboxFusion(fail_first=1, fail_status=status) as service:
-        res = run_remote("print('ran')", url=service.url, retries=3)
+        res = run_remote("print('ran')", _remote(service.url, retries=3), timeout_s=10)
         assert res.error == "setup" and f"HTTP {status}" in res.stderr and service.requests == 1, res
-        assert run_remote("print('ran')", url=service.url, retries=3).stdout == "ran\n" and service.requests == 2
+        assert run_remote("print('ran')", _remote(service.url, retries=3), timeout_s=10).stdout == "ran\n" and service.requests == 2
 
 
 def test_only_a_connection_that_could_not_be_made_is_retried():
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    res = run_remote("print(1)", url=f"http://127.0.0.1:{port}", retries=1, connect_timeout_s=1)
+    res = run_remote("print(1)", _remote(f"http://127.0.0.1:{port}", retries=1, connect_timeout_s=1), timeout_s=10)
     assert res.error == "setup" and f"at http://127.0.0.1:{port} is unreachable after 1 retries" in res.stderr
     with FakeSandboxFusion() as service:  # a connection the service drops after reading the request: not sent again
         service.run = lambda body: (_ for _ in ()).throw(ConnectionAbortedError("dropped"))
-        res = run_remote("print(1)", url=service.url, retries=3)
+        res = run_remote("print(1)", _remote(service.url, retries=3), timeout_s=10)
         assert res.error == "setup" and service.requests == 1 and "broke before its answer (not sent again" in res.stderr, res
 
 
 def test_retry_after_is_capped_and_holds_back_the_next_call():
     with FakeSandboxFusion(fail_first=1, fail_headers={"Retry-After": "99999"}) as service:
         url = service.url + "/"  # the same service, a different key of the module's hold-back table than other tests
-        res = run_remote("print(1)", url=url, retry_after_max_s=0.2)
+        res = run_remote("print(1)", _remote(url, retry_after_max_s=0.2), timeout_s=10)
         assert res.error == "setup" and "HTTP 503" in res.stderr and service.requests == 1
         before = time.monotonic()
-        res = run_remote("print(2)", url=url, retry_after_max_s=0.2)
+        res = run_remote("print(2)", _remote(url, retry_after_max_s=0.2), timeout_s=10)
         assert (res.error, res.stdout, service.requests) == (None, "2\n", 2)
         assert 0.15 <= time.monotonic() - before < 30  # held back for the cap, not for 99999 s
     assert sandbox_fusion._retry_after_s("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0 and sandbox_fusion._retry_after_s("x") is None
@@ -73,7 +75,7 @@ def test_retry_after_is_capped_and_holds_back_the_next_call():
 @pytest.mark.parametrize("content_length", [True, False])
 def test_a_reply_is_read_up_to_max_reply_bytes(content_length):
     with FakeSandboxFusion(reply_bytes=512 << 20, content_length=content_length) as service:
-        res = run_remote("print(1)", url=service.url, max_reply_bytes=1 << 20)
+        res = run_remote("print(1)", _remote(service.url, max_reply_bytes=1 << 20), timeout_s=10)
         assert res.error == "output_limit" and res.truncated and "longer than max_reply_bytes (1048576)" in res.stderr, res
     assert service.sent < 64 << 20  # the client hung up: the server got out far less than its 512 MiB
 
@@ -93,7 +95,7 @@ def test_plain_http_to_another_host_is_warned_about(caplog):
 def test_at_most_concurrency_requests_are_in_flight():
     with FakeSandboxFusion() as service:
         results = []
-        threads = [threading.Thread(target=lambda: results.append(run_remote("import time\ntime.sleep(0.3)\nprint('ok')", url=service.url, concurrency=2)))
+        threads = [threading.Thread(target=lambda: results.append(run_remote("import time\ntime.sleep(0.3)\nprint('ok')", _remote(service.url, concurrency=2), timeout_s=10)))
                    for _ in range(6)]
         for t in threads:
             t.start()

@@ -140,6 +140,16 @@ def test_sandbox_limits_reach_the_python_tool():
         load_tools(["builtin:python"], sandbox_limits={"memory_gb": 1})
 
 
+def test_the_sandbox_settings_have_one_set_of_defaults():
+    """rollout.multi_turn.sandbox and the backends' SandboxLimits name the same settings with the same defaults."""
+    from dataclasses import asdict
+
+    from postrl.config import SandboxConfig
+    from postrl.sandbox_limits import SandboxLimits
+
+    assert SandboxConfig().model_dump() == asdict(SandboxLimits())
+
+
 @pytest.mark.parametrize(
     "expression, text",
     [

@@ -13,8 +13,8 @@ sub-package per job; `wrap.py` picks the one that rollout config names (DESIGN.m
 Shared by several of them, at this level: `session.py` (one conversation's tokens, as the endpoint, the
 programs and the loop append to it) and `results.py` (the checker of what programs, environments and tools
 return). What the core shares with them stands below agents/, outside it: the tool-call format
-(postrl/toolcall.py), token helpers (postrl/turns.py), child-process environments (postrl/children.py); the
-core imports nothing from agents/.
+(postrl/toolcall.py), token helpers (postrl/turns.py), child-process environments (postrl/children.py), the
+sandbox's settings (postrl/sandbox_limits.py); the core imports nothing from agents/.
 
 Re-exported here: `load_tools` / `call_tool`, `parse_tool_calls`, `run_python` / `sandbox_description`.
 """

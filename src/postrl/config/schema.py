@@ -18,6 +18,7 @@ from pydantic import AfterValidator, AliasChoices, BaseModel, ConfigDict, Field,
 
 from postrl.config.knobs import BuiltinTaskConfig, ShapesTaskConfig, ToolArithmeticConfig
 from postrl.config.rules import derive
+from postrl.sandbox_limits import DEFAULT as SANDBOX
 from postrl.utils import is_loopback
 
 
@@ -154,34 +155,42 @@ class DataConfig(Section):
 # ------------------------------------------------------------------------------------------- rollout
 class SandboxConfig(Section):
     """Where and under which limits builtin:python runs model-written code (docs/agents.md, "Tools and the sandbox").
-    Its time limit is rollout.multi_turn.tool_timeout_s."""
+    Its time limit is rollout.multi_turn.tool_timeout_s; the defaults are postrl/sandbox_limits.py's, which the
+    backends read."""
 
     backend: Literal["local", "sandbox_fusion"] = Field(
-        "local", description="local: a fenced process tree on this machine (namespaces); sandbox_fusion: POST the code "
-        "to a SandboxFusion service at `url` (for clusters where namespaces are refused).",
+        SANDBOX.backend, description="local: a fenced process tree on this machine (namespaces); sandbox_fusion: POST "
+        "the code to a SandboxFusion service at `url` (for clusters where namespaces are refused).",
     )  # fmt: skip
-    url: str | None = Field(None, description="sandbox_fusion: the service's base URL, e.g. http://sandbox:8080.")
+    url: str | None = Field(SANDBOX.url, description="sandbox_fusion: the service's base URL, e.g. http://sandbox:8080.")
     require_isolation: bool = Field(
-        True, description="local: refuse to run code where network, file-system and PID isolation is unavailable. "
-        "false runs it with rlimits only (never as root), with a warning at every run.",
+        SANDBOX.require_isolation, description="local: refuse to run code where network, file-system and PID isolation "
+        "is unavailable. false runs it with rlimits only (never as root), with a warning at every run.",
     )  # fmt: skip
-    memory_mb: int = Field(1024, ge=16, description="Address-space limit of the code (sandbox_fusion: memory_limit_MB).")
-    cpu_s: int | None = Field(None, ge=1, description="local: CPU-time limit; default the tool's time limit rounded up + 1 s.")
-    max_processes: int = Field(16, ge=1, description="local: processes and threads the code may start.")
-    max_file_mb: int = Field(16, ge=0, description="local: largest file the code may write.")
-    max_open_files: int = Field(64, ge=8, description="local: open file descriptors of the code.")
-    max_output_bytes: int = Field(16_384, ge=1, description="stdout and stderr kept per call, each; past it the run is cut.")
-    tmpfs_mb: int = Field(64, ge=1, description="local: size of each private scratch space (/tmp, the working directory).")
-    concurrency: int = Field(8, ge=1, description="sandbox_fusion: requests in flight at once from this process.")
-    retries: int = Field(3, ge=0, description="sandbox_fusion: retries of a connection that could not be made (a request "
-                         "that reached the service is never sent again: its code may have run).")
-    retry_after_max_s: float = Field(30.0, ge=0, description="sandbox_fusion: the longest a 429/503 answer's Retry-After "
-                                     "holds back the next requests.")
-    max_reply_bytes: int = Field(1 << 20, ge=1024, description="sandbox_fusion: the longest reply read; past it the call "
-                                 "is output_limit.")
-    connect_timeout_s: float = Field(5.0, gt=0, description="sandbox_fusion: time limit to connect to the service.")
+    memory_mb: int = Field(SANDBOX.memory_mb, ge=16,
+                           description="Address-space limit of the code (sandbox_fusion: memory_limit_MB).")
+    cpu_s: int | None = Field(SANDBOX.cpu_s, ge=1,
+                              description="local: CPU-time limit; default the tool's time limit rounded up + 1 s.")
+    max_processes: int = Field(SANDBOX.max_processes, ge=1, description="local: processes and threads the code may start.")
+    max_file_mb: int = Field(SANDBOX.max_file_mb, ge=0, description="local: largest file the code may write.")
+    max_open_files: int = Field(SANDBOX.max_open_files, ge=8, description="local: open file descriptors of the code.")
+    max_output_bytes: int = Field(SANDBOX.max_output_bytes, ge=1,
+                                  description="stdout and stderr kept per call, each; past it the run is cut.")
+    tmpfs_mb: int = Field(SANDBOX.tmpfs_mb, ge=1,
+                          description="local: size of each private scratch space (/tmp, the working directory).")
+    concurrency: int = Field(SANDBOX.concurrency, ge=1,
+                             description="sandbox_fusion: requests in flight at once from this process.")
+    retries: int = Field(SANDBOX.retries, ge=0, description="sandbox_fusion: retries of a connection that could not be "
+                         "made (a request that reached the service is never sent again: its code may have run).")
+    retry_after_max_s: float = Field(SANDBOX.retry_after_max_s, ge=0, description="sandbox_fusion: the longest a 429/503 "
+                                     "answer's Retry-After holds back the next requests.")
+    max_reply_bytes: int = Field(SANDBOX.max_reply_bytes, ge=1024, description="sandbox_fusion: the longest reply read; "
+                                 "past it the call is output_limit.")
+    connect_timeout_s: float = Field(SANDBOX.connect_timeout_s, gt=0,
+                                     description="sandbox_fusion: time limit to connect to the service.")
     request_slack_s: float = Field(
-        10.0, ge=0, description="sandbox_fusion: time allowed beyond the run's own limit for queueing and transfer.",
+        SANDBOX.request_slack_s, ge=0,
+        description="sandbox_fusion: time allowed beyond the run's own limit for queueing and transfer.",
     )  # fmt: skip
 
     @model_validator(mode="after")

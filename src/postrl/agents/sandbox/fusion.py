@@ -1,7 +1,7 @@
 """The python tool on a remote SandboxFusion service (bytedance/SandboxFusion), for clusters where the
 local sandbox's namespaces are refused (rollout.multi_turn.sandbox.backend: sandbox_fusion).
 
-`run_remote(code, url=..., ...)` POSTs {code, language: python, run_timeout, memory_limit_MB} to
+`run_remote(code, limits, timeout_s=...)` POSTs {code, language: python, run_timeout, memory_limit_MB} to
 `<url>/run_code` and turns the answer ({status, message, run_result: {status, stdout, stderr,
 return_code, execution_time}}) into the local sandbox's `SandboxResult`, with the same error kinds, so
 the tool's text and the metrics do not depend on the backend. It never raises:
@@ -32,6 +32,7 @@ from functools import lru_cache
 from urllib.parse import urlsplit
 
 from postrl.agents.sandbox.sandbox import CallStats, SandboxResult
+from postrl.sandbox_limits import SandboxLimits
 from postrl.utils import is_loopback
 
 log = logging.getLogger(__name__)
@@ -86,47 +87,34 @@ def _cut(text: str, limit: int) -> tuple[str, bool]:
     return (raw[:limit].decode("utf-8", "ignore"), True) if len(raw) > limit else (text, False)
 
 
-def run_remote(
-    code: str,
-    *,
-    url: str,
-    timeout_s: float = 10.0,
-    memory_mb: int = 1024,
-    max_output_bytes: int = 16_384,
-    concurrency: int = 8,
-    retries: int = 3,
-    connect_timeout_s: float = 5.0,
-    request_slack_s: float = 10.0,
-    max_reply_bytes: int = 1 << 20,
-    retry_after_max_s: float = 30.0,
-    stats: CallStats | None = None,
-) -> SandboxResult:
-    """Run `code` on the SandboxFusion service at `url` (see the module docstring); never raises."""
-    url = url.rstrip("/")
+def run_remote(code: str, limits: SandboxLimits, *, timeout_s: float, stats: CallStats | None = None) -> SandboxResult:
+    """Run `code` on the SandboxFusion service at `limits.url` under `limits` for at most `timeout_s` (see the module
+    docstring); never raises."""
+    url = (limits.url or "").rstrip("/")
     _warn_once(url)
-    res = _request(code, url, timeout_s, memory_mb, max_output_bytes, concurrency, retries, connect_timeout_s,
-                   request_slack_s, max_reply_bytes, retry_after_max_s)
+    res = _request(code, url, timeout_s, limits)
     if stats is not None:
         stats.record("ok" if res.error is None else res.error)
     return res
 
 
-def _request(code, url, timeout_s, memory_mb, max_output_bytes, concurrency, retries, connect_timeout_s, slack_s,
-             max_reply_bytes, retry_after_max_s):
+def _request(code: str, url: str, timeout_s: float, limits: SandboxLimits) -> SandboxResult:
     import requests
     import urllib3
 
-    body = {"code": code, "language": "python", "run_timeout": timeout_s, "memory_limit_MB": memory_mb}
-    limit_s = timeout_s + slack_s
+    body = {"code": code, "language": "python", "run_timeout": timeout_s, "memory_limit_MB": limits.memory_mb}
+    limit_s = timeout_s + limits.request_slack_s
+    retries, concurrency = limits.retries, limits.concurrency
     with _slot(url, concurrency):
-        _hold_back(url, retry_after_max_s)
+        _hold_back(url, limits.retry_after_max_s)
         start = time.monotonic()
         try:
-            reply = _session(retries, concurrency).post(f"{url}/run_code", json=body, timeout=(connect_timeout_s, limit_s),
-                                                        stream=True, headers={"Accept-Encoding": "identity"})
+            reply = _session(retries, concurrency).post(f"{url}/run_code", json=body, stream=True,
+                                                        timeout=(limits.connect_timeout_s, limit_s),
+                                                        headers={"Accept-Encoding": "identity"})
             with reply:
                 status, headers = reply.status_code, reply.headers
-                raw, over = _read_capped(reply, max_reply_bytes, start + limit_s)
+                raw, over = _read_capped(reply, limits.max_reply_bytes, start + limit_s)
         except requests.exceptions.ConnectionError as exc:  # connect errors, connect timeouts included
             why = f"the SandboxFusion service at {url} is unreachable after {retries} retries ({type(exc).__name__})"
             cause = exc.args[0] if exc.args else None
@@ -140,7 +128,7 @@ def _request(code, url, timeout_s, memory_mb, max_output_bytes, concurrency, ret
             return SandboxResult("", f"request to {url} failed: {exc}", None, error="setup", duration_s=time.monotonic() - start)
     duration = time.monotonic() - start
     if status in (429, 503):
-        _note_retry_after(url, headers.get("Retry-After"), retry_after_max_s)
+        _note_retry_after(url, headers.get("Retry-After"), limits.retry_after_max_s)
     if over is not None:
         kind, why = over
         return SandboxResult("", f"{why}; the rest was not read", None, killed=True, truncated=kind == "output_limit",
@@ -154,7 +142,7 @@ def _request(code, url, timeout_s, memory_mb, max_output_bytes, concurrency, ret
         what = f"HTTP {status}" if not isinstance(answer, dict) else f"{answer.get('status')}: {answer.get('message') or ''}"
         return SandboxResult("", f"the SandboxFusion service at {url} did not run the code ({what}; "
                                  f"{raw[:300].decode('utf-8', 'replace')!r})", None, error="setup", duration_s=duration)
-    return _result(run, max_output_bytes, timeout_s, duration)
+    return _result(run, limits.max_output_bytes, timeout_s, duration)
 
 
 def _read_capped(reply, cap: int, deadline: float) -> tuple[bytes, tuple[str, str] | None]:

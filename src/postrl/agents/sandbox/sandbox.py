@@ -1,6 +1,6 @@
 """Run model-written Python as hostile input: one call, one fenced process tree, nothing left behind.
 
-`run_python(code, ...)` starts `python -I` (isolated mode, the same interpreter) in a new session
+`run_python(code, limits, timeout_s=...)` starts `python -I` (isolated mode, the same interpreter) in a new session
 with an empty environment and its own working directory, captures at most `max_output_bytes` of
 output, and at the time limit kills the whole process group (SIGKILL to -pgid). It never raises for
 anything the code does: the outcome is a `SandboxResult`.
@@ -51,6 +51,8 @@ import time
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
+
+from postrl.sandbox_limits import DEFAULT, SandboxLimits
 
 BOOT = Path(__file__).with_name("_boot.py")
 SETUP_FAILED = 125  # _boot.py's exit code when a fence could not be built
@@ -259,35 +261,25 @@ def sandbox_description() -> str:
     return isolation().description
 
 
-def run_python(
-    code: str,
-    *,
-    timeout_s: float = 10.0,
-    max_output_bytes: int = 16_384,
-    memory_mb: int = 1024,
-    cpu_s: int | None = None,
-    max_processes: int = 16,
-    max_file_mb: int = 16,
-    max_open_files: int = 64,
-    tmpfs_mb: int = 64,
-    require_isolation: bool = True,
-    stats: CallStats | None = None,
-) -> SandboxResult:
-    """Run `code` in the sandbox (limits: docs/agents.md). Never raises for anything the code does.
+def run_python(code: str, limits: SandboxLimits = DEFAULT, *, timeout_s: float,
+               stats: CallStats | None = None) -> SandboxResult:
+    """Run `code` in the sandbox under `limits` (rollout.multi_turn.sandbox; docs/agents.md) for at most `timeout_s`.
+    Never raises for anything the code does.
 
     `cpu_s` defaults to the wall-clock limit rounded up plus one second; `max_processes` counts the
     code's own processes and threads (added to what its uid already runs, as RLIMIT_NPROC counts per uid).
     Without isolation nothing runs (error "isolation"), unless `require_isolation=False` and not root.
     """
-    refused = refusal(require_isolation)
+    refused = refusal(limits.require_isolation)
     if refused is not None:
         if stats is not None:
             stats.record("error")
         return SandboxResult("", refused, None, error="isolation")
     try:
-        res = _run(code, isolation(), timeout_s=timeout_s, max_output_bytes=max_output_bytes, memory_mb=memory_mb,
-                   cpu_s=cpu_s if cpu_s is not None else math.ceil(timeout_s) + 1, max_processes=max_processes,
-                   max_file_mb=max_file_mb, max_open_files=max_open_files, tmpfs_mb=tmpfs_mb)
+        res = _run(code, isolation(), timeout_s=timeout_s, max_output_bytes=limits.max_output_bytes,
+                   memory_mb=limits.memory_mb, cpu_s=limits.cpu_s if limits.cpu_s is not None else math.ceil(timeout_s) + 1,
+                   max_processes=limits.max_processes, max_file_mb=limits.max_file_mb,
+                   max_open_files=limits.max_open_files, tmpfs_mb=limits.tmpfs_mb)
     except Exception as exc:  # noqa: BLE001 - e.g. no free pid or fd in the parent: this call fails, not the caller
         res = SandboxResult("", f"sandbox could not start: {type(exc).__name__}: {exc}", None, error="setup")
     if stats is not None:

@@ -25,7 +25,7 @@ import logging
 import math
 import operator
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Literal
 
 from postrl.agents.results import error_text, show
@@ -39,6 +39,7 @@ from postrl.agents.sandbox.sandbox import (
     unisolated_warning,
 )
 from postrl.errors import UserError
+from postrl.sandbox_limits import SandboxLimits
 from postrl.untrusted import load_json
 from postrl.utils import import_named, split_named
 
@@ -66,42 +67,39 @@ class Tool:
     fn: Callable[..., Any]
     spec: str  # how it was named: "builtin:python", "my_pkg.tools:search"
     builtin: bool = False  # built-ins bound their own time (sandbox, calculator) and run inline
-    sandbox_limits: dict = field(default_factory=dict)  # builtin:python only: run_python's keyword limits
+    sandbox_limits: dict = field(default_factory=dict)  # builtin:python only: SandboxLimits' fields
 
 
 # ---------------------------------------------------------------------------------------- built-ins
 
 
-# The python tool's settings (rollout.multi_turn.sandbox), by the backend that reads them.
-LOCAL_KEYS = ("max_output_bytes", "memory_mb", "cpu_s", "max_processes", "max_file_mb", "max_open_files", "tmpfs_mb",
-              "require_isolation")
-REMOTE_KEYS = ("url", "max_output_bytes", "memory_mb", "concurrency", "retries", "connect_timeout_s", "request_slack_s",
-               "max_reply_bytes", "retry_after_max_s")
-SANDBOX_LIMITS = ("backend", *dict.fromkeys(LOCAL_KEYS + REMOTE_KEYS))
+SANDBOX_LIMITS = tuple(f.name for f in fields(SandboxLimits))  # the python tool's settings (rollout.multi_turn.sandbox)
 
 
 def run_sandboxed(code: str, timeout_s: float, settings: dict | None = None) -> SandboxResult:
-    """Run `code` on the backend `settings["backend"]` names (local, sandbox_fusion): the same result either way."""
-    settings = dict(settings or {})
-    if settings.pop("backend", "local") == "sandbox_fusion":
+    """Run `code` on the backend `settings["backend"]` names (local, sandbox_fusion): the same result either way.
+    `settings` are SandboxLimits' fields; those not given keep their defaults."""
+    limits = SandboxLimits(**(settings or {}))
+    if limits.backend == "sandbox_fusion":
         from postrl.agents.sandbox.fusion import run_remote
 
-        return run_remote(code, timeout_s=timeout_s, **{k: v for k, v in settings.items() if k in REMOTE_KEYS})
-    return run_python(code, timeout_s=timeout_s, **{k: v for k, v in settings.items() if k in LOCAL_KEYS})
+        return run_remote(code, limits, timeout_s=timeout_s)
+    return run_python(code, limits, timeout_s=timeout_s)
 
 
 def start_python_tool(settings: dict, say: Callable[[str], Any] | None = None) -> None:
     """At the start of a run with builtin:python: a UserError where its code cannot be fenced (what, why, fix);
     else one line on how it is fenced, through `say` (and a warning to the log at every run that is not fenced)."""
-    if settings.get("backend", "local") == "sandbox_fusion":
+    limits = SandboxLimits(**settings)
+    if limits.backend == "sandbox_fusion":
         from postrl.agents.sandbox.fusion import plain_http_warning
 
-        line = f"sandbox: the python tool's code runs on the SandboxFusion service at {settings.get('url')} (its isolation)"
-        if (warning := plain_http_warning(str(settings.get("url") or ""))) is not None:
+        line = f"sandbox: the python tool's code runs on the SandboxFusion service at {limits.url} (its isolation)"
+        if (warning := plain_http_warning(limits.url or "")) is not None:
             log.warning(warning)
             line += f"\n{warning}"
     else:
-        why = refusal(settings.get("require_isolation", True))
+        why = refusal(limits.require_isolation)
         if why is not None:
             raise UserError(why)
         line = sandbox_description()
