@@ -1,6 +1,7 @@
 """The Tinker API (`postrl serve-tinker`, issue 61) driven by the official `tinker` SDK on the tiny model.
 
-One server per module, in this process (its engine is reachable for the exactness checks); each test makes its
+One server per sampler (vLLM where it starts, as `rollout.engine: auto` serves by default; HF generate), in this
+process (its engine is reachable for the exactness checks), every test run against each; each test makes its
 own training clients. The exactness tests compare the server's losses and gradients with postrl's formulas
 and with Tinker's definitions written out by hand, on the same adapter and batch.
 """
@@ -22,13 +23,19 @@ KEY = "tml-test-key-0123456789"
 BASE = "builtin:tiny-qwen2"
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_path, tmp_path_factory):
+def _vllm_here() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+@pytest.fixture(scope="module", params=["auto", "hf"], ids=["vllm", "hf"])
+def server(request, tiny_model_path, tmp_path_factory):
     from postrl.agents.endpoint.server import HttpLimits
     from postrl.checks import load_config
     from postrl.serve import serve
 
-    cfg = load_config(None, [f"model.path={BASE}"])
+    cfg = load_config(None, [f"model.path={BASE}", f"rollout.engine={request.param}"])
     stop, ready = threading.Event(), []
     thread = threading.Thread(
         target=serve, args=(cfg,), kwargs=dict(host="127.0.0.1", port=0, api_key=KEY, state_dir=tmp_path_factory.mktemp('tinker-state'), stop=stop, log=lambda *a: None, http=HttpLimits(max_body_bytes=2**20),
@@ -39,6 +46,7 @@ def server(tiny_model_path, tmp_path_factory):
         thread.join(0.05)
     assert ready, "the server did not start"
     port, service = ready[0]
+    assert (service.engine.vllm is not None) == (request.param == "auto" and _vllm_here())  # the sampler under test
     yield f"http://127.0.0.1:{port}", service
     stop.set()
     thread.join(30)
@@ -415,6 +423,35 @@ def test_samplers_beyond_the_limit_are_released_and_named_ones_come_back(server,
         assert again.tokens == first.tokens and again.logprobs == pytest.approx(first.logprobs, abs=1e-6)
     finally:
         service.jobs.call(lambda: setattr(engine, "max_samplers", limit))
+
+
+def test_a_stopping_server_cuts_the_running_sample_short(server, client):
+    """SIGTERM sets `stopping`: the sample running ends at its next token (or engine step) with SamplingStopped
+    instead of running to max_tokens, and the sampler is whole afterwards (vLLM holds no stale request)."""
+    from postrl.rollout.base import SamplingStopped
+
+    _, service = server
+    engine = service.engine
+    sampler = engine.sampler_for(BASE, None)
+    long = {"max_tokens": 400, "temperature": 1.0, "seed": 4}
+    outcome = []
+    worker = threading.Thread(target=lambda: outcome.append(_outcome(lambda: engine.sample(sampler, [5, 17, 23], 4, long, False))))
+    try:
+        service.jobs.call(worker.start)  # on the engine thread's turn: nothing else samples meanwhile
+        engine.stopping.set()  # before or while it samples: either way it must not run to the end
+        worker.join(120)
+    finally:
+        engine.stopping.clear()
+    assert isinstance(outcome[0], SamplingStopped), outcome
+    again = service.jobs.call(lambda: engine.sample(sampler, [5, 17, 23], 2, {"max_tokens": 3, "seed": 4}, False))
+    assert [len(tokens) for tokens, _, _ in again[0]] == [3, 3]
+
+
+def _outcome(fn):
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - the test looks at which
+        return exc
 
 
 def test_a_stopping_server_fails_its_queued_work_instead_of_running_it():

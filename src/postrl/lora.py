@@ -83,32 +83,37 @@ def disabled(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
             layer.enable_adapters(True)  # makes the adapters trainable again, as they were
 
 
-def merged(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+def merged(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]], adapter: str = ADAPTER) -> Iterator[tuple[str, torch.Tensor]]:
     """The (name, full tensor) stream of a LoRA model's state dict as a plain model's: Hugging Face
-    names, each adapted weight merged (W + scaling x B A, computed in fp32), every floating tensor in
-    fp32 (a frozen bf16 base would round most of a small update away; the consumer casts).
+    names, each weight that `adapter` adapts merged (W + scaling x B A, computed in fp32), every floating
+    tensor in fp32 (a frozen bf16 base would round most of a small update away; the consumer casts).
+    Other adapters' weights are left out (serve-tinker holds several in one model), and a module that
+    `adapter` does not adapt gives its base weight.
 
     `named` comes in state-dict order: a module's base weight before its lora_A and lora_B, so at most
     one adapted module's tensors are held back at a time.
     """
     held: dict[str, dict[str, torch.Tensor]] = {}
+    mine = re.compile(rf"(.+)\.lora_([AB])\.{re.escape(adapter)}\.weight")
     for name, tensor in named:
         if ".base_layer." in name:
             prefix, leaf = name.split(".base_layer.")
-            if leaf != "weight":  # the bias: unchanged by LoRA
+            if leaf != "weight" or adapter not in model.get_submodule(prefix).lora_A:  # a bias, or not this adapter's
                 yield f"{prefix}.{leaf}", tensor.float()
                 continue
             held.setdefault(prefix, {})["W"] = tensor
-        elif m := re.fullmatch(rf"(.+)\.lora_([AB])\.{ADAPTER}\.weight", name):
+        elif m := mine.fullmatch(name):
             prefix = m.group(1)
             held.setdefault(prefix, {})[m.group(2)] = tensor
+        elif ".lora_" in name:  # another adapter's
+            continue
         else:
             yield name, tensor.float() if tensor.is_floating_point() else tensor
             continue
         parts = held[prefix]
         if len(parts) == 3:
             del held[prefix]
-            scaling = model.get_submodule(prefix).scaling[ADAPTER]
+            scaling = model.get_submodule(prefix).scaling[adapter]
             yield f"{prefix}.weight", parts["W"].float() + scaling * (parts["B"].float() @ parts["A"].float())
     assert not held, f"adapted modules without all of base weight, lora_A and lora_B: {sorted(held)}"
 

@@ -31,6 +31,7 @@ def make_engine(
     *,
     trust_remote_code: bool = False,
     runtime: "Runtime | None" = None,
+    model_dir: str | None = None,
 ) -> RolloutEngine:
     """Build the engine that `cfg.engine` names; `auto` tries vLLM and falls back to HF.
 
@@ -40,13 +41,14 @@ def make_engine(
     `trust_remote_code` is the user's `model.trust_remote_code`, passed to vLLM as is.
     `runtime` gives the compute dtype: HF generates under its autocast, vLLM holds weights in it
     (None: the dtype of the model's parameters, no autocast).
+    `model_dir`: vLLM builds from this directory's config.json instead of the model's own.
     The engine only: the agent wrappers (rollout.multi_turn, rollout.agent, rollout.environment) are put
     around it by the assembly (postrl.agents.wrap), above this package.
     """
-    return _engine(cfg, model, tokenizer, log, max_model_len, seed, modality, trust_remote_code, runtime)
+    return _engine(cfg, model, tokenizer, log, max_model_len, seed, modality, trust_remote_code, runtime, model_dir)
 
 
-def _engine(cfg, model, tokenizer, log, max_model_len, seed, modality, trust_remote_code, runtime) -> RolloutEngine:
+def _engine(cfg, model, tokenizer, log, max_model_len, seed, modality, trust_remote_code, runtime, model_dir) -> RolloutEngine:
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if max_model_len is not None and isinstance(limit, int) and max_model_len > limit:
         max_model_len = limit
@@ -71,7 +73,7 @@ def _engine(cfg, model, tokenizer, log, max_model_len, seed, modality, trust_rem
     try:
         engine = VLLMEngine(
             model, tokenizer, cfg, max_model_len=max_model_len, seed=seed, modality=modality, trust_remote_code=trust_remote_code,
-            dtype=runtime.dtype if runtime is not None else None,
+            dtype=runtime.dtype if runtime is not None else None, model_dir=model_dir,
         )  # fmt: skip
     except VLLMUnavailable as exc:
         if cfg.engine == "vllm":

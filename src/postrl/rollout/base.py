@@ -17,6 +17,10 @@ if TYPE_CHECKING:
     import torch
 
 
+class SamplingStopped(RuntimeError):
+    """A stop event ended sampling before its completions were done (serve-tinker stopping on SIGTERM)."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Sampling settings shared by every engine (one to one with vLLM's SamplingParams)."""

@@ -8,13 +8,14 @@ the trained weights stay fp32).
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from postrl.modality import TEXT, Modality
 from postrl.models import left_pad
-from postrl.rollout.base import Completion, EngineCapabilities, SamplingParams, eos_token_ids
+from postrl.rollout.base import Completion, EngineCapabilities, SamplingParams, SamplingStopped, eos_token_ids
 from postrl.runtime import accelerator
 
 if TYPE_CHECKING:
@@ -27,9 +28,10 @@ class HFEngine:
 
     def __init__(
         self, model: torch.nn.Module, tokenizer: Any, max_batch_sequences: int = 512, modality: Modality | None = None,
-        runtime: "Runtime | None" = None,
+        runtime: "Runtime | None" = None, stop: threading.Event | None = None,
     ):  # fmt: skip
         self.model = model
+        self.stop = stop  # once set, generation ends at the next token and SamplingStopped is raised (serve-tinker)
         self.autocast = runtime.autocast if runtime is not None else contextlib.nullcontext
         self.modality = modality or TEXT
         self.pad_id = tokenizer.pad_token_id
@@ -102,9 +104,16 @@ class HFEngine:
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         P = input_ids.shape[1]
         extra = self.modality.forward_kwargs(self.model, input_ids, multi_modal) if multi_modal else {}  # VLMs: images
+        if self.stop is not None:
+            from transformers import StoppingCriteriaList
+
+            stop = self.stop
+            extra["stopping_criteria"] = StoppingCriteriaList([lambda input_ids, scores, **_: torch.full((input_ids.shape[0],), stop.is_set(), device=input_ids.device)])
         seqs = self.model.generate(
             input_ids=input_ids, attention_mask=attention_mask, generation_config=gen_cfg, **extra
         )  # [len(batch) * n, P + new]
+        if self.stop is not None and self.stop.is_set():
+            raise SamplingStopped(f"sampling stopped after {seqs.shape[1] - P} of at most {gen_cfg.max_new_tokens} tokens")
         completions = []
         eos = set(self.eos_ids) | set(stop_ids)
         for row in range(seqs.shape[0]):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -36,7 +37,7 @@ from postrl import distributed
 from postrl.config import RolloutConfig
 from postrl.modality import TEXT, Modality
 from postrl.moe import is_moe
-from postrl.rollout.base import Completion, EngineCapabilities, SamplingParams, eos_token_ids
+from postrl.rollout.base import Completion, EngineCapabilities, SamplingParams, SamplingStopped, eos_token_ids
 from postrl.rollout.vllm_platform import (
     MAX_TEMPERATURE,
     VLLMUnavailable,
@@ -69,6 +70,8 @@ class VLLMEngine:
             no Python file of the model directory is imported, even when config.json has an auto_map.
         dtype: the run's compute dtype (runtime.dtype): vLLM's weights, while the trainer keeps fp32
             masters; None: the dtype of the model's parameters.
+        model_dir: build the engine from this directory's config.json, not the model's own (serve-tinker: a copy
+            with untied embeddings, so an adapted unembedding has a head of its own).
     """
 
     name = "vllm"
@@ -85,6 +88,7 @@ class VLLMEngine:
         *,
         trust_remote_code: bool = False,
         dtype: torch.dtype | None = None,
+        model_dir: str | None = None,
     ):
         self.cfg = cfg
         self.modality = modality or TEXT
@@ -96,7 +100,7 @@ class VLLMEngine:
         self._asleep: set[str] = set()  # "weights" / "kv_cache" while sleeping
         problem = found = None
         try:
-            found = check_environment(model, tokenizer, cfg, self.modality, acc)
+            found = check_environment(model, tokenizer, cfg, self.modality, acc, model_dir)
         except VLLMUnavailable as exc:
             problem = exc
         # Building the engine is collective across ranks: all ranks use vLLM or none does.
@@ -165,7 +169,7 @@ class VLLMEngine:
     def generate_continuing(
         self, requests: list[tuple[Any, list[int], SamplingParams]],
         on_finish: Callable[[list[tuple[Any, Completion]]], list[tuple[Any, list[int], SamplingParams]]],
-        seed: int | None = None,
+        seed: int | None = None, stop: threading.Event | None = None,
     ) -> None:  # fmt: skip
         """Continuous batching across turns (the agent loop): `requests` are (key, prompt ids, params) with
         n = 1. After every engine step, `on_finish` gets the (key, completion) of each request that finished
@@ -174,7 +178,8 @@ class VLLMEngine:
         reuses its KV from the prefix cache. Runs until no request is left. `seed`: one seed for the whole
         run (the engine in this process), else a derived seed per request; None: each request's own
         `params.seed` (the endpoint's, agents/endpoint/scheduler.py: one that does not depend on when the request
-        came or what else the batch holds; vLLM then gives that request a generator of its own)."""
+        came or what else the batch holds; vLLM then gives that request a generator of its own). `stop`: once
+        set, the running requests are aborted at the next engine step and `SamplingStopped` is raised."""
         if self._asleep:
             self.wake_up()
         engine, keys, counter = self.llm.llm_engine, {}, 0
@@ -199,6 +204,8 @@ class VLLMEngine:
             try:
                 add(requests)
                 while engine.has_unfinished_requests():
+                    if stop is not None and stop.is_set():
+                        raise SamplingStopped(f"sampling stopped with {len(keys)} requests unfinished")
                     done = []
                     for out in engine.step():
                         if not out.finished:
@@ -249,9 +256,14 @@ class VLLMEngine:
     @torch.no_grad()
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Stream `model`'s current parameters into vLLM (no disk) and drop cached prefixes."""
+        self.load_weights(_hf_weights(model, self.dtype))
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Stream a whole model's (Hugging Face name, tensor) pairs into vLLM (no disk) and drop cached prefixes."""
         if "weights" in self._asleep:
             self.wake_up(tags=["weights"])
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": _hf_weights(model, self.dtype)})
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         if self.moe and not self.accelerator.is_device:
             self.llm.collective_rpc(repack_cpu_moe)  # vLLM 0.32 leaves CPU expert weights unpacked after a reload
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights

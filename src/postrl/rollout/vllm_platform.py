@@ -43,14 +43,15 @@ class VLLMUnavailable(Exception):
     """vLLM cannot serve this model here; the message says why and what to do."""
 
 
-def check_environment(model: torch.nn.Module, tokenizer: Any, cfg: RolloutConfig, modality: Modality, acc: Accelerator):
-    """(vllm module, model directory, tokenizer directory), or VLLMUnavailable saying why not and the fix."""
+def check_environment(model: torch.nn.Module, tokenizer: Any, cfg: RolloutConfig, modality: Modality, acc: Accelerator, model_dir: str | None = None):
+    """(vllm module, model directory, tokenizer directory), or VLLMUnavailable saying why not and the fix.
+    `model_dir`: build vLLM from this directory's config.json instead of the model's own."""
     if cfg.temperature > MAX_TEMPERATURE:
         raise VLLMUnavailable(
             f"rollout.temperature = {cfg.temperature} but vLLM samples at temperatures up to "
             f"{MAX_TEMPERATURE}. Fix: lower rollout.temperature, or set rollout.engine: hf."
         )
-    model_dir = _model_dir(model)
+    model_dir = model_dir or _model_dir(model)
     tokenizer_dir = _tokenizer_dir(tokenizer, model_dir)
     if not acc.is_device:
         _check_cpu()

@@ -43,9 +43,10 @@ def check_listen(host: str, allow_remote: bool, api_key: str) -> list[str]:
 def serve(cfg: Any, *, host: str, port: int, api_key: str, state_dir: str = "runs/tinker", name: str | None = None,
           allow_remote: bool = False, max_samplers: int = 32, limits: Any = None, http: Any = None, log=print, stop: threading.Event | None = None,
           ready=None) -> None:
-    """Serve the Tinker API over `cfg.model.path` until SIGTERM / SIGINT (or `stop` is set); then the request
-    running finishes, the queued ones fail with "the server is stopping", and every training client's state is
-    saved as `<state_dir>/<model_id>/weights/on-exit` (load it with its tinker:// path)."""
+    """Serve the Tinker API over `cfg.model.path` until SIGTERM / SIGINT (or `stop` is set); then a running sample
+    ends at its next token and fails, the request running otherwise finishes, the queued ones fail with "the
+    server is stopping", and every training client's state is saved as `<state_dir>/<model_id>/weights/on-exit`
+    (load it with its tinker:// path). Samples come from vLLM where `cfg.rollout.engine` allows it, else HF."""
     from postrl.agents.endpoint.server import Gate, HttpLimits, Server, Tally
     from postrl.serve.app import Limits, make_app
     from postrl.serve.engine import Engine
@@ -61,7 +62,8 @@ def serve(cfg: Any, *, host: str, port: int, api_key: str, state_dir: str = "run
     if allow_remote:
         log(f"WARNING: listening on {host}, not loopback (--allow-remote): anyone who reaches it with the key can use it")
     limits, http = limits or Limits(), http or HttpLimits(max_body_bytes=256 * 2**20)
-    engine = Engine(cfg.model.path, name or cfg.model.path, state_dir, cfg.model.dtype, tiny=cfg.model.tiny, max_samplers=max_samplers)
+    engine = Engine(cfg.model.path, name or cfg.model.path, state_dir, cfg.model.dtype, tiny=cfg.model.tiny, max_samplers=max_samplers,
+                    rollout=cfg.rollout, log=log)
     service = Service(engine, limits)
     refused = Tally()
     gate = Gate(http, refused)
@@ -78,10 +80,12 @@ def serve(cfg: Any, *, host: str, port: int, api_key: str, state_dir: str = "run
         stop.wait()
     finally:
         server.close()  # no new requests
+        engine.stopping.set()  # a running sample ends at its next token
         dropped = service.jobs.cancel_queued("the server is stopping (SIGTERM); this request was not run")
         if dropped:
             log(f"postrl serve-tinker: {dropped} queued requests not run")
         for line in service.save_all("on-exit"):
             log(f"postrl serve-tinker: {line}")
         service.close()
+        engine.close()
         log(f"postrl serve-tinker: stopped ({refused.pop()} requests refused while serving)")

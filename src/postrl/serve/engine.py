@@ -7,16 +7,24 @@ of an adapter taken at `save_weights_for_sampler` (its own adapter, never update
 keeps answering from the weights it was given however the training client moves on.
 
 Log-probs are the trainer's (`algorithms.token_logprobs` on the model's logits); the losses are postrl's
-(serve/losses.py); sampling is the HF engine's `generate` (rollout/hf.py) and the sampled tokens' log-probs are
-then computed by the same trainer function, so `sample` reports exactly what training will compute.
+(serve/losses.py). Sampling runs where `rollout.engine` says, as in the trainer: vLLM where it starts (auto),
+else HF `generate` on the served model itself (rollout/hf.py). vLLM holds one set of weights, the base with
+one sampler's adapter merged in (`lora.merged`), loaded again only when a request names another sampler; it is
+built from a copy of the model's config with untied embeddings, so an adapted unembedding gets a head of its
+own. Its log-probs are the distribution each token was drawn from (temperature-scaled), which the trainer's
+function gives too up to float rounding; with top_p / top_k masking on (or from HF generate) they are computed
+afterwards by the trainer's function, so `sample` reports what training will compute.
+A stopping server sets `stopping`: a running sample ends at its next token (`SamplingStopped`).
 Only the engine thread (serve/app.py) calls into an Engine: it holds no locks.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import math
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,7 +68,7 @@ class Engine:
     """The base model at `path` (a directory, hub id or builtin:NAME), served under `name`."""
 
     def __init__(self, path: str, name: str, state_dir: str | Path, dtype: str = "float32", lora_alpha: float = 32.0, max_context: int = 32768,
-                 tiny: dict | None = None, max_samplers: int = 32):
+                 tiny: dict | None = None, max_samplers: int = 32, rollout: Any = None, log: Any = None):
         from postrl.models import load_model, load_tokenizer, resolve_model_path
 
         self.name, self.lora_alpha, self.max_context = name, lora_alpha, max_context
@@ -81,6 +89,37 @@ class Engine:
         self.samplers: dict[str, Sampler] = {}  # sampling session id -> sampler
         self.paths: dict[str, Sampler] = {}  # tinker:// sampler path -> sampler
         self._ids = itertools.count()
+        self.stopping = threading.Event()  # the server is stopping: a running sample ends at its next token
+        self._build_dir: str | None = None
+        self.vllm = self._start_vllm(rollout, log)  # None: HF generate on the served model
+        self.vllm_holds = NO_ADAPTER  # the sampler adapter whose weights vLLM holds (merged into the base)
+
+    def _start_vllm(self, rollout: Any, log: Any) -> Any:
+        """vLLM for sampling where `rollout.engine` allows it (auto: where it starts, else None and HF generate)."""
+        if rollout is None or rollout.engine == "hf":
+            return None
+        import json
+        import tempfile
+
+        from postrl.rollout import make_engine
+
+        config = json.loads((Path(self.path) / "config.json").read_text())
+        if config.get("tie_word_embeddings", getattr(self.model.config, "tie_word_embeddings", False)):
+            self._build_dir = tempfile.mkdtemp(prefix="postrl-serve-vllm-")  # config.json only: weights come from the model
+            (Path(self._build_dir) / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+            if (Path(self.path) / "generation_config.json").is_file():
+                (Path(self._build_dir) / "generation_config.json").write_text((Path(self.path) / "generation_config.json").read_text())
+        engine = make_engine(rollout, self.model, self.tokenizer, log=log, max_model_len=self.max_context, model_dir=self._build_dir)
+        return engine if engine.name == "vllm" else None
+
+    def close(self) -> None:
+        import shutil
+
+        if self.vllm is not None:
+            self.vllm.close()
+            self.vllm = None
+        if self._build_dir is not None:
+            shutil.rmtree(self._build_dir, ignore_errors=True)
 
     # ------------------------------------------------------------------------------------ adapters
     def _targets(self, lora: dict[str, Any]) -> list[str]:
@@ -275,7 +314,6 @@ class Engine:
     def sample(self, sampler: Sampler, prompt: list[int], n: int, params: dict[str, Any], prompt_logprobs: bool):
         """`n` completions of `prompt` with the sampler's weights, each with the trainer's log-probs of its tokens."""
         from postrl.rollout.base import SamplingParams
-        from postrl.rollout.hf import HFEngine
 
         self._check_tokens(prompt, "the prompt")
         if not prompt:
@@ -289,19 +327,42 @@ class Engine:
             temperature=temperature if temperature > 0 else 1.0, top_p=params.get("top_p", 1.0), top_k=params.get("top_k", -1),
             max_tokens=max_tokens, n=n, seed=params.get("seed"), greedy=temperature <= 0, stop_token_ids=tuple(stop_ids),
         )  # fmt: skip
-        self._activate(sampler.adapter)
-        try:
-            engine = HFEngine(self.model, self.tokenizer)
-            completions = engine.generate([prompt], sp)
-            completions = completions * n if sp.greedy else completions  # argmax: one completion, n times
-            completions = [self._cut(c, stop_texts) for c in completions]
-            full = [prompt + c.token_ids for c in completions]
-            logp = self._logprobs([f[:-1] for f in full], [torch.tensor(f[1:]) for f in full], temperature if temperature > 0 else 1.0)
-            out = [(c.token_ids, lp[len(prompt) - 1 :].tolist(), c.finished) for c, lp in zip(completions, logp)]
-            prompt_lp = [math.nan] + logp[0][: len(prompt) - 1].tolist() if prompt_logprobs else None
-        finally:
-            self._activate(NO_ADAPTER)
-        return out, prompt_lp
+        completions = self._generate(sampler, prompt, sp)
+        completions = completions * n if sp.greedy else completions  # argmax: one completion, n times
+        completions = [self._cut(c, stop_texts) for c in completions]
+        # the engine's log-probs where they are the trainer's (vLLM, no masking), else the trainer's function's
+        if any(c.logprobs is None for c in completions) or sp.top_p < 1 or sp.top_k > 0 or prompt_logprobs:
+            self._activate(sampler.adapter)
+            try:
+                full = [prompt + c.token_ids for c in completions]
+                logp = self._logprobs([f[:-1] for f in full], [torch.tensor(f[1:]) for f in full], sp.temperature)
+            finally:
+                self._activate(NO_ADAPTER)
+            completions = [dataclasses.replace(c, logprobs=lp[len(prompt) - 1 :].tolist()) for c, lp in zip(completions, logp)]
+        prompt_lp = [math.nan] + logp[0][: len(prompt) - 1].tolist() if prompt_logprobs else None
+        return [(c.token_ids, c.logprobs, c.finished) for c in completions], prompt_lp
+
+    def _generate(self, sampler: Sampler, prompt: list[int], sp: Any) -> list[Any]:
+        """The completions of `prompt` with the sampler's weights: vLLM's (its weights swapped in when another
+        sampler's were there), else HF generate with the sampler's adapter active."""
+        from postrl import lora
+        from postrl.rollout.hf import HFEngine
+
+        if self.vllm is None:
+            self._activate(sampler.adapter)
+            try:
+                return HFEngine(self.model, self.tokenizer, stop=self.stopping).generate([prompt], sp)
+            finally:
+                self._activate(NO_ADAPTER)
+        if self.vllm_holds != sampler.adapter:
+            self.vllm_holds = None  # a failed load leaves weights of no known sampler
+            merged = lora.merged(self.model, self.model.state_dict().items(), sampler.adapter)
+            self.vllm.load_weights((name, t.to(self.vllm.dtype)) for name, t in merged)
+            self.vllm_holds = sampler.adapter
+        done: list[tuple[int, Any]] = []
+        requests = [(k, prompt, dataclasses.replace(sp, n=1)) for k in range(1 if sp.greedy else sp.n)]
+        self.vllm.generate_continuing(requests, lambda finished: done.extend(finished) or [], seed=sp.seed, stop=self.stopping)
+        return [c for _, c in sorted(done, key=lambda kc: kc[0])]
 
     def _stops(self, stop: Any) -> tuple[list[int], list[str]]:
         """Tinker's `stop` (token ids, or strings) as (ids that end a completion, longer strings cut afterwards)."""
@@ -320,15 +381,13 @@ class Engine:
 
     def _cut(self, c: Any, texts: list[str]) -> Any:
         """The completion up to and including the first token whose text completes a stop string: generation ran on
-        to max_tokens (the HF engine stops on token ids only), so the rest is dropped here."""
-        import dataclasses
-
+        to max_tokens (the engines stop on token ids only), so the rest is dropped here."""
         if not texts:
             return c
         for k in range(1, len(c.token_ids) + 1):
             text = self.tokenizer.decode(c.token_ids[:k])
             if any(t in text for t in texts):
-                return dataclasses.replace(c, token_ids=c.token_ids[:k], finished=True)
+                return dataclasses.replace(c, token_ids=c.token_ids[:k], finished=True, logprobs=c.logprobs and c.logprobs[:k])
         return c
 
     # ------------------------------------------------------------------------------------ checkpoints
