@@ -209,6 +209,32 @@ def test_losses_and_gradients_equal_postrls_formulas(server, client, name, confi
     service.jobs.call(lambda: [setattr(p, "grad", None) for p in engine.clients[tc.model_id].params])
 
 
+def test_a_large_forward_backward_runs_in_parts_with_the_same_result(server, client):
+    """forward_backward runs its datums in forwards of about train.max_token_len_per_device tokens (an rl loop's
+    64 x 200-token batch in one forward needs its logits, 64 x 200 x vocab floats, at once: the server was
+    killed for memory); in parts the loss, the log-probs and the gradients are those of one forward."""
+    _, service = server
+    engine = service.engine
+    tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=2).result()
+    batch = [_datum(s, weights=[1.0] * (len(s) - 1)) for s in SEQS * 3]
+    results, forwards = {}, []
+    for budget in (4096, 1):  # all six datums in one forward; each alone
+        service.jobs.call(lambda b=budget: setattr(engine, "micro_tokens", b))
+        hook = engine.model.register_forward_hook(lambda *_: forwards.append(budget))
+        out = tc.forward_backward(batch, "cross_entropy").result()
+        hook.remove()
+        results[budget] = (out.metrics["loss:sum"], [o["logprobs"].tolist() for o in out.loss_fn_outputs], service.jobs.call(lambda: _grads(engine, tc.model_id)))
+        service.jobs.call(lambda: [setattr(p, "grad", None) for p in engine.clients[tc.model_id].params])
+    service.jobs.call(lambda: setattr(engine, "micro_tokens", 4096))
+    assert (forwards.count(4096), forwards.count(1)) == (1, 6)
+    (loss1, lp1, g1), (loss6, lp6, g6) = results[4096], results[1]
+    assert loss6 == pytest.approx(loss1, rel=1e-6) and loss1 > 0
+    for a, b in zip(lp1, lp6):
+        assert a == pytest.approx(b, abs=1e-5)
+    for a, b in zip(g1, g6):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * float(a.abs().max()))  # float rounding of the summation order
+
+
 def test_a_failing_request_is_its_futures_error_and_the_server_goes_on(client):
     tc = client.create_lora_training_client(base_model=BASE, rank=4).result()
     with pytest.raises(tinker.RequestFailedError, match="not served here"):

@@ -63,7 +63,7 @@ def serve(cfg: Any, *, host: str, port: int, api_key: str, state_dir: str = "run
         log(f"WARNING: listening on {host}, not loopback (--allow-remote): anyone who reaches it with the key can use it")
     limits, http = limits or Limits(), http or HttpLimits(max_body_bytes=256 * 2**20)
     engine = Engine(cfg.model.path, name or cfg.model.path, state_dir, cfg.model.dtype, tiny=cfg.model.tiny, max_samplers=max_samplers,
-                    rollout=cfg.rollout, log=log)
+                    rollout=cfg.rollout, log=log, micro_tokens=cfg.train.max_token_len_per_device)
     service = Service(engine, limits)
     refused = Tally()
     gate = Gate(http, refused)

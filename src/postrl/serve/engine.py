@@ -68,12 +68,13 @@ class Engine:
     """The base model at `path` (a directory, hub id or builtin:NAME), served under `name`."""
 
     def __init__(self, path: str, name: str, state_dir: str | Path, dtype: str = "float32", lora_alpha: float = 32.0, max_context: int = 32768,
-                 tiny: dict | None = None, max_samplers: int = 32, rollout: Any = None, log: Any = None):
+                 tiny: dict | None = None, max_samplers: int = 32, rollout: Any = None, log: Any = None, micro_tokens: int = 4096):
         from postrl.models import load_model, load_tokenizer, resolve_model_path
 
         self.name, self.lora_alpha, self.max_context = name, lora_alpha, max_context
         self.state_dir = Path(state_dir)
         self.max_samplers = max_samplers  # sampler adapters held at once; the least recently used beyond are released
+        self.micro_tokens = micro_tokens  # tokens per forward (train.max_token_len_per_device): the logits and activations held
         self.held: dict[str, Sampler] = {}  # adapter -> sampler, least recently used first
         self.path = resolve_model_path(path, tiny)
         self.tokenizer = load_tokenizer(self.path)
@@ -206,17 +207,30 @@ class Engine:
             self._check_tokens(d.tokens, f"datum {i}")
             self._check_tokens(d.inputs["target_tokens"].tolist(), f"datum {i}'s target_tokens")
         self._activate(client.adapter)
+        logp: list[torch.Tensor] = [torch.empty(0)] * len(req.data)
+        total = 0.0
         try:
             with torch.no_grad() if req.forward_only else contextlib.nullcontext():
-                logp = self._logprobs([d.tokens for d in req.data], [d.inputs["target_tokens"] for d in req.data])
-                inputs = [{k: v.to(self.device) for k, v in d.inputs.items()} for d in req.data]
-                total = torch.stack([loss_fn(lp, x, req.config) for lp, x in zip(logp, inputs)]).sum()
-                if not req.forward_only:
-                    total.backward()
+                for part in self._parts([d.tokens for d in req.data]):  # gradients add up over the parts
+                    chunk = [req.data[i] for i in part]
+                    chunk_logp = self._logprobs([d.tokens for d in chunk], [d.inputs["target_tokens"] for d in chunk])
+                    inputs = [{k: v.to(self.device) for k, v in d.inputs.items()} for d in chunk]
+                    loss = torch.stack([loss_fn(lp, x, req.config) for lp, x in zip(chunk_logp, inputs)]).sum()
+                    if not req.forward_only:
+                        loss.backward()
+                    total += float(loss.detach())
+                    for i, lp in zip(part, chunk_logp):
+                        logp[i] = lp.detach()
         finally:
             self._activate(NO_ADAPTER)
-        outputs = [{"logprobs": lp.detach()} for lp in logp]
-        return outputs, {"loss:sum": float(total.detach())}
+        return [{"logprobs": lp} for lp in logp], {"loss:sum": total}
+
+    def _parts(self, seqs: list[list[int]]) -> list[list[int]]:
+        """Positions of `seqs` in forwards of about `micro_tokens` tokens each (a longer sequence alone): the
+        logits of a whole forward_backward at once would take B x T x vocab floats (tens of GiB for an rl loop's batch)."""
+        from postrl.partition import token_budget_micro_batches
+
+        return token_budget_micro_batches([len(s) for s in seqs], self.micro_tokens, sync_ranks=False)
 
     def optim_step(self, model_id: str, adam: dict[str, float]) -> dict[str, float]:
         """One AdamW step of the client's adapter with this step's hyperparameters, then its gradients cleared."""
@@ -332,10 +346,14 @@ class Engine:
         completions = [self._cut(c, stop_texts) for c in completions]
         # the engine's log-probs where they are the trainer's (vLLM, no masking), else the trainer's function's
         if any(c.logprobs is None for c in completions) or sp.top_p < 1 or sp.top_k > 0 or prompt_logprobs:
+            full = [prompt + c.token_ids for c in completions]
+            logp: list[torch.Tensor] = [torch.empty(0)] * len(full)
             self._activate(sampler.adapter)
             try:
-                full = [prompt + c.token_ids for c in completions]
-                logp = self._logprobs([f[:-1] for f in full], [torch.tensor(f[1:]) for f in full], sp.temperature)
+                for part in self._parts(full):
+                    lps = self._logprobs([full[i][:-1] for i in part], [torch.tensor(full[i][1:]) for i in part], sp.temperature)
+                    for i, lp in zip(part, lps):
+                        logp[i] = lp
             finally:
                 self._activate(NO_ADAPTER)
             completions = [dataclasses.replace(c, logprobs=lp[len(prompt) - 1 :].tolist()) for c, lp in zip(completions, logp)]
