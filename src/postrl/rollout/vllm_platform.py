@@ -297,24 +297,15 @@ def _check_architecture(vllm, model: torch.nn.Module) -> None:
 
 def _check_memory(cfg: RolloutConfig) -> None:
     """The CPU KV cache (rollout.kv_cache_space_gb) must fit the memory that is free now."""
-    available = _available_memory()
+    from postrl.memory import host_memory_available
+
+    available = host_memory_available()
     need = cfg.kv_cache_space_gb * GiB
     if available is not None and need > available:
         raise VLLMUnavailable(
             f"rollout.kv_cache_space_gb = {cfg.kv_cache_space_gb} GiB but only {available / GiB:.1f} GiB of "
             "memory is free. Fix: lower rollout.kv_cache_space_gb (e.g. 0.5), free memory, or set rollout.engine: hf."
         )
-
-
-def _available_memory() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def _distributed_kwargs(tensor_parallel_size: int, acc: Accelerator) -> dict[str, Any]:

@@ -74,7 +74,6 @@ class Engine:
         self.name, self.lora_alpha, self.max_context = name, lora_alpha, max_context
         self.state_dir = Path(state_dir)
         self.max_samplers = max_samplers  # sampler adapters held at once; the least recently used beyond are released
-        self.micro_tokens = micro_tokens  # tokens per forward (train.max_token_len_per_device): the logits and activations held
         self.held: dict[str, Sampler] = {}  # adapter -> sampler, least recently used first
         self.path = resolve_model_path(path, tiny)
         self.tokenizer = load_tokenizer(self.path)
@@ -94,6 +93,7 @@ class Engine:
         self._build_dir: str | None = None
         self.vllm = self._start_vllm(rollout, log)  # None: HF generate on the served model
         self.vllm_holds = NO_ADAPTER  # the sampler adapter whose weights vLLM holds (merged into the base)
+        self.micro_tokens = self._fit(micro_tokens, log)  # tokens a forward holds the logits and activations of
 
     def _start_vllm(self, rollout: Any, log: Any) -> Any:
         """vLLM for sampling where `rollout.engine` allows it (auto: where it starts, else None and HF generate)."""
@@ -112,6 +112,19 @@ class Engine:
                 (Path(self._build_dir) / "generation_config.json").write_text((Path(self.path) / "generation_config.json").read_text())
         engine = make_engine(rollout, self.model, self.tokenizer, log=log, max_model_len=self.max_context, model_dir=self._build_dir)
         return engine if engine.name == "vllm" else None
+
+    def _fit(self, budget: int, log: Any) -> int:
+        """`budget` tokens a forward, fewer on the CPU where that many would not fit half the free memory."""
+        from postrl.memory import host_memory_available, shape_from_config, tokens_that_fit
+
+        shape, free = shape_from_config(self.model.config.to_dict()), host_memory_available()
+        if self.device.type != "cpu" or shape is None or free is None or tokens_that_fit(shape, free) >= budget:
+            return budget
+        fit = tokens_that_fit(shape, free)
+        if log is not None:
+            log(f"forward_backward runs in forwards of at most {fit} tokens (train.max_token_len_per_device {budget} would not fit "
+                f"half of the {free / 2**30:.1f} GiB free)")
+        return fit
 
     def close(self) -> None:
         import shutil
