@@ -248,11 +248,14 @@ def test_a_failing_request_is_its_futures_error_and_the_server_goes_on(client):
     assert tc.forward_backward(_ce_batch(), "cross_entropy").result().metrics["loss:sum"] > 0  # still serving
 
 
-def test_bad_bodies_are_refused_with_the_field_named(server):
+def test_bad_bodies_are_refused_with_the_field_named(server, caplog):
     url, _ = server
     h = {"X-API-Key": KEY}
     r = httpx.post(f"{url}/api/v1/create_model", json={"session_id": "x", "model_seq_id": 0, "base_model": BASE, "oops": 1}, headers=h)
     assert r.status_code == 400 and "oops" in r.json()["detail"]
+    assert "refused POST /api/v1/create_model (400): 'oops'" in caplog.text  # the log names what was refused and why
+    assert httpx.post(f"{url}/api/v1/no_such_route", headers=h).status_code == 404
+    assert "refused POST /api/v1/no_such_route (404)" in caplog.text
     r = httpx.post(f"{url}/api/v1/forward_backward", content=b"\xff\xfe not a protobuf", headers=h)
     assert r.status_code == 400 and "protobuf" in r.json()["detail"]
     r = httpx.post(f"{url}/api/v1/optim_step", content=b"[" * 10000 + b"]" * 10000, headers=h)

@@ -1,7 +1,8 @@
 """Services over a trainer: the Tinker API (`postrl serve-tinker`), so the official `tinker` SDK and the
 tinker-cookbook's loops train and sample against postrl on the user's own machine (docs/tinker.md).
 
-    engine.py   one base model, a LoRA adapter per training client and per saved sampler, postrl's log-probs
+    engine.py   one base model, a LoRA adapter per training client and per saved sampler, postrl's log-probs,
+                sampling with vLLM (the sampler's adapter merged in) or HF generate
     losses.py   Tinker's loss names as postrl's formulas (algorithms/)
     wire.py     the SDK's protobuf payloads <-> tensors, bounded
     app.py      HTTP: routes, the key, the limits, the engine thread and its futures

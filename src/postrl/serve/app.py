@@ -145,9 +145,19 @@ def make_app(service: Any, api_key: str, http: Any, limits: Limits, refused: Any
 
     app = FastAPI(title="postrl Tinker API", docs_url=None, redoc_url=None, openapi_url=None)
 
+    said: set[tuple[str, int]] = set()
+
+    def refuse(request: Request, status: int, why: str) -> None:
+        """Count a refused request; the first of each route and status goes to the log with why (at most 100)."""
+        refused.add()
+        where = f"{request.method} {request.url.path}"[:200]
+        if (where, status) not in said and len(said) < 100:
+            said.add((where, status))
+            log.warning("refused %s (%d): %s", where, status, why[:300])
+
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        refused.add()
+        refuse(request, exc.status_code, str(exc.detail))
         return JSONResponse(
             {"detail": f"{request.method} {request.url.path}: {exc.detail} (see docs/tinker.md for what this server serves)"},
             status_code=exc.status_code,
@@ -203,7 +213,7 @@ def make_app(service: Any, api_key: str, http: Any, limits: Limits, refused: Any
 
     async def handle(request: Request, name: str) -> Response:
         if not authorised(request):
-            refused.add()
+            refuse(request, 401, "a missing or wrong API key")
             return JSONResponse({"detail": "a missing or wrong API key (X-API-Key; the server's --api-key)"}, status_code=401)
         head, _, rest = name.partition("/")
         route, extra = service.routes.get(name), ()
@@ -219,10 +229,11 @@ def make_app(service: Any, api_key: str, http: Any, limits: Limits, refused: Any
             if asyncio.iscoroutine(result):
                 result = await result
         except UserError as exc:
-            refused.add()
-            return JSONResponse({"detail": " ".join(exc.problems)}, status_code=413 if isinstance(exc, TooLarge) else 400)
+            status = 413 if isinstance(exc, TooLarge) else 400
+            refuse(request, status, " ".join(exc.problems))
+            return JSONResponse({"detail": " ".join(exc.problems)}, status_code=status)
         except TimeoutError:
-            refused.add()
+            refuse(request, 408, "the body was late")
             return JSONResponse({"detail": f"the body did not arrive within {http.body_timeout_s} s"}, status_code=408)
         return answer(result)
 
