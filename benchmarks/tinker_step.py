@@ -60,6 +60,7 @@ def main() -> None:
         f"model.path={a.model}", f"model.lora_rank={a.rank}", "model.lora_alpha=32", "model.target_modules=all-linear",
         "rollout.n_samples_per_prompt=2", f"rollout.max_tokens={R}", f"train.global_batch_size={B // 2}",
         f"train.micro_batch_size={B}", "train.lr=1e-5", "logging.progress=false", "data.builtin.train_size=8", "data.builtin.val_size=4",
+        "rollout.engine=hf",  # nothing is sampled: no vLLM to start
     ])  # fmt: skip
     g = torch.Generator().manual_seed(0)
     policy = load_policy(cfg.model)

@@ -84,6 +84,16 @@ def _loop(served: Served, tmp: Path, which: str, *args: str) -> list[dict]:
     return [json.loads(line) for line in (tmp / which / "metrics.jsonl").read_text().splitlines()]
 
 
+def _heldout(served: Served, *samplers: str) -> list[dict]:
+    """examples/tinker_cookbook/heldout.py on the served model: one JSON line per sampler."""
+    env = {**os.environ, "TINKER_API_KEY": KEY, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(ROOT / "examples/tinker_cookbook/heldout.py"), "--base-url", served.url, "--model-name", NAME,
+           "--tokenizer", str(served.tokenizer), "--gsm8k", str(served.data), "--samples", "1", "--max-tokens", "8", *samplers]  # fmt: skip
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
 @pytest.mark.slow
 def test_the_cookbooks_sl_and_rl_loops_run_unedited(tmp_path):
     from postrl.builtin.tiny import build_tiny_model
@@ -96,6 +106,9 @@ def test_the_cookbooks_sl_and_rl_loops_run_unedited(tmp_path):
         assert [m["step"] for m in sl] == [0, 1, 2] and sl[-1]["train_mean_nll"] < sl[0]["train_mean_nll"]
         rl = _loop(served, tmp_path, "rl", "loss_fn=importance_sampling", "batch_size=2", "group_size=4", "max_tokens=16", "max_steps=2", "save_every=0")
         assert [m["step"] for m in rl] == [0, 1]
+        final = json.loads((tmp_path / "rl" / "checkpoints.jsonl").read_text().splitlines()[-1])["sampler_path"]
+        scored = _heldout(served, "base", final)
+        assert [s["sampler"] for s in scored] == ["base", final] and all(s["problems"] == 32 and 0 <= s["greedy_acc"] <= 1 for s in scored)
     finally:
         rc, out = served.stop()
     assert rc == 0, out

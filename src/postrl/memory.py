@@ -265,18 +265,6 @@ def activation_bytes_per_token_layer(shape: Shape, b: int) -> int:
     return b * (2 * h + 3 * q + 3 * k + mlp) + 8 * h + extra + norms
 
 
-def host_memory_available() -> int | None:
-    """The host's MemAvailable in bytes (Linux), else None."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def tokens_that_fit(shape: Shape, free_bytes: int, b: int = 4) -> int:
     """Tokens of one forward + backward with log-probs at every position (serve-tinker's forward_backward) whose
     activations and logits fit in half of `free_bytes`: per token L A (above) and five [V] rows of logits (the

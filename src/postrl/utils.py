@@ -136,3 +136,14 @@ def is_loopback(host: str) -> bool:
     except ValueError:
         return False
 
+
+def host_memory_available() -> int | None:
+    """The host's MemAvailable in bytes (Linux), else None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

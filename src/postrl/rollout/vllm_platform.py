@@ -297,7 +297,7 @@ def _check_architecture(vllm, model: torch.nn.Module) -> None:
 
 def _check_memory(cfg: RolloutConfig) -> None:
     """The CPU KV cache (rollout.kv_cache_space_gb) must fit the memory that is free now."""
-    from postrl.memory import host_memory_available
+    from postrl.utils import host_memory_available
 
     available = host_memory_available()
     need = cfg.kv_cache_space_gb * GiB

@@ -115,7 +115,8 @@ class Engine:
 
     def _fit(self, budget: int, log: Any) -> int:
         """`budget` tokens a forward, fewer on the CPU where that many would not fit half the free memory."""
-        from postrl.memory import host_memory_available, shape_from_config, tokens_that_fit
+        from postrl.memory import shape_from_config, tokens_that_fit
+        from postrl.utils import host_memory_available
 
         shape, free = shape_from_config(self.model.config.to_dict()), host_memory_available()
         if self.device.type != "cpu" or shape is None or free is None or tokens_that_fit(shape, free) >= budget:
