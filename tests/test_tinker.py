@@ -116,6 +116,9 @@ def test_sample_reports_the_trainers_logprobs(client):
     gap = gap_summary(torch.tensor(trainer_lp), torch.tensor(engine_lp))
     report = {"gap": gap, "tolerance": {"statistic": "max", "value": 1e-3, "dtype": "float32"}, "temperature_fit": None, "temperature": 1.0}
     assert verdict(report)["kind"] == "rounding", gap
+    with_prompt = sampler.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=2, seed=1), include_prompt_logprobs=True).result()
+    forward = tc.forward([_datum(prompt, weights=[1.0] * (len(prompt) - 1))], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+    assert with_prompt.prompt_logprobs[0] is None and with_prompt.prompt_logprobs[1:] == pytest.approx(forward, abs=1e-5)
 
 
 def _grads(engine, model_id):

@@ -32,6 +32,7 @@ import torch
 from postrl.config import RolloutConfig
 from postrl.modality import Modality
 from postrl.runtime import Accelerator, accelerator
+from postrl.utils import host_memory_available
 
 GiB = 1 << 30
 MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams refuses higher temperatures
@@ -297,8 +298,6 @@ def _check_architecture(vllm, model: torch.nn.Module) -> None:
 
 def _check_memory(cfg: RolloutConfig) -> None:
     """The CPU KV cache (rollout.kv_cache_space_gb) must fit the memory that is free now."""
-    from postrl.utils import host_memory_available
-
     available = host_memory_available()
     need = cfg.kv_cache_space_gb * GiB
     if available is not None and need > available:

@@ -153,7 +153,7 @@ def make_app(service: Any, api_key: str, http: Any, limits: Limits, refused: Any
         where = f"{request.method} {request.url.path}"[:200]
         if (where, status) not in said and len(said) < 100:
             said.add((where, status))
-            log.warning("refused %s (%d): %s", where, status, why[:300])
+            log.warning("refused %s (%d): %s", _printable(where), status, _printable(why[:300]))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -242,3 +242,8 @@ def make_app(service: Any, api_key: str, http: Any, limits: Limits, refused: Any
         return await handle(request, name)
 
     return app
+
+
+def _printable(text: str) -> str:
+    """`text` with what is not printable escaped: a client's path or body cannot forge log lines."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)

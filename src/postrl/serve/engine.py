@@ -119,9 +119,9 @@ class Engine:
         from postrl.utils import host_memory_available
 
         shape, free = shape_from_config(self.model.config.to_dict()), host_memory_available()
-        if self.device.type != "cpu" or shape is None or free is None or tokens_that_fit(shape, free) >= budget:
+        fit = tokens_that_fit(shape, free) if self.device.type == "cpu" and shape is not None and free is not None else budget
+        if fit >= budget:
             return budget
-        fit = tokens_that_fit(shape, free)
         if log is not None:
             log(f"forward_backward runs in forwards of at most {fit} tokens (train.max_token_len_per_device {budget} would not fit "
                 f"half of the {free / 2**30:.1f} GiB free)")
@@ -359,20 +359,27 @@ class Engine:
         completions = completions * n if sp.greedy else completions  # argmax: one completion, n times
         completions = [self._cut(c, stop_texts) for c in completions]
         # the engine's log-probs where they are the trainer's (vLLM, no masking), else the trainer's function's
-        if any(c.logprobs is None for c in completions) or sp.top_p < 1 or sp.top_k > 0 or prompt_logprobs:
+        if any(c.logprobs is None for c in completions) or sp.top_p < 1 or sp.top_k > 0:
             full = [prompt + c.token_ids for c in completions]
-            logp: list[torch.Tensor] = [torch.empty(0)] * len(full)
-            self._activate(sampler.adapter)
-            try:
-                for part in self._parts(full):
-                    lps = self._logprobs([full[i][:-1] for i in part], [torch.tensor(full[i][1:]) for i in part], sp.temperature)
-                    for i, lp in zip(part, lps):
-                        logp[i] = lp
-            finally:
-                self._activate(NO_ADAPTER)
+            logp = self._scored(sampler, full, sp.temperature)
             completions = [dataclasses.replace(c, logprobs=lp[len(prompt) - 1 :].tolist()) for c, lp in zip(completions, logp)]
-        prompt_lp = [math.nan] + logp[0][: len(prompt) - 1].tolist() if prompt_logprobs else None
+        prompt_lp = None
+        if prompt_logprobs:  # the first token has none
+            prompt_lp = [math.nan] + (self._scored(sampler, [prompt], sp.temperature)[0].tolist() if len(prompt) > 1 else [])
         return [(c.token_ids, c.logprobs, c.finished) for c in completions], prompt_lp
+
+    def _scored(self, sampler: Sampler, seqs: list[list[int]], temperature: float) -> list[torch.Tensor]:
+        """The trainer's log-prob of every token of each sequence after the first, with the sampler's weights."""
+        logp: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
+        self._activate(sampler.adapter)
+        try:
+            for part in self._parts(seqs):
+                lps = self._logprobs([seqs[i][:-1] for i in part], [torch.tensor(seqs[i][1:]) for i in part], temperature)
+                for i, lp in zip(part, lps):
+                    logp[i] = lp
+        finally:
+            self._activate(NO_ADAPTER)
+        return logp
 
     def _generate(self, sampler: Sampler, prompt: list[int], sp: Any) -> list[Any]:
         """The completions of `prompt` with the sampler's weights: vLLM's (its weights swapped in when another
